@@ -1,0 +1,80 @@
+"""One candidate's ε, and the noise multiplier that meets a target (SPEC §3)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from dpmerge.accounting import pld as pld_mod
+from dpmerge.accounting import rdp as rdp_mod
+from dpmerge.accounting.bounds import PairBound
+from dpmerge.accounting.records import Candidate, MechanismRecord
+
+
+@lru_cache(maxsize=2048)
+def candidate_bound(
+    candidate: Candidate, delta: float, discretisation: float = pld_mod.FINE_DISCRETISATION
+) -> PairBound:
+    """ε of one candidate under PLD and RDP at ``delta`` (kind ``"candidate"``)."""
+    try:
+        epsilon_pld = pld_mod.epsilon_for_delta(
+            pld_mod.candidate_pld(candidate, discretisation), delta
+        )
+    except ValueError:
+        epsilon_pld = None  # RDP-only label
+    curve = rdp_mod.candidate_rdp(candidate)
+    epsilon_rdp, order = (None, None) if curve is None else rdp_mod.epsilon_from_rdp(curve, delta)
+    assumptions: tuple[str, ...] = ()
+    if not isinstance(candidate, MechanismRecord):
+        assumptions = (f"privacy label of {candidate.name!r} taken as given (training unknown)",)
+    return PairBound(
+        kind="candidate",
+        delta=delta,
+        epsilon_pld=epsilon_pld,
+        epsilon_rdp=epsilon_rdp,
+        rdp_order=order,
+        discretisation=discretisation if epsilon_pld is not None else None,
+        assumptions=assumptions,
+    )
+
+
+def dpsgd_epsilon_pld(
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    discretisation: float = pld_mod.FINE_DISCRETISATION,
+) -> float:
+    """PLD ε of ``steps`` Poisson-subsampled Gaussian steps (pessimistic, connect-the-dots)."""
+    return pld_mod.epsilon_for_delta(
+        pld_mod.subsampled_gaussian_pld(noise_multiplier, sample_rate, steps, discretisation),
+        delta,
+    )
+
+
+def noise_multiplier_for_epsilon(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, rel_tol: float = 1e-3
+) -> float:
+    """Smallest noise multiplier (within ``rel_tol``) whose certified PLD ε ≤ target.
+
+    Bisection steers at the coarse discretisation; the returned σ is certified at the fine one
+    and moved up until it is (the answer errs toward more noise, never less).
+    """
+    if target_epsilon <= 0:
+        raise ValueError(f"target ε must be positive, got {target_epsilon}")
+
+    def coarse(sigma: float) -> float:
+        return dpsgd_epsilon_pld(sigma, sample_rate, steps, delta, pld_mod.COARSE_DISCRETISATION)
+
+    low, high = 0.3, 1.0
+    while coarse(high) > target_epsilon:
+        low, high = high, high * 2
+        if high > 1e4:
+            raise ValueError(f"no noise multiplier below 1e4 reaches ε = {target_epsilon}")
+    while low > 0.05 and coarse(low) <= target_epsilon:
+        low, high = low / 2, low
+    while high / low - 1 > rel_tol:
+        mid = (low * high) ** 0.5
+        low, high = (low, mid) if coarse(mid) <= target_epsilon else (mid, high)
+    while dpsgd_epsilon_pld(high, sample_rate, steps, delta) > target_epsilon:
+        high *= 1 + rel_tol
+    return high

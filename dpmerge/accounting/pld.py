@@ -1,0 +1,256 @@
+"""Privacy loss distributions (SPEC §3): pessimistic, connect-the-dots, cached.
+
+Every PLD here is a pessimistic estimate: its δ(ε) upper-bounds the mechanism's hockey-stick
+divergence, so ε read from it never rounds toward less privacy loss.
+
+Mixture-of-Gaussians PLDs (the structured LC surrogate, SPEC §5.2) are built by our own
+vectorised connect-the-dots construction, :func:`mixture_of_gaussians_pld`. dp_accounting 0.6.0
+inverts the mixture's privacy loss with a recursive scalar bisection in Python (1.5–14 s per
+PLD at discretisation 1e-4). We compute the same hockey-stick values δ(ε_j) on the same ε grid,
+with the library's own CDF formulas and truncation bounds, but invert the privacy loss with a
+vectorised, bracketed Newton iteration, and hand the values to the library's public
+``create_pmf_pessimistic_connect_dots_fixed_gap``. The result is tested against
+``from_mixture_gaussian_mechanism`` (``tests/accounting/test_pld.py``); dp-accounting is pinned.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from dp_accounting.pld import pld_pmf
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.pld.common import DifferentialPrivacyParameters
+from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, MixtureGaussianPrivacyLoss
+
+from dpmerge.accounting.records import MechanismRecord, PrivacyLabel
+
+PLD = pld_lib.PrivacyLossDistribution
+
+FINE_DISCRETISATION = 1e-4
+"""Value discretisation interval of every certified ε (SPEC §3, §6)."""
+COARSE_DISCRETISATION = 1e-3
+"""Discretisation used only to steer searches; never certifies (SPEC §6)."""
+
+_NEWTON_MAX_ITERATIONS = 60
+
+
+def subsampled_gaussian_pld(
+    noise_multiplier: float, sample_rate: float, steps: int, discretisation: float
+) -> PLD:
+    """PLD of ``steps`` compositions of the Poisson-subsampled Gaussian (add-or-remove-one)."""
+    one_step = pld_lib.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier,
+        sensitivity=1.0,
+        sampling_prob=sample_rate,
+        value_discretization_interval=discretisation,
+        pessimistic_estimate=True,
+        use_connect_dots=True,
+    )
+    return one_step.self_compose(steps)
+
+
+@lru_cache(maxsize=512)
+def candidate_pld(candidate: MechanismRecord | PrivacyLabel, discretisation: float) -> PLD:
+    """The candidate's PLD: from its record, or the worst case of its (ε, δ) label (SPEC §2).
+
+    Raises ``ValueError`` for an RDP-only label, which has no PLD.
+    """
+    if isinstance(candidate, MechanismRecord):
+        return subsampled_gaussian_pld(
+            candidate.noise_multiplier, candidate.sample_rate, candidate.steps, discretisation
+        )
+    if candidate.epsilon is None or candidate.delta is None:
+        raise ValueError(f"candidate {candidate.name!r} has only an RDP label: no PLD")
+    return pld_lib.from_privacy_parameters(
+        DifferentialPrivacyParameters(epsilon=candidate.epsilon, delta=candidate.delta),
+        value_discretization_interval=discretisation,
+    )
+
+
+def epsilon_for_delta(pld: PLD, delta: float) -> float:
+    """Smallest ε with δ(ε) ≤ delta for a pessimistic PLD (an upper bound on the true ε)."""
+    return float(pld.get_epsilon_for_delta(delta))
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture of Gaussians: std 1 noise, sensitivity m_S with probability p_S (SPEC §5.2).
+
+
+def _merge_components(
+    sensitivities: np.ndarray, probabilities: np.ndarray
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Drop zero-probability components and merge equal sensitivities (rounded to 1e-12)."""
+    keep = probabilities > 0
+    keys = np.round(sensitivities[keep], 12)
+    merged: dict[float, float] = {}
+    for key, p in zip(keys.tolist(), probabilities[keep].tolist(), strict=True):
+        merged[key] = merged.get(key, 0.0) + p
+    order = sorted(merged)
+    return tuple(order), tuple(merged[k] for k in order)
+
+
+class _MixtureLoss:
+    """The privacy loss ℓ(x) of N(0,1) vs Σ p_S·N(m_S,1) in one adjacency direction, with the
+    derivative the Newton steps need. Same formula as dp_accounting's ``privacy_loss``:
+    REMOVE: ℓ(x) = log Σ p_S·exp(−m_S²/2 − m_S·x);  ADD: ℓ(x) = −log Σ p_S·exp(−m_S²/2 + m_S·x).
+    Both are decreasing in x; REMOVE is convex, ADD concave.
+    """
+
+    def __init__(self, sens: np.ndarray, probs: np.ndarray, adjacency: AdjacencyType) -> None:
+        self.sign = -1.0 if adjacency == AdjacencyType.REMOVE else 1.0
+        self.outer = 1.0 if adjacency == AdjacencyType.REMOVE else -1.0
+        self.sens = sens
+        self.constants = np.log(probs) - 0.5 * sens**2
+
+    def value_and_slope(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # Components along axis 0: reductions over a handful of rows stay vectorised over x.
+        summands = self.constants[:, None] + self.sign * self.sens[:, None] * x[None, :]
+        top = summands.max(axis=0)
+        weights = np.exp(summands - top)
+        total = weights.sum(axis=0)
+        value = top + np.log(total)
+        slope = self.sign * (self.sens @ weights) / total
+        return self.outer * value, self.outer * slope
+
+
+def _inverse_privacy_losses(
+    loss: _MixtureLoss, targets: np.ndarray, guess_low: np.ndarray, guess_high: np.ndarray
+) -> np.ndarray:
+    """x with ℓ(x) = target for each target: safeguarded Newton (a Newton step when it stays
+    inside the shrinking bracket, else bisection), vectorised over targets.
+
+    ``guess_low``/``guess_high`` are per-target starting values; a global bracket around all of
+    them is widened until it provably contains every root (ℓ is monotone).
+    """
+    low, high = float(guess_low.min()), float(guess_high.max())
+    span = max(high - low, 1e-3)
+    while loss.value_and_slope(np.array([low]))[0][0] < targets.max():
+        low -= span
+        span *= 2
+    while loss.value_and_slope(np.array([high]))[0][0] > targets.min():
+        high += span
+        span *= 2
+    lo, hi = np.full(targets.shape, low), np.full(targets.shape, high)
+    # Newton approaches the root of a convex decreasing ℓ (REMOVE) from the left without
+    # overshooting, and of a concave one (ADD) from the right: start on that side.
+    start = np.clip(guess_low if loss.outer > 0 else guess_high, low, high)
+    wrong_side = (loss.value_and_slope(start)[0] < targets) == (loss.outer > 0)
+    x = np.where(wrong_side, low if loss.outer > 0 else high, start)
+    active = np.ones(targets.shape, dtype=bool)
+    for _ in range(_NEWTON_MAX_ITERATIONS):
+        idx = np.flatnonzero(active)
+        xa = x[idx]
+        value, slope = loss.value_and_slope(xa)
+        excess = value - targets[idx]
+        right_of_root = excess < 0  # ℓ is decreasing: ℓ(x) < target means x > root
+        hi[idx] = np.where(right_of_root, xa, hi[idx])
+        lo[idx] = np.where(right_of_root, lo[idx], xa)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            newton = xa - excess / slope
+        inside = np.isfinite(newton) & (newton >= lo[idx]) & (newton <= hi[idx])
+        x_new = np.where(inside, newton, 0.5 * (lo[idx] + hi[idx]))
+        x[idx] = x_new
+        tolerance = 1e-13 * (1.0 + np.abs(x_new))
+        done = (np.abs(x_new - xa) <= tolerance) | (hi[idx] - lo[idx] <= tolerance)
+        active[idx[done]] = False
+        if not active.any():
+            return x
+    raise ArithmeticError("mixture privacy-loss inversion did not converge")
+
+
+def _single_gaussian_inverse(
+    mechanism: MixtureGaussianPrivacyLoss, losses: np.ndarray, sensitivity: float, q: float
+) -> np.ndarray:
+    """Inverse privacy loss of the subsampled Gaussian with all positive mass on one
+    sensitivity: the starting bracket (dp_accounting starts from the same four values; the
+    bracket is then widened where it does not hold)."""
+    if q < 1.0:
+        if mechanism.adjacency_type == AdjacencyType.REMOVE:
+            losses = np.log(np.maximum((np.exp(losses) - (1 - q)) / q, 1e-300))
+        else:
+            losses = -np.log(np.maximum((np.exp(-losses) - (1 - q)) / q, 1e-300))
+    return mechanism.inverse_privacy_loss_for_single_gaussian(losses, sensitivity)
+
+
+def _hockey_stick_deltas(
+    mechanism: MixtureGaussianPrivacyLoss,
+    sens: np.ndarray,
+    probs: np.ndarray,
+    epsilons: np.ndarray,
+) -> np.ndarray:
+    """δ(ε_j) for one adjacency direction: dp_accounting's ``get_delta_for_epsilon`` formula
+    (its CDFs, its regions), with the privacy-loss inversion vectorised."""
+    q = float(np.clip(probs[sens > 0].sum(), 0, 1))
+    deltas = np.zeros_like(epsilons, dtype=float)
+    if q == 1.0:
+        inverse = np.ones_like(epsilons, dtype=bool)
+    elif mechanism.adjacency_type == AdjacencyType.ADD:
+        inverse = epsilons < -math.log1p(-q)
+    else:
+        inverse = epsilons > math.log1p(-q)
+        deltas[~inverse] = -np.expm1(epsilons[~inverse])
+    targets = epsilons[inverse]
+    if targets.size:
+        positive = sens[sens > 0]
+        ends = [
+            _single_gaussian_inverse(mechanism, targets, s, q)
+            for s in (positive.min(), positive.max())
+        ]
+        x = _inverse_privacy_losses(
+            _MixtureLoss(sens, probs, mechanism.adjacency_type),
+            targets,
+            np.minimum(*ends),
+            np.maximum(*ends),
+        )
+        deltas[inverse] = mechanism.mu_upper_cdf(x) - np.exp(
+            targets + mechanism.mu_lower_log_cdf(x)
+        )
+    deltas = np.clip(deltas, 0, 1)
+    # δ(ε) is non-increasing; repair float noise upward (the safe side), as the library does.
+    return np.maximum.accumulate(deltas[::-1])[::-1]
+
+
+def _one_direction_pmf(
+    sensitivities: tuple[float, ...],
+    probabilities: tuple[float, ...],
+    adjacency: AdjacencyType,
+    discretisation: float,
+) -> pld_pmf.PLDPmf:
+    mechanism = MixtureGaussianPrivacyLoss(
+        1.0, sensitivities, probabilities, pessimistic_estimate=True, adjacency_type=adjacency
+    )
+    bounds = mechanism.connect_dots_bounds()
+    lower = math.floor(bounds.epsilon_lower / discretisation)
+    upper = math.ceil(bounds.epsilon_upper / discretisation)
+    epsilons = np.arange(lower, upper + 1) * discretisation
+    deltas = _hockey_stick_deltas(
+        mechanism, np.asarray(sensitivities), np.asarray(probabilities), epsilons
+    )
+    return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(
+        discretisation, lower, upper, deltas
+    )
+
+
+@lru_cache(maxsize=4096)
+def _mixture_pld_cached(
+    sensitivities: tuple[float, ...], probabilities: tuple[float, ...], discretisation: float
+) -> PLD:
+    return PLD(
+        _one_direction_pmf(sensitivities, probabilities, AdjacencyType.REMOVE, discretisation),
+        _one_direction_pmf(sensitivities, probabilities, AdjacencyType.ADD, discretisation),
+    )
+
+
+def mixture_of_gaussians_pld(
+    sensitivities: np.ndarray | list[float],
+    probabilities: np.ndarray | list[float],
+    discretisation: float = FINE_DISCRETISATION,
+) -> PLD:
+    """One-step pessimistic PLD of N(0,1) versus Σ_S p_S·N(m_S, 1) (connect-the-dots).
+
+    Equivalent to ``from_mixture_gaussian_mechanism(1.0, m, p, ...)``; see the module docstring.
+    """
+    merged = _merge_components(np.asarray(sensitivities, float), np.asarray(probabilities, float))
+    return _mixture_pld_cached(*merged, discretisation)

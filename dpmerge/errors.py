@@ -1,0 +1,35 @@
+"""Typed errors. Every refusal carries a one-line, user-facing message."""
+
+from __future__ import annotations
+
+
+class DPMergeError(Exception):
+    """Base class of every error dpmerge raises on purpose."""
+
+
+class RecordError(DPMergeError, ValueError):
+    """A mechanism record or privacy label is missing a field or holds a wrong value."""
+
+
+class RefusalError(DPMergeError, ValueError):
+    """The requested analysis is not valid for these candidates (SPEC §2, §5.2)."""
+
+
+class InfeasibleTargetError(DPMergeError):
+    """No merge of the candidates meets the target (SPEC §6).
+
+    Carries the reachable ε range so callers can print it or put it into JSON.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        target_epsilon: float,
+        delta: float,
+        reachable_epsilon_range: tuple[float, float],
+    ) -> None:
+        super().__init__(message)
+        self.target_epsilon = target_epsilon
+        self.delta = delta
+        self.reachable_epsilon_range = reachable_epsilon_range

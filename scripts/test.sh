@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's test command: set up (if needed), lint, then run every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/python -m pytest "$@"
