@@ -33,3 +33,7 @@ class InfeasibleTargetError(DPMergeError):
         self.target_epsilon = target_epsilon
         self.delta = delta
         self.reachable_epsilon_range = reachable_epsilon_range
+
+
+class DatasetError(DPMergeError):
+    """A dataset is missing or malformed; the message says which package or folder provides it."""
