@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from dpmerge.accounting import pld as pld_mod
+from dpmerge.accounting import profiles
 from dpmerge.accounting import rdp as rdp_mod
 from dpmerge.accounting.bounds import PairBound
 from dpmerge.accounting.records import Candidate, MechanismRecord
@@ -16,7 +17,7 @@ def candidate_bound(
 ) -> PairBound:
     """ε of one candidate under PLD and RDP at ``delta`` (kind ``"candidate"``)."""
     try:
-        epsilon_pld = pld_mod.epsilon_for_delta(
+        epsilon_pld = profiles.epsilon_for_delta(
             pld_mod.candidate_pld(candidate, discretisation), delta
         )
     except ValueError:
@@ -45,7 +46,7 @@ def dpsgd_epsilon_pld(
     discretisation: float = pld_mod.FINE_DISCRETISATION,
 ) -> float:
     """PLD ε of ``steps`` Poisson-subsampled Gaussian steps (pessimistic, connect-the-dots)."""
-    return pld_mod.epsilon_for_delta(
+    return profiles.epsilon_for_delta(
         pld_mod.subsampled_gaussian_pld(noise_multiplier, sample_rate, steps, discretisation),
         delta,
     )

@@ -69,11 +69,6 @@ def candidate_pld(candidate: MechanismRecord | PrivacyLabel, discretisation: flo
     )
 
 
-def epsilon_for_delta(pld: PLD, delta: float) -> float:
-    """Smallest ε with δ(ε) ≤ delta for a pessimistic PLD (an upper bound on the true ε)."""
-    return float(pld.get_epsilon_for_delta(delta))
-
-
 # --------------------------------------------------------------------------------------------
 # Mixture of Gaussians: std 1 noise, sensitivity m_S with probability p_S (SPEC §5.2).
 

@@ -1,0 +1,121 @@
+"""Release ledger (SPEC §7): the cumulative privacy of every promoted model of a dataset.
+
+Releases derived from the same candidates are correlated, so composing the releases' own ε
+values is not a valid bound. The valid cumulative bound is the joint release of the union of
+candidates that went into any released model: the generic bound (SPEC §5.1) over that union.
+For an RS release every candidate with π_i > 0 counts as used: the drawn index is secret, and a
+ledger that counted only the drawn candidate would publish it.
+
+The ledger is a JSON file of entries; appending is atomic (write to a temporary file, rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dpmerge.accounting.bounds import PairBound
+from dpmerge.accounting.lc import generic_bound
+from dpmerge.accounting.records import Candidate, candidate_from_dict
+from dpmerge.errors import RecordError, RefusalError
+
+
+@dataclass(frozen=True)
+class Release:
+    """One released (promoted) model: which candidates went into it."""
+
+    release_id: str
+    dataset: str
+    method: str
+    candidates: tuple[Candidate, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "release_id": self.release_id,
+            "dataset": self.dataset,
+            "method": self.method,
+            "candidates": [c.model_dump(mode="json", exclude_none=True) for c in self.candidates],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Release:
+        return cls(
+            release_id=str(data["release_id"]),
+            dataset=str(data["dataset"]),
+            method=str(data["method"]),
+            candidates=tuple(candidate_from_dict(c) for c in data["candidates"]),
+        )
+
+
+def release_of(
+    release_id: str, method: str, candidates: Sequence[Candidate], weights: Sequence[float]
+) -> Release:
+    """The ledger entry of a merge: the candidates with non-zero weight (π_i or λ_i)."""
+    used = tuple(c for c, w in zip(candidates, weights, strict=True) if w > 0)
+    if not used:
+        raise RecordError("a release uses at least one candidate")
+    return Release(release_id, used[0].dataset, method, used)
+
+
+def cumulative_bound(releases: Sequence[Release], delta: float) -> PairBound:
+    """Generic bound of the joint release of the union of the releases' candidates."""
+    union: dict[str, Candidate] = {}
+    for release in releases:
+        for candidate in release.candidates:
+            known = union.setdefault(candidate.name, candidate)
+            if known != candidate:
+                raise RecordError(
+                    f"two different candidates are named {candidate.name!r} in the ledger"
+                )
+    members = list(union.values())
+    return generic_bound(members, [1.0 / len(members)] * len(members), delta)
+
+
+class ReleaseLedger:
+    """Releases per dataset, persisted as JSON, with an optional cumulative cap."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def releases(self, dataset: str | None = None) -> list[Release]:
+        if not self.path.exists():
+            return []
+        try:
+            entries = json.loads(self.path.read_text())["releases"]
+        except (json.JSONDecodeError, KeyError) as error:
+            raise RecordError(f"release ledger {self.path} is malformed: {error}") from None
+        releases = [Release.from_dict(e) for e in entries]
+        return [r for r in releases if dataset is None or r.dataset == dataset]
+
+    def cumulative(self, dataset: str, delta: float) -> PairBound | None:
+        releases = self.releases(dataset)
+        return cumulative_bound(releases, delta) if releases else None
+
+    def check(self, release: Release, delta: float, cap: float | None) -> PairBound:
+        """The cumulative bound after adding ``release``; ``RefusalError`` above ``cap``."""
+        others = [r for r in self.releases(release.dataset) if r.release_id != release.release_id]
+        bound = cumulative_bound([*others, release], delta)
+        if cap is not None and bound.epsilon > cap:
+            raise RefusalError(
+                f"release {release.release_id!r} would raise the cumulative ε of dataset "
+                f"{release.dataset!r} to {bound.epsilon:.4f} (δ = {delta:g}, {bound.accountant}) "
+                f"above the cap {cap:g}"
+            )
+        return bound
+
+    def record(self, release: Release, delta: float, cap: float | None = None) -> PairBound:
+        """Check ``release`` against ``cap`` and append it (idempotent by release id)."""
+        bound = self.check(release, delta, cap)
+        entries = [r for r in self.releases() if r.release_id != release.release_id]
+        entries.append(release)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle, staging = tempfile.mkstemp(prefix=".ledger.", dir=self.path.parent)
+        with os.fdopen(handle, "w") as stream:
+            json.dump({"releases": [r.to_dict() for r in entries]}, stream, indent=2)
+        os.replace(staging, self.path)
+        return bound

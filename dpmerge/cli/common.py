@@ -1,0 +1,41 @@
+"""Small helpers shared by the CLI modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+
+def float_list(text: str) -> list[float]:
+    """Parse "0.5,1,2" into floats (argparse type); rejects empty items and non-numbers."""
+    try:
+        values = [float(item) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or any(math.isnan(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    return values
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def print_json(document: Any) -> None:
+    json.dump(document, sys.stdout, indent=2, allow_nan=False, ensure_ascii=False, default=str)
+    sys.stdout.write("\n")
+
+
+def fmt(value: float | None, digits: int = 4) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"

@@ -1,0 +1,1 @@
+"""Studies that reproduce the experiments of SPEC §8."""

@@ -1,0 +1,84 @@
+"""Mean estimation (SPEC §5.3, §8.1): the best RS and LC mean-squared error at each target.
+
+Candidate i releases μ̂ + N(0, σ_i²Δ²I). Per coordinate, in units of Δ² and without clipping
+bias: MSE_LC = Σ λ_i²σ_i² and MSE_RS = Σ π_i σ_i². LC is exactly the Gaussian mechanism with
+σ_LC = sqrt(Σλ²σ²), which reaches every value in [(Σσ_i⁻²)^−½, max σ_i]; so the best LC at a
+target is σ_LC = max(σ*(target), (Σσ_i⁻²)^−½) when σ*(target) ≤ max σ_i, else infeasible.
+The best RS solves the linear programme of SPEC §4 with utilities −σ_i².
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from dpmerge.accounting import rdp as rdp_mod
+from dpmerge.accounting.bounds import Accountant
+from dpmerge.accounting.calibration import LP_SLACK, best_two_point_mixture, rs_programme_rdp
+from dpmerge.accounting.gaussian import gaussian_delta, gaussian_noise_for_epsilon
+from dpmerge.errors import RecordError
+
+
+@dataclass(frozen=True)
+class MeanEstimationRow:
+    target_epsilon: float
+    lc_mse_pld: float | None
+    rs_mse_pld: float | None
+    lc_mse_rdp: float | None
+    rs_mse_rdp: float | None
+
+
+def best_lc_mse(
+    sigmas: Sequence[float], target: float, delta: float, accountant: Accountant
+) -> float | None:
+    needed = gaussian_noise_for_epsilon(target, delta, accountant)
+    if needed > max(sigmas):
+        return None
+    floor = 1.0 / math.sqrt(sum(s**-2 for s in sigmas))
+    return max(needed, floor) ** 2
+
+
+def best_rs_mse(
+    sigmas: Sequence[float], target: float, delta: float, accountant: Accountant
+) -> float | None:
+    utilities = [-(s**2) for s in sigmas]
+    if accountant == "pld":
+        costs = [gaussian_delta(s, target) for s in sigmas]
+        pi = best_two_point_mixture(utilities, costs, delta * (1 - LP_SLACK))
+    else:
+        pi = rs_programme_rdp([rdp_mod.gaussian_rdp(s) for s in sigmas], utilities, target, delta)
+    return None if pi is None else float(np.dot(pi, [s**2 for s in sigmas]))
+
+
+def mean_estimation_study(
+    sigmas: Sequence[float], targets: Sequence[float], delta: float
+) -> list[MeanEstimationRow]:
+    if not sigmas or any(not (math.isfinite(s) and s > 0) for s in sigmas):
+        raise RecordError(f"noise multipliers must be positive numbers, got {list(sigmas)}")
+    if any(not (math.isfinite(t) and t > 0) for t in targets):
+        raise RecordError(f"targets must be positive numbers, got {list(targets)}")
+    return [
+        MeanEstimationRow(
+            target_epsilon=t,
+            lc_mse_pld=best_lc_mse(sigmas, t, delta, "pld"),
+            rs_mse_pld=best_rs_mse(sigmas, t, delta, "pld"),
+            lc_mse_rdp=best_lc_mse(sigmas, t, delta, "rdp"),
+            rs_mse_rdp=best_rs_mse(sigmas, t, delta, "rdp"),
+        )
+        for t in targets
+    ]
+
+
+def rows_to_document(
+    rows: Sequence[MeanEstimationRow], sigmas: Sequence[float], delta: float
+) -> dict:
+    return {
+        "study": "mean-estimation",
+        "sigmas": list(sigmas),
+        "delta": delta,
+        "units": "MSE per coordinate, in units of the squared sensitivity (no clipping bias)",
+        "rows": [asdict(r) for r in rows],
+    }
