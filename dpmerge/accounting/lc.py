@@ -274,15 +274,16 @@ def structured_bound(
     refusal = structured_refusal(candidates, weights)
     if refusal is not None:
         return unavailable("structured", delta, refusal)
-    records = [c for c in candidates if isinstance(c, MechanismRecord)]
-    segments = structured_segments(records, weights)
+    # Label-only candidates carry zero weight here (else the refusal above applies).
+    pairs = [(w, c) for w, c in zip(weights, candidates, strict=True) if w > 0]
+    records = [c for _, c in pairs if isinstance(c, MechanismRecord)]
+    segments = structured_segments(records, [w for w, _ in pairs])
     epsilon_pld = structured_epsilon_pld(segments, delta, discretisation)
     epsilon_rdp, order = None, None
     if with_rdp:
         epsilon_rdp, order = structured_epsilon_rdp(segments, delta)
     notes = list(STRUCTURED_ASSUMPTIONS)
-    used = [r for w, r in zip(weights, records, strict=True) if w > 0]
-    unknown_init = [r.name for r in used if r.initialisation is None]
+    unknown_init = [r.name for r in records if r.initialisation is None]
     if unknown_init:
         notes.append(
             f"initialisation not recorded for {', '.join(unknown_init)}: assumed data-independent"

@@ -33,7 +33,7 @@ FINE_DISCRETISATION = 1e-4
 COARSE_DISCRETISATION = 1e-3
 """Discretisation used only to steer searches; never certifies (SPEC §6)."""
 
-_NEWTON_MAX_ITERATIONS = 60
+_NEWTON_MAX_ITERATIONS = 300
 
 
 def subsampled_gaussian_pld(
@@ -134,6 +134,8 @@ def _inverse_privacy_losses(
     wrong_side = (loss.value_and_slope(start)[0] < targets) == (loss.outer > 0)
     x = np.where(wrong_side, low if loss.outer > 0 else high, start)
     active = np.ones(targets.shape, dtype=bool)
+    step_before_last = hi - lo
+    last_step = hi - lo
     for _ in range(_NEWTON_MAX_ITERATIONS):
         idx = np.flatnonzero(active)
         xa = x[idx]
@@ -144,9 +146,18 @@ def _inverse_privacy_losses(
         lo[idx] = np.where(right_of_root, lo[idx], xa)
         with np.errstate(divide="ignore", invalid="ignore"):
             newton = xa - excess / slope
-        inside = np.isfinite(newton) & (newton >= lo[idx]) & (newton <= hi[idx])
-        x_new = np.where(inside, newton, 0.5 * (lo[idx] + hi[idx]))
+        # Newton where it stays inside the bracket and keeps halving its steps (rtsafe);
+        # bisection where ℓ is flat (near its asymptote) and Newton would crawl.
+        usable = (
+            np.isfinite(newton)
+            & (newton >= lo[idx])
+            & (newton <= hi[idx])
+            & (np.abs(newton - xa) <= 0.5 * step_before_last[idx])
+        )
+        x_new = np.where(usable, newton, 0.5 * (lo[idx] + hi[idx]))
         x[idx] = x_new
+        step_before_last[idx] = last_step[idx]
+        last_step[idx] = np.abs(x_new - xa)
         tolerance = 1e-13 * (1.0 + np.abs(x_new))
         done = (np.abs(x_new - xa) <= tolerance) | (hi[idx] - lo[idx] <= tolerance)
         active[idx[done]] = False

@@ -1,0 +1,42 @@
+"""Mechanism records built without training, for the accounting tests."""
+
+from __future__ import annotations
+
+from dpmerge.accounting.records import MechanismRecord
+
+Q = 1 / 235  # what Opacus' DPDataLoader runs for 60 000 rows at batch 256
+T = 2350  # 10 epochs
+
+
+def make_record(
+    name: str,
+    sigma: float,
+    *,
+    steps: int = T,
+    sample_rate: float = Q,
+    noise_lineage: str | None = None,
+    batch_lineage: str | None = None,
+    optimizer: str = "sgd",
+    dataset: str = "fashion-mnist:test",
+    learning_rate: float = 2.0,
+    clip_norm: float = 1.0,
+    batch: float = 255.0,
+    initialisation: str | None = "seed-0",
+) -> MechanismRecord:
+    return MechanismRecord(
+        name=name,
+        noise_multiplier=sigma,
+        sample_rate=sample_rate,
+        steps=steps,
+        clip_norm=clip_norm,
+        learning_rate=learning_rate,
+        expected_batch_size=batch,
+        optimizer=optimizer,
+        noise_lineage=noise_lineage or f"run-{name}/noise-1",
+        batch_lineage=batch_lineage or f"run-{name}/batch-1",
+        dataset=dataset,
+        neighbouring="add_or_remove_one",
+        sampling="poisson",
+        dataset_size=60000,
+        initialisation=initialisation,
+    )

@@ -1,0 +1,201 @@
+"""Calibration to a target (SPEC §6), including hypothesis property tests."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from factories import make_record
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dpmerge.accounting.account import account
+from dpmerge.accounting.calibration import calibrate, subset_weights
+from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.lc import merged_noise_proxy
+from dpmerge.accounting.records import PrivacyLabel
+from dpmerge.errors import InfeasibleTargetError
+
+DELTA = 1e-5
+PROPERTY = settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def epsilons(candidates):
+    return [candidate_bound(c, DELTA).epsilon for c in candidates]
+
+
+@pytest.mark.parametrize("method", ["rs", "lc"])
+def test_target_below_the_most_private_candidate_is_infeasible(short_ladder, method):
+    low = min(epsilons(short_ladder))
+    with pytest.raises(InfeasibleTargetError) as raised:
+        calibrate(short_ladder, method, low * 0.9, DELTA)
+    assert raised.value.reachable_epsilon_range[0] == pytest.approx(low)
+    assert "below the most private" in str(raised.value)
+
+
+def test_rs_reproduces_the_linear_programme(ladder):
+    """Utility-experiment values: at ε* = 1, π = (σ 1.0: 0.303, σ 1.5: 0.697)."""
+    result = calibrate(ladder, "rs", 1.0, DELTA)
+    assert result.weights[1] == pytest.approx(0.303, abs=0.002)
+    assert result.weights[2] == pytest.approx(0.697, abs=0.002)
+    assert result.epsilon <= 1.0
+    assert result.epsilon == pytest.approx(1.0, abs=1e-4)
+    assert result.report.gating.kind == "selection"
+
+
+def test_rs_uses_validation_utilities_and_spends_less_when_it_gains_nothing(ladder):
+    # The most private candidate is also the most accurate: nothing is gained by mixing.
+    utilities = [0.80, 0.81, 0.82, 0.83, 0.84]
+    result = calibrate(ladder, "rs", 1.0, DELTA, utilities=utilities)
+    assert result.weights == (0.0, 0.0, 0.0, 0.0, 1.0)
+    assert result.epsilon < 1.0
+    assert result.utility == pytest.approx(0.84)
+    assert result.utility_kind == "expected validation accuracy"
+
+
+@PROPERTY
+@given(data=st.data())
+def test_rs_calibrated_epsilon_never_exceeds_the_target(short_ladder, data):
+    low, high = min(epsilons(short_ladder)), max(epsilons(short_ladder))
+    target = data.draw(st.floats(low, high * 1.2))
+    utilities = data.draw(st.lists(st.floats(0, 1), min_size=4, max_size=4))
+    result = calibrate(short_ladder, "rs", target, DELTA, utilities=utilities)
+    assert result.epsilon <= target
+    assert sum(p > 0 for p in result.weights) <= 2  # the LP optimum mixes at most two
+
+
+@PROPERTY
+@given(a=st.floats(0.0, 1.0), b=st.floats(0.0, 1.0))
+def test_rs_epsilon_is_monotone_along_a_two_candidate_path(short_ladder, a, b):
+    low, high = sorted((a, b))
+    safer, riskier = short_ladder[3], short_ladder[0]
+    e_low = account([riskier, safer], "rs", [low, 1 - low], DELTA).gating.epsilon_pld
+    e_high = account([riskier, safer], "rs", [high, 1 - high], DELTA).gating.epsilon_pld
+    assert e_low <= e_high + 1e-9
+
+
+def test_lc_generic_picks_the_best_feasible_subset(ladder):
+    """Brute force over every subset: nothing with better utility meets the target."""
+    target = 1.5
+    result = calibrate(ladder, "lc", target, DELTA)
+    assert result.report.gating.kind == "generic"
+    assert result.epsilon <= target
+    best_utility = result.utility
+    for r in range(1, len(ladder) + 1):
+        for subset in itertools.combinations(range(len(ladder)), r):
+            members = [ladder[i] for i in subset]
+            utility = -merged_noise_proxy(members, subset_weights(members))
+            if utility <= best_utility + 1e-12:
+                continue
+            weights = [0.0] * len(ladder)
+            for i, w in zip(subset, subset_weights(members), strict=True):
+                weights[i] = w
+            assert account(ladder, "lc", weights, DELTA).epsilon > target
+
+
+def test_lc_generic_reproduces_the_notes(ladder):
+    """notes: two σ 1.5/2.0 inverse-variance candidates compose to ε 0.699."""
+    candidates = ladder[1:4]  # σ 1.0, 1.5, 2.0: only 1.5 and 2.0 meet ε* = 0.75 alone
+    result = calibrate(candidates, "lc", 0.75, DELTA)
+    assert result.weights[0] == 0.0
+    assert result.weights[1] == pytest.approx(0.64, abs=1e-9)  # λ ∝ σ⁻²
+    assert result.epsilon == pytest.approx(0.699, abs=2e-3)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_lc_generic_calibrated_epsilon_never_exceeds_the_target(short_ladder, data):
+    low = min(epsilons(short_ladder))
+    target = data.draw(st.floats(low, 4 * low))
+    result = calibrate(short_ladder, "lc", target, DELTA)
+    assert result.epsilon <= target
+    assert result.report.generic.epsilon_pld == result.report.gating.epsilon_pld
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_lc_structured_calibration_properties(short_ladder, data):
+    """Certified ε ≤ target, and every reported feasible segment certifies at the fine
+    discretisation (checked at its ends and midpoint)."""
+    low = min(epsilons(short_ladder))
+    target = data.draw(st.floats(low, 3 * low))
+    result = calibrate(short_ladder, "lc", target, DELTA, gating_bound="structured")
+    assert result.report.gating.kind == "structured"
+    assert result.epsilon <= target
+    assert result.report.structured.epsilon_pld <= result.report.generic.epsilon_pld
+    start, end = result.search["path_from"], result.search["path_to"]
+    for t_low, t_high in result.search["feasible_segments"]:
+        for t in (t_low, (t_low + t_high) / 2, t_high):
+            weights = [(1 - t) * a + t * b for a, b in zip(start, end, strict=True)]
+            total = sum(weights)
+            weights = [w / total for w in weights]
+            report = account(short_ladder, "lc", weights, DELTA, gating_bound="structured")
+            assert report.epsilon <= target
+
+
+@settings(max_examples=10, deadline=None)
+@given(t=st.floats(0.0, 1.0))
+def test_lc_structured_never_exceeds_generic_along_a_pair(t):
+    a = make_record("a", 0.9, steps=300, sample_rate=0.01, batch=600.0)
+    b = make_record("b", 1.3, steps=300, sample_rate=0.01, batch=600.0)
+    report = account([a, b], "lc", [t, 1 - t], DELTA)
+    assert report.structured.epsilon_pld <= report.generic.epsilon_pld
+    assert report.structured.epsilon_rdp <= report.generic.epsilon_rdp
+
+
+def test_structured_search_finds_both_segments_of_a_non_monotone_path():
+    """Equal candidates: ε peaks at t = 0.5 above either end, so a target between the single
+    candidate's ε and the peak is feasible near both ends and not in the middle (SPEC §6)."""
+    a = make_record("a", 1.0, steps=300, sample_rate=0.01, batch=600.0)
+    b = make_record("b", 1.0, steps=300, sample_rate=0.01, batch=600.0)
+    single = candidate_bound(a, DELTA).epsilon
+    peak = account([a, b], "lc", [0.5, 0.5], DELTA).structured.epsilon
+    assert peak > single
+    target = (single + peak) / 2
+    result = calibrate([a, b], "lc", target, DELTA, gating_bound="structured")
+    segments = result.search["feasible_segments"]
+    assert len(segments) == 2
+    assert segments[0][0] == 0.0 and segments[1][1] == 1.0
+    assert segments[0][1] < 0.5 < segments[1][0]
+    assert result.epsilon <= target
+
+
+def test_structured_calibration_uses_a_merge_utility():
+    """With a validation utility the search keeps the feasible point it scores best."""
+    candidates = [
+        make_record(f"c{i}", s, steps=300, sample_rate=0.01, batch=600.0)
+        for i, s in enumerate((0.8, 1.2, 1.6))
+    ]
+
+    def prefer_the_noisiest(weights):
+        return weights[2]
+
+    result = calibrate(
+        candidates, "lc", 10.0, DELTA, gating_bound="structured", merge_utility=prefer_the_noisiest
+    )
+    assert result.weights[2] == pytest.approx(1.0)
+    assert result.utility_kind == "validation accuracy"
+
+
+def test_lc_above_the_reachable_range_returns_the_best_merge(short_ladder):
+    result = calibrate(short_ladder, "lc", 1e3, DELTA)
+    assert all(w > 0 for w in result.weights)  # everything, inverse-variance
+    assert result.epsilon < 1e3
+
+
+def test_label_only_candidates_in_calibration(short_ladder):
+    label = PrivacyLabel(name="vendor", dataset=short_ladder[0].dataset, epsilon=0.2, delta=1e-6)
+    candidates = [*short_ladder, label]
+    # RS accepts labels; the most private candidate alone is the label here.
+    result = calibrate(candidates, "rs", 0.25, DELTA)
+    assert result.epsilon <= 0.25
+    # LC without utilities leaves the label out, and says so; with a utility it may use it.
+    lc = calibrate(candidates, "lc", 2.0, DELTA)
+    assert lc.weights[-1] == 0.0
+    assert any("vendor" in s for s in lc.search["skipped"])
+    only_label = calibrate(candidates, "lc", 0.25, DELTA)
+    assert only_label.weights[-1] == 1.0

@@ -1,0 +1,200 @@
+"""The ``dpmerge account`` and ``dpmerge study`` commands: a stable scripting interface."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from factories import make_record
+
+from dpmerge.accounting.records import candidates_to_document
+from dpmerge.cli import main
+
+
+@pytest.fixture
+def candidates_file(tmp_path, short_ladder):
+    path = tmp_path / "candidates.json"
+    path.write_text(json.dumps(candidates_to_document(short_ladder)))
+    return path
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_account_given_weights_json(capsys, candidates_file):
+    code, out, _ = run(
+        capsys,
+        "account",
+        "--candidates",
+        candidates_file,
+        "--method",
+        "lc",
+        "--weights",
+        "0.5,0.5,0,0",
+        "--delta",
+        "1e-5",
+        "--json",
+    )
+    assert code == 0
+    doc = json.loads(out)
+    for key in (
+        "method",
+        "weights",
+        "delta",
+        "epsilon_pld",
+        "epsilon_rdp",
+        "bound",
+        "generic_epsilon_pld",
+        "structured_epsilon_pld",
+        "feasible",
+        "reachable_epsilon_range",
+    ):
+        assert key in doc
+    assert doc["weights"] == [0.5, 0.5, 0, 0]
+    assert doc["bound"] == "generic" and doc["epsilon_pld"] == doc["generic_epsilon_pld"]
+    assert doc["structured_epsilon_pld"] < doc["generic_epsilon_pld"]
+
+
+def test_account_calibrates_structured_and_rs(capsys, candidates_file):
+    code, out, _ = run(
+        capsys,
+        "account",
+        "--candidates",
+        candidates_file,
+        "--method",
+        "lc",
+        "--target-epsilon",
+        "1.0",
+        "--delta",
+        "1e-5",
+        "--bound",
+        "structured",
+        "--json",
+    )
+    doc = json.loads(out)
+    assert code == 0 and doc["feasible"] and doc["bound"] == "structured"
+    assert doc["epsilon"] <= 1.0
+    code, out, _ = run(
+        capsys,
+        "account",
+        "--candidates",
+        candidates_file,
+        "--method",
+        "rs",
+        "--target-epsilon",
+        "1.0",
+        "--delta",
+        "1e-5",
+        "--json",
+    )
+    doc = json.loads(out)
+    assert code == 0 and doc["bound"] == "selection" and doc["epsilon_pld"] <= 1.0
+    assert "structured_epsilon_pld" not in doc
+
+
+def test_infeasible_target(capsys, candidates_file):
+    code, out, err = run(
+        capsys,
+        "account",
+        "--candidates",
+        candidates_file,
+        "--method",
+        "lc",
+        "--target-epsilon",
+        "0.01",
+        "--delta",
+        "1e-5",
+    )
+    assert code == 3 and out == ""
+    assert err.count("\n") == 1 and "below the most private" in err
+    code, out, _ = run(
+        capsys,
+        "account",
+        "--candidates",
+        candidates_file,
+        "--method",
+        "lc",
+        "--target-epsilon",
+        "0.01",
+        "--delta",
+        "1e-5",
+        "--json",
+    )
+    doc = json.loads(out)
+    assert code == 3 and doc["feasible"] is False
+    low, high = doc["reachable_epsilon_range"]
+    assert 0.01 < low <= high
+
+
+def test_bad_candidates_file_names_the_field(capsys, tmp_path):
+    data = candidates_to_document([make_record("a", 1.0)])
+    del data["candidates"][0]["batch_lineage"]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    code, out, err = run(
+        capsys,
+        "account",
+        "--candidates",
+        path,
+        "--method",
+        "rs",
+        "--weights",
+        "1",
+        "--delta",
+        "1e-5",
+    )
+    assert code == 2 and out == ""
+    assert "missing field 'batch_lineage'" in err and err.count("\n") == 1
+
+
+def test_structured_refusal_is_a_clear_error(capsys, tmp_path):
+    shared = [
+        make_record("a", 1.0, noise_lineage="run-1"),
+        make_record("b", 1.0, steps=1000, noise_lineage="run-1"),
+    ]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(candidates_to_document(shared)))
+    code, _, err = run(
+        capsys,
+        "account",
+        "--candidates",
+        path,
+        "--method",
+        "lc",
+        "--weights",
+        "0.5,0.5",
+        "--delta",
+        "1e-5",
+        "--bound",
+        "structured",
+    )
+    assert code == 2 and "share noise lineage" in err
+
+
+def test_study_mean_estimation_json(capsys):
+    code, out, _ = run(
+        capsys,
+        "study",
+        "mean-estimation",
+        "--sigmas",
+        "0.5,1,2,4",
+        "--targets",
+        "1,2,4,8",
+        "--delta",
+        "1e-5",
+        "--json",
+    )
+    doc = json.loads(out)
+    assert code == 0
+    assert [r["target_epsilon"] for r in doc["rows"]] == [1, 2, 4, 8]
+    assert set(doc["rows"][0]) == {
+        "target_epsilon",
+        "lc_mse_pld",
+        "rs_mse_pld",
+        "lc_mse_rdp",
+        "rs_mse_rdp",
+    }
+    assert doc["rows"][0]["lc_mse_rdp"] is None  # RDP cannot reach ε = 1 with σ ≤ 4
