@@ -108,8 +108,12 @@ def calibrate(
     gating_bound: GatingBound = "generic",
     utilities: Sequence[float] | None = None,
     merge_utility: MergeUtility | None = None,
+    map_segments: bool = False,
 ) -> Calibration:
-    """The best-utility merge whose gating ε meets ``target_epsilon`` at ``delta`` (SPEC §6)."""
+    """The best-utility merge whose gating ε meets ``target_epsilon`` at ``delta`` (SPEC §6).
+
+    ``map_segments`` (structured LC only) also reports every feasible segment of the chosen
+    path (see ``structured_search``)."""
     if not candidates:
         raise RecordError("no candidates")
     require_same_dataset(candidates)
@@ -137,7 +141,9 @@ def calibrate(
     if gating_bound == "structured":
         from dpmerge.accounting.structured_search import calibrate_structured
 
-        return calibrate_structured(candidates, target_epsilon, delta, epsilons, merge_utility)
+        return calibrate_structured(
+            candidates, target_epsilon, delta, epsilons, merge_utility, map_segments=map_segments
+        )
     raise RecordError(f"gating bound must be 'generic' or 'structured', got {gating_bound!r}")
 
 

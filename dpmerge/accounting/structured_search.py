@@ -295,8 +295,15 @@ def calibrate_structured(
     delta: float,
     epsilons: Sequence[float],
     merge_utility: MergeUtility | None,
+    *,
+    map_segments: bool = False,
 ) -> Calibration:
-    """See the module docstring. Raises ``RefusalError`` when no pair qualifies."""
+    """See the module docstring. Raises ``RefusalError`` when no pair qualifies.
+
+    The chosen point is found from the optimum and both path ends without mapping every
+    segment; ``map_segments`` adds the chosen path's full segment map (coarse grid, refined
+    boundaries, peak search) to ``search``, a diagnostic that costs 20–40 coarse evaluations.
+    """
     if not all(isinstance(c, MechanismRecord) for c in candidates):
         labels = [c.name for c in candidates if not isinstance(c, MechanismRecord)]
         raise RefusalError(
@@ -365,7 +372,11 @@ def calibrate_structured(
             "t": point.t,
             "path_from": list(point.path.start),
             "path_to": list(point.path.end),
-            "feasible_segments": [list(seg) for seg in feasible_segments(search, point.path)],
+            "feasible_segments": (
+                [list(seg) for seg in feasible_segments(search, point.path)]
+                if map_segments
+                else None
+            ),
             "paths_considered": len(paths),
             "paths_explored": explored,
             "coarse_evaluations": search.coarse_calls,

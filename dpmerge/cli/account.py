@@ -39,6 +39,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--utilities", type=float_list, help="RS: per-candidate validation accuracies"
     )
+    parser.add_argument(
+        "--segments",
+        action="store_true",
+        help="structured LC calibration: also map every feasible segment of the chosen path",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
 
@@ -64,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             args.delta,
             gating_bound=args.bound,
             utilities=args.utilities,
+            map_segments=args.segments,
         )
     except InfeasibleTargetError as error:
         if args.json:

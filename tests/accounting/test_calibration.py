@@ -123,7 +123,9 @@ def test_lc_structured_calibration_properties(short_ladder, data):
     discretisation (checked at its ends and midpoint)."""
     low = min(epsilons(short_ladder))
     target = data.draw(st.floats(low, 3 * low))
-    result = calibrate(short_ladder, "lc", target, DELTA, gating_bound="structured")
+    result = calibrate(
+        short_ladder, "lc", target, DELTA, gating_bound="structured", map_segments=True
+    )
     assert result.report.gating.kind == "structured"
     assert result.epsilon <= target
     assert result.report.structured.epsilon_pld <= result.report.generic.epsilon_pld
@@ -156,7 +158,7 @@ def test_structured_search_finds_both_segments_of_a_non_monotone_path():
     peak = account([a, b], "lc", [0.5, 0.5], DELTA).structured.epsilon
     assert peak > single
     target = (single + peak) / 2
-    result = calibrate([a, b], "lc", target, DELTA, gating_bound="structured")
+    result = calibrate([a, b], "lc", target, DELTA, gating_bound="structured", map_segments=True)
     segments = result.search["feasible_segments"]
     assert len(segments) == 2
     assert segments[0][0] == 0.0 and segments[1][1] == 1.0
