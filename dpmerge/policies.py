@@ -1,0 +1,136 @@
+"""Privacy policies: the target a deployed model must meet, as validated data.
+
+A policy names a dataset and model family, a target (ε*, δ*), how to merge (``auto`` tries RS
+and LC and keeps the better validation accuracy), which LC bound gates promotion (``generic``
+by default, SPEC §5.1; ``structured`` is the paper's analysis, opt-in, SPEC §5.2), the accuracy
+floor, the registry alias it owns, and what happens when the target is infeasible (``revoke``
+the alias by default: a model that violates the current policy is not left serving).
+
+Validation is strict: a bad policy is rejected with a message naming the field, and nothing is
+changed (no event, no run).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dpmerge.errors import RecordError
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_ALIAS = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
+
+
+class PolicyError(RecordError):
+    """A policy is malformed; the message names the field."""
+
+
+class Policy(BaseModel):
+    """One privacy policy (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=True)
+
+    name: str
+    target_epsilon: float = Field(gt=0, allow_inf_nan=False)
+    target_delta: float = Field(gt=0, lt=1, allow_inf_nan=False)
+    dataset: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    method: Literal["auto", "rs", "lc"] = "auto"
+    gating_bound: Literal["generic", "structured"] = "generic"
+    min_accuracy: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
+    alias: str | None = None
+    on_infeasible: Literal["revoke", "keep"] = "revoke"
+    cumulative_epsilon_cap: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(
+                "must be 1–63 characters of lower-case letters, digits, '-' or '_', starting "
+                f"with a letter or digit (got {value!r})"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Policy:
+        alias = self.alias or f"policy-{self.name}"
+        if not _ALIAS.match(alias) or alias == "latest" or re.fullmatch(r"[vV]\d+", alias):
+            raise ValueError(
+                f"alias {alias!r} is not a valid registry alias (letters, digits, '-', '_'; "
+                "not 'latest' or a version like 'v3')"
+            )
+        if self.gating_bound == "structured" and self.method == "rs":
+            raise ValueError(
+                "gating_bound 'structured' applies to LC; method 'rs' is gated by "
+                "the selection bound"
+            )
+        object.__setattr__(self, "alias", alias)
+        return self
+
+    @property
+    def resource_id(self) -> str:
+        """Prefect event resource id of this policy (``for_each`` key of the trigger)."""
+        return f"dpmerge.policy.{self.name}"
+
+    def event_payload(self) -> dict[str, Any]:
+        """Every field, so the trigger's templates never meet a missing key (a missing key
+        makes Prefect silently create no run)."""
+        return self.model_dump(mode="json")
+
+
+def _format(error: ValidationError, where: str) -> str:
+    problems = []
+    for item in error.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "policy"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "missing":
+            problems.append(f"missing field {field!r}")
+        elif item["type"] == "extra_forbidden":
+            problems.append(f"unknown field {field!r}")
+        else:
+            problems.append(f"field {field!r}: {message}")
+    return f"{where}: " + "; ".join(problems)
+
+
+def policy_from_dict(data: Mapping[str, Any]) -> Policy:
+    if not isinstance(data, Mapping):
+        raise PolicyError(f"a policy must be a mapping, got {type(data).__name__}")
+    where = f"policy {data.get('name', '<unnamed>')!r}"
+    try:
+        return Policy.model_validate(dict(data))
+    except ValidationError as error:
+        raise PolicyError(_format(error, where)) from None
+
+
+def policies_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Policy, ...]:
+    policies = tuple(policy_from_dict(item) for item in items)
+    for attribute in ("name", "alias"):
+        values = [getattr(p, attribute) for p in policies]
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise PolicyError(
+                f"policy {attribute}s must be unique; repeated: {', '.join(repeated)}"
+            )
+    return policies
+
+
+def load_policies(path: str | Path) -> tuple[Policy, ...]:
+    """Read ``{"policies": [...]}`` from a YAML file; every policy is validated first."""
+    path = Path(path)
+    try:
+        document = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise PolicyError(f"policy file not found: {path}") from None
+    except yaml.YAMLError as error:
+        raise PolicyError(f"policy file {path} is not valid YAML: {error}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("policies"), list):
+        raise PolicyError(f"{path}: expected a mapping with a 'policies' list")
+    if not document["policies"]:
+        raise PolicyError(f"{path}: the policy list is empty")
+    return policies_from_dicts(document["policies"])
