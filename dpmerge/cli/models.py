@@ -1,0 +1,248 @@
+"""``dpmerge merge``, ``dpmerge evaluate`` and ``dpmerge candidates``: model directories.
+
+``merge`` releases an RS or LC merge of candidate directories, with given weights or calibrated
+to a target ε (SPEC §4–§6); ``evaluate`` scores a model directory on a dataset split;
+``candidates`` turns candidate directories into the candidates file ``dpmerge account`` reads.
+The drawn RS index is never printed: it goes only to ``--audit-file`` (mode 0600).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dpmerge.accounting.calibration import Calibration, calibrate
+from dpmerge.accounting.records import candidates_from_dicts, candidates_to_document
+from dpmerge.artifacts import ModelDir, ModelSpec, load_model_dir
+from dpmerge.cli.common import float_list, fmt, positive_float, print_json
+from dpmerge.data import DATASET_NAMES, DatasetSplits, Split, load_dataset
+from dpmerge.errors import DatasetError
+from dpmerge.evaluation import evaluate, expected_accuracy
+from dpmerge.merging import (
+    CandidateDir,
+    Metrics,
+    linear_combination,
+    merge_model_dirs,
+    read_candidate_dir,
+)
+
+
+def _add_data_options(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument(
+        "--dataset", required=required, choices=DATASET_NAMES, help="dataset to evaluate on"
+    )
+    parser.add_argument("--data-root", help="folder holding the dataset files")
+    parser.add_argument("--limit", type=int, help="rows kept per file (as in training)")
+    parser.add_argument("--batch-size", type=int, default=1024, help="evaluation batch size")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    merge = subparsers.add_parser(
+        "merge",
+        help="release an RS or LC merge of candidate directories",
+        description="Merge candidate model directories by random selection (rs) or linear "
+        "combination (lc), with given weights or calibrated to --target-epsilon.",
+    )
+    merge.add_argument("--inputs", nargs="+", required=True, metavar="DIR")
+    merge.add_argument("--method", choices=("rs", "lc"), required=True)
+    chosen = merge.add_mutually_exclusive_group(required=True)
+    chosen.add_argument(
+        "--weights", type=float_list, help="π (rs) or λ (lc), comma-separated, summing to 1"
+    )
+    chosen.add_argument(
+        "--target-epsilon", type=positive_float, help="calibrate the weights to this ε"
+    )
+    merge.add_argument("--delta", type=positive_float, default=1e-5)
+    merge.add_argument(
+        "--bound",
+        choices=("generic", "structured"),
+        default="generic",
+        help="LC bound that gates (default generic: SPEC §5.1; structured is the paper's, opt-in)",
+    )
+    merge.add_argument("--out", required=True, metavar="DIR", help="new model directory")
+    merge.add_argument("--audit-file", metavar="PATH", help="rs: private record of the draw")
+    merge.add_argument("--json", action="store_true", help="print JSON instead of a summary")
+    _add_data_options(merge, required=False)
+    merge.set_defaults(handler=_merge)
+
+    score = subparsers.add_parser("evaluate", help="evaluate a model directory on a split")
+    score.add_argument("model", metavar="DIR")
+    score.add_argument("--split", choices=("test", "validation"), default="test")
+    score.add_argument("--json", action="store_true", help="print JSON instead of a summary")
+    _add_data_options(score, required=True)
+    score.set_defaults(handler=_evaluate)
+
+    listing = subparsers.add_parser(
+        "candidates", help="print the candidates file of candidate directories"
+    )
+    listing.add_argument("dirs", nargs="+", metavar="DIR")
+    listing.set_defaults(handler=_candidates)
+
+
+def _load_data(args: argparse.Namespace) -> DatasetSplits:
+    return load_dataset(args.dataset, args.data_root, limit=args.limit)
+
+
+def _require_trained_on(datasets: set[str], data: DatasetSplits) -> None:
+    """The validation split is disjoint from the training rows only if the data is loaded the
+    way training loaded it: the record's dataset fingerprint must match (SPEC §2, §4)."""
+    if datasets != {data.fingerprint}:
+        raise DatasetError(
+            f"the models were trained on {', '.join(sorted(datasets))}, but the loaded training "
+            f"rows are {data.fingerprint}; load the data as training did (same files and "
+            "--limit) so that the validation split is disjoint from the training rows"
+        )
+
+
+def _trained_on(model: ModelDir) -> set[str]:
+    if model.record is not None:
+        return {model.record.dataset}
+    return {c["record"]["dataset"] for c in (model.merge or {}).get("candidates", [])}
+
+
+def _scorer(args: argparse.Namespace, split: Split) -> Metrics:
+    """Evaluation of a (spec, weights) pair on ``split`` with the CLI's batch size and device."""
+
+    def score(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        return evaluate((spec, weights), split, batch_size=args.batch_size, device=args.device)
+
+    return score
+
+
+def _test_metrics(dataset: str, score: Metrics) -> Metrics:
+    """The released model's public metrics: its own test-split evaluation."""
+
+    def metrics(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        return {"dataset": dataset, "test": dict(score(spec, weights))}
+
+    return metrics
+
+
+def _accuracies(dirs: Sequence[CandidateDir], score: Metrics) -> list[float]:
+    """Each candidate's accuracy, loading one candidate at a time."""
+    return [score(d.spec, load_model_dir(d.path).weights)["accuracy"] for d in dirs]
+
+
+def _calibrate(
+    args: argparse.Namespace, dirs: Sequence[CandidateDir], data: DatasetSplits | None
+) -> Calibration:
+    """Calibrate to ``--target-epsilon``; with a dataset, utility is validation accuracy."""
+    candidates = [d.candidate for d in dirs]
+    utilities, merge_utility = None, None
+    if data is not None:
+        _require_trained_on({c.dataset for c in candidates}, data)
+        score = _scorer(args, data.validation)
+        if args.method == "rs":
+            utilities = _accuracies(dirs, score)
+        else:
+            files, spec = [d.weights_file for d in dirs], dirs[0].spec
+
+            def merge_utility(weights: tuple[float, ...]) -> float:
+                return score(spec, linear_combination(files, weights, device=args.device))[
+                    "accuracy"
+                ]
+
+    return calibrate(
+        candidates,
+        args.method,
+        args.target_epsilon,
+        args.delta,
+        gating_bound=args.bound,
+        utilities=utilities,
+        merge_utility=merge_utility,
+    )
+
+
+def _merge(args: argparse.Namespace) -> int:
+    dirs = [read_candidate_dir(p) for p in args.inputs]
+    data = _load_data(args) if args.dataset else None
+    calibration = _calibrate(args, dirs, data) if args.target_epsilon is not None else None
+    weights = calibration.weights if calibration else args.weights
+    metrics: Metrics | None = None
+    audit_notes: dict[str, Any] | None = None
+    if data is not None:
+        score = _scorer(args, data.test)
+        metrics = _test_metrics(data.name, score)
+        if args.method == "rs" and args.audit_file:
+            # Statistics of every candidate, released or not: audit record only (SPEC §4).
+            accuracies = _accuracies(dirs, score)
+            audit_notes = {
+                "candidate_test_accuracies": accuracies,
+                "expected_test_accuracy": expected_accuracy(accuracies, weights),
+            }
+    result = merge_model_dirs(
+        args.inputs,
+        args.method,
+        calibration or weights,
+        args.out,
+        delta=args.delta,
+        gating_bound=args.bound,
+        metrics=metrics,
+        audit_path=args.audit_file,
+        audit_notes=audit_notes,
+        device=args.device,
+    )
+    if args.json:
+        document = {
+            "path": str(result.path),
+            "method": result.method,
+            "weights": list(result.weights),
+            "privacy": result.report.to_dict(),
+            "metrics": dict(result.metrics),
+            "calibration": calibration.to_dict() if calibration else None,
+        }
+        print_json(document)
+        return 0
+    report = result.report
+    names = ", ".join(f"{n}={w:g}" for n, w in zip(report.names, result.weights, strict=True))
+    print(
+        f"released {result.method.upper()} merge of {len(report.names)} candidates: {result.path}"
+    )
+    print(f"  {'π' if result.method == 'rs' else 'λ'}: {names}")
+    print(
+        f"  ε = {fmt(report.epsilon)} ({report.gating.accountant}, {report.gating.kind} bound) "
+        f"at δ = {report.delta:g}"
+    )
+    if calibration is not None:
+        print(f"  calibrated to target ε = {calibration.target_epsilon:g}")
+    if result.method == "rs":
+        where = f"recorded in {args.audit_file}" if args.audit_file else "not recorded"
+        print(f"  drawn candidate: secret ({where})")
+    if "test" in result.metrics:
+        test = result.metrics["test"]
+        print(
+            f"  test accuracy {fmt(test['accuracy'])}, loss {fmt(test['loss'])} (n = {test['n']})"
+        )
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    model = load_model_dir(args.model)
+    data = _load_data(args)
+    if args.split == "validation":
+        _require_trained_on(_trained_on(model), data)
+    split = getattr(data, args.split)
+    scores = evaluate(
+        (model.spec, model.weights), split, batch_size=args.batch_size, device=args.device
+    )
+    if args.json:
+        document = {"model": str(model.path), "dataset": data.name, "split": args.split}
+        print_json({**document, **scores})
+    else:
+        print(
+            f"{model.path}: accuracy {fmt(scores['accuracy'])}, loss {fmt(scores['loss'])} "
+            f"on {data.name}/{args.split} (n = {scores['n']})"
+        )
+    return 0
+
+
+def _candidates(args: argparse.Namespace) -> int:
+    candidates = [read_candidate_dir(p).candidate for p in args.dirs]
+    document = candidates_to_document(candidates)
+    candidates_from_dicts(document["candidates"])  # names must be unique, as the reader demands
+    print_json(document)
+    return 0

@@ -1,0 +1,417 @@
+"""Merging candidate model directories: random selection and linear combination (SPEC §4, §5).
+
+LC releases θ = Σ λ_i θ_i with λ on the simplex; RS releases θ_I for one secret draw I ~ π.
+Both read the candidates' ``weights.safetensors`` one candidate and one tensor at a time, so
+memory stays near one candidate's mapped file plus the output, whatever the number of inputs.
+
+The arithmetic is exact where it can be tested: a weight of exactly 1 copies the candidate
+bit-for-bit (so RS, run as a one-hot LC, releases θ_I unchanged), and the first contributing
+candidate initialises the sum instead of being added to zero (which would turn -0.0 into +0.0).
+Floats are accumulated in float32 (float64 for float64 tensors) on the chosen device and cast
+back to the source dtype; λ is then used as a float32 number for float32 tensors.
+
+RS validates every candidate completely before drawing and reads all of them afterwards, so
+neither an error nor the running time depends on the drawn index. The index goes to the caller
+(for an access-restricted audit record) and never into the released directory (SPEC §4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import secrets
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from dpmerge.accounting.account import GatingBound, Method, account
+from dpmerge.accounting.bounds import PrivacyReport
+from dpmerge.accounting.calibration import Calibration
+from dpmerge.accounting.records import Candidate, candidate_from_dict
+from dpmerge.accounting.weights import simplex_weights
+from dpmerge.artifacts import MODEL_FILE, RECORD_FILE, WEIGHTS_FILE, ModelSpec, save_model_dir
+from dpmerge.errors import RecordError
+from dpmerge.models import check_weights_match
+
+Metrics = Callable[[ModelSpec, Mapping[str, torch.Tensor]], Mapping[str, Any]]
+
+BATCHNORM_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one stored tensor, read from the safetensors header."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class CandidateDir:
+    """A candidate model directory read without loading its weights."""
+
+    path: Path
+    spec: ModelSpec
+    candidate: Candidate
+    privacy: Mapping[str, Any] | None
+    tensors: Mapping[str, TensorInfo]
+
+    @property
+    def weights_file(self) -> Path:
+        return self.path / WEIGHTS_FILE
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What :func:`merge_model_dirs` released. ``drawn_index`` (RS only) is for an internal,
+    access-restricted audit record; it is left out of ``repr`` so it is not printed by accident."""
+
+    path: Path
+    method: Method
+    weights: tuple[float, ...]
+    report: PrivacyReport
+    metrics: Mapping[str, Any]
+    drawn_index: int | None = field(default=None, repr=False)
+
+
+def _label(file: Path) -> str:
+    return str(file.parent) if file.name == WEIGHTS_FILE else str(file)
+
+
+def read_header(file: str | Path) -> dict[str, TensorInfo]:
+    """Names, shapes and dtypes of the tensors in a safetensors file (no tensor data read)."""
+    file = Path(file)
+    if not file.is_file():
+        raise RecordError(f"weights file not found: {file}")
+    tensors: dict[str, TensorInfo] = {}
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                piece = handle.get_slice(key)
+                dtype = _DTYPES.get(piece.get_dtype())
+                if dtype is None:
+                    raise RecordError(
+                        f"{_label(file)}: tensor {key!r} has unsupported dtype "
+                        f"{piece.get_dtype()} (supported: {', '.join(_DTYPES)})"
+                    )
+                tensors[key] = TensorInfo(tuple(piece.get_shape()), dtype)
+    except (OSError, SafetensorError) as error:
+        raise RecordError(f"{_label(file)}: unreadable safetensors file ({error})") from None
+    return tensors
+
+
+def check_same_structure(headers: Mapping[str, Mapping[str, TensorInfo]]) -> None:
+    """Every file (keyed by a label) must hold the same tensor names, shapes and dtypes, with no
+    BatchNorm statistics (running means/variances are computed from private data without noise
+    and do not merge linearly; DP-SGD models use GroupNorm)."""
+    if not headers:
+        raise RecordError("no candidates to merge")
+    (ref_label, ref), *others = headers.items()
+    for label, header in headers.items():
+        batchnorm = sorted(k for k in header if k.rsplit(".", 1)[-1] in BATCHNORM_SUFFIXES)
+        if batchnorm:
+            raise RecordError(
+                f"{label}: tensor {batchnorm[0]!r} is a BatchNorm statistic; BatchNorm models "
+                "are refused (running statistics see private data without noise and do not "
+                "merge linearly) — use GroupNorm"
+            )
+    for label, header in others:
+        missing, extra = sorted(ref.keys() - header.keys()), sorted(header.keys() - ref.keys())
+        if missing or extra:
+            problems = [f"missing key {missing[0]!r}"] if missing else []
+            problems += [f"unexpected key {extra[0]!r}"] if extra else []
+            raise RecordError(
+                f"{label}: {'; '.join(problems)} (compared with {ref_label}; "
+                f"{len(missing)} missing, {len(extra)} unexpected)"
+            )
+        for key, info in ref.items():
+            other = header[key]
+            if other.shape != info.shape:
+                raise RecordError(
+                    f"{label}: key {key!r} has shape {list(other.shape)}, "
+                    f"expected {list(info.shape)} as in {ref_label}"
+                )
+            if other.dtype != info.dtype:
+                raise RecordError(
+                    f"{label}: key {key!r} has dtype {other.dtype}, "
+                    f"expected {info.dtype} as in {ref_label}"
+                )
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _is_finite(tensor: torch.Tensor) -> bool:
+    # aminmax propagates NaN, and an inf is its own min or max: one fast read-only pass.
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
+
+
+def _non_finite_error(key: str, paths: Sequence[Path], weights: Sequence[float]) -> RecordError:
+    """Name the contributing candidate whose tensor ``key`` holds NaN or inf (slow path)."""
+    for path, weight in zip(paths, weights, strict=True):
+        if weight > 0:
+            with safe_open(str(path), framework="pt") as handle:
+                tensor = handle.get_tensor(key)
+                if not _is_finite(tensor.to(_accumulation_dtype(tensor.dtype))):
+                    return RecordError(f"{_label(path)}: tensor {key!r} contains NaN or inf values")
+    return RecordError(f"the merge overflowed in tensor {key!r} (values near the float limit)")
+
+
+def linear_combination(
+    files: Sequence[str | Path],
+    weights: Sequence[float],
+    *,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Σ λ_i θ_i over safetensors files, streamed (SPEC §5). Returns tensors on ``device``.
+
+    ``weights`` must lie on the simplex (finite, non-negative, sum 1 within 1e-9); nothing is
+    renormalised. Tensor names, shapes and dtypes must agree; NaN/inf values are refused in
+    every candidate, even one with weight 0. Non-float tensors (integer, bool buffers) must be
+    equal across candidates and are copied.
+
+    Finiteness costs one extra pass over the output, not one per candidate: a NaN or inf in a
+    candidate with λ_i > 0 stays NaN or inf through every later addition, so the sum is checked
+    once; candidates with λ_i = 0 are never summed and are checked on their own.
+    """
+    paths = [Path(f) for f in files]
+    weights = simplex_weights(weights, len(paths), what="LC weights")
+    headers = {_label(p): read_header(p) for p in paths}
+    if len(headers) != len(paths):
+        raise RecordError("the same candidate is given twice")
+    check_same_structure(headers)
+    device = torch.device(device)
+    merged: dict[str, torch.Tensor] = {}
+    first: dict[str, str] = {}  # key -> label of the candidate that initialised it
+    for path, weight in zip(paths, weights, strict=True):
+        label = _label(path)
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                tensor = handle.get_tensor(key)
+                if not tensor.is_floating_point():
+                    if key not in merged:
+                        merged[key], first[key] = tensor.to(device, copy=True), label
+                    elif not torch.equal(merged[key], tensor.to(device)):
+                        raise RecordError(
+                            f"{label}: non-float tensor {key!r} differs from {first[key]}; "
+                            "integer and bool buffers cannot be averaged and must be equal"
+                        )
+                    continue
+                value = tensor.to(device, _accumulation_dtype(tensor.dtype))
+                if weight == 0:
+                    if not _is_finite(value):
+                        raise RecordError(f"{label}: tensor {key!r} contains NaN or inf values")
+                elif key not in merged:
+                    merged[key] = value.clone() if weight == 1 else value * weight
+                else:
+                    merged[key].add_(value, alpha=weight)
+    for key, value in merged.items():
+        if value.is_floating_point() and not _is_finite(value):
+            raise _non_finite_error(key, paths, weights)
+    ref = next(iter(headers.values()))
+    return {key: merged[key].to(info.dtype) for key, info in ref.items()}
+
+
+def draw_index(probabilities: Sequence[float], *, rng: random.Random | None = None) -> int:
+    """One draw I ~ π from the OS's cryptographic RNG (SPEC §4).
+
+    Each call is one release: drawing again and keeping a preferred outcome is a selection
+    step that costs privacy. ``rng`` is a test hook (a seeded ``random.Random``).
+    """
+    pi = simplex_weights(probabilities, len(probabilities), what="RS probabilities")
+    source = secrets.SystemRandom() if rng is None else rng
+    return source.choices(range(len(pi)), weights=pi, k=1)[0]
+
+
+def read_candidate_dir(path: str | Path) -> CandidateDir:
+    """Read a candidate directory's spec, record and weights header, and check the weights
+    match the architecture the record names (``dpmerge.models.check_weights_match``)."""
+    path = Path(path)
+    for required in (WEIGHTS_FILE, MODEL_FILE, RECORD_FILE):
+        if not (path / required).is_file():
+            raise RecordError(f"{path}: not a model directory (missing {required})")
+    try:
+        spec = ModelSpec.from_dict(json.loads((path / MODEL_FILE).read_text()))
+        document = json.loads((path / RECORD_FILE).read_text())
+    except json.JSONDecodeError as error:
+        raise RecordError(f"{path}: invalid JSON ({error})") from None
+    if "record" not in document:
+        raise RecordError(
+            f"{path}: a merged model, not a candidate; merge inputs must be candidate "
+            "directories with a mechanism record"
+        )
+    candidate = candidate_from_dict(document["record"])
+    tensors = read_header(path / WEIGHTS_FILE)
+    meta = {k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in tensors.items()}
+    try:
+        check_weights_match(spec, meta)
+    except RecordError as error:
+        raise RecordError(f"{path}: weights do not match model.json ({error})") from None
+    return CandidateDir(path, spec, candidate, document.get("privacy"), tensors)
+
+
+def _check_inputs(dirs: Sequence[CandidateDir]) -> None:
+    if not dirs:
+        raise RecordError("no candidates to merge")
+    resolved = [d.path.resolve() for d in dirs]
+    if len(set(resolved)) != len(resolved):
+        raise RecordError("the same candidate directory is given twice")
+    ref = dirs[0]
+    for other in dirs[1:]:
+        if other.spec != ref.spec:
+            raise RecordError(
+                f"architectures differ: {other.path} is {other.spec.to_dict()}, "
+                f"{ref.path} is {ref.spec.to_dict()}"
+            )
+    check_same_structure({str(d.path): d.tensors for d in dirs})
+
+
+def _prepare_audit(audit_path: Path, out_dir: Path) -> Path:
+    """Check the audit path lies outside the release and create a private (0600) temporary file
+    next to it; the caller renames it into place once the release is written."""
+    if audit_path.exists():
+        raise RecordError(f"audit file already exists: {audit_path} (one record per release)")
+    if audit_path.resolve().is_relative_to(out_dir.resolve()):
+        raise RecordError(f"audit file {audit_path} must lie outside the released directory")
+    if not audit_path.parent.is_dir():
+        raise RecordError(f"audit directory not found: {audit_path.parent}")
+    staging = audit_path.with_name(f".{audit_path.name}.{secrets.token_hex(8)}.tmp")
+    os.close(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return staging
+
+
+def merge_model_dirs(
+    inputs: Sequence[str | Path],
+    method: Method,
+    weights: Sequence[float] | Calibration,
+    out_dir: str | Path,
+    *,
+    delta: float,
+    gating_bound: GatingBound = "generic",
+    metrics: Metrics | None = None,
+    audit_path: str | Path | None = None,
+    audit_notes: Mapping[str, Any] | None = None,
+    device: str | torch.device = "cpu",
+    rng: random.Random | None = None,
+) -> MergeResult:
+    """Merge candidate directories by RS or LC and write the release to ``out_dir``.
+
+    ``weights`` are π (RS) or λ (LC), or a :class:`Calibration` for this method and δ. The
+    directory gets the merged weights, ``model.json``, a merge record (method, weights, every
+    candidate's record and source directory name), ``privacy.json`` (the PrivacyReport) and
+    ``metrics.json`` (``metrics(spec, merged)`` if given). For RS, ``audit_path`` receives the
+    drawn index (mode 0600, outside ``out_dir``) with ``audit_notes``; ``rng`` is a test hook
+    (see :func:`draw_index`). On any error nothing is written.
+    """
+    if method not in ("rs", "lc"):
+        raise RecordError(f"method must be 'rs' or 'lc', got {method!r}")
+    if method == "rs" and gating_bound != "generic":
+        raise RecordError(
+            "the gating bound applies to LC only (RS is gated by the selection bound)"
+        )
+    if audit_path is not None and method != "rs":
+        raise RecordError("an audit file records the RS draw; LC has no secret to record")
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise RecordError(f"output directory already exists: {out_dir}")
+    dirs = [read_candidate_dir(p) for p in inputs]
+    _check_inputs(dirs)
+    candidates = [d.candidate for d in dirs]
+    calibrated: dict[str, Any] = {}
+    if isinstance(weights, Calibration):
+        report = weights.report
+        if report.method != method or report.delta != delta:
+            raise RecordError(
+                f"the calibration is for {report.method} at δ = {report.delta}, "
+                f"not {method} at δ = {delta}"
+            )
+        if report.names != tuple(c.name for c in candidates):
+            raise RecordError("the calibration was computed for other candidates")
+        calibrated = {
+            "target_epsilon": weights.target_epsilon,
+            "reachable_epsilon_range": list(weights.reachable_epsilon_range),
+            "utility_kind": weights.utility_kind,
+        }
+    else:
+        report = account(candidates, method, weights, delta, gating_bound=gating_bound)
+    used = report.weights
+    files = [d.weights_file for d in dirs]
+    staging = None if audit_path is None else _prepare_audit(Path(audit_path), out_dir)
+    written = False
+    try:
+        drawn = None
+        if method == "rs":
+            drawn = draw_index(used, rng=rng)
+            one_hot = [float(i == drawn) for i in range(len(files))]
+            merged = linear_combination(files, one_hot, device=device)
+        else:
+            merged = linear_combination(files, used, device=device)
+        spec = dirs[0].spec
+        scores = dict(metrics(spec, merged)) if metrics is not None else {}
+        record = {
+            "method": method,
+            "weights": list(used),
+            "bound": report.gating.kind,
+            "candidates": [
+                {
+                    "source": d.path.name,
+                    "record": d.candidate.model_dump(mode="json", exclude_none=True),
+                    **({"privacy": dict(d.privacy)} if d.privacy is not None else {}),
+                }
+                for d in dirs
+            ],
+            **({"calibration": calibrated} if calibrated else {}),
+        }
+        save_model_dir(
+            out_dir, merged, spec, merge=record, privacy=report.to_dict(), metrics=scores
+        )
+        written = True
+        if staging is not None and audit_path is not None:
+            with (out_dir / WEIGHTS_FILE).open("rb") as released:
+                digest = hashlib.file_digest(released, "sha256").hexdigest()
+            audit = {
+                "release": str(out_dir.resolve()),
+                "weights_sha256": digest,
+                "method": method,
+                "candidates": [c.name for c in candidates],
+                "probabilities": list(used),
+                "drawn_index": drawn,
+                "drawn_candidate": candidates[drawn].name if drawn is not None else None,
+                "drawn_at": datetime.now(UTC).isoformat(),
+                "notes": dict(audit_notes or {}),
+            }
+            staging.write_text(json.dumps(audit, indent=2))
+            os.link(staging, audit_path)  # fails rather than overwrite an existing record
+            staging.unlink()
+    except BaseException:
+        if staging is not None:
+            staging.unlink(missing_ok=True)
+        if written:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    return MergeResult(out_dir, method, used, report, scores, drawn)
