@@ -1,0 +1,2 @@
+"""Prefect flows composing the tasks in ``tasks/`` (dependency direction: flows → tasks →
+dpmerge)."""

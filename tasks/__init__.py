@@ -1,0 +1,1 @@
+"""Thin Prefect tasks over dpmerge library calls: retries, logging, coarse granularity."""
