@@ -1,0 +1,313 @@
+"""The privacy card of a released (merged) model: Markdown for people, JSON for tools.
+
+The card states the target (ε*, δ*), the bound that gates promotion with its ε under PLD and
+RDP (accountant, δ, neighbouring relation, discretisation), the generic bound always and the
+structured one beside it where present, the merge method and weights, the candidates, the
+cumulative release-ledger bound when given, and library versions (SPEC §2, §5, §7).
+
+It **computes no ε**: every number comes from the report dict (``PrivacyReport.to_dict()``)
+and the candidate entries passed in. Displayed ε values are rounded *up* (they are upper
+bounds); the JSON carries them unrounded. For RS the card names the probabilities π but never
+the drawn candidate, which it is never given (SPEC §4).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from typing import Any
+
+from dpmerge.accounting.records import Candidate, MechanismRecord
+from dpmerge.errors import RecordError
+
+CARD_SCHEMA = "dpmerge.privacy_card/1"
+LIBRARIES = ("dpmerge", "dp-accounting", "opacus", "torch", "mlflow")
+STRUCTURED_LABEL = "structured (the DP model merging paper's analysis)"
+INTERNAL_NOTE = (
+    "Candidate weights, and anything computed from them such as their accuracies, are internal: "
+    "publishing them voids this guarantee, which covers this released model only."
+)
+RS_NOTE = (
+    "Random selection released one candidate drawn secretly with the probabilities above; which "
+    "one is part of the mechanism's randomness and is not recorded here (SPEC §4)."
+)
+LEDGER_NOTE = (
+    "Releases derived from the same candidates are correlated: adding up their ε values is not "
+    "a valid bound; the cumulative bound is the joint release of every candidate used (SPEC §7)."
+)
+_BOUND_LABELS = {
+    "generic": "generic (composition of the used candidates; no assumption)",
+    "structured": STRUCTURED_LABEL,
+    "selection": "selection (mixture of the candidates' privacy curves)",
+    "gaussian": "Gaussian mechanism (exact)",
+    "candidate": "candidate (its own DP-SGD accounting)",
+}
+_METHODS = {"rs": "RS — random selection", "lc": "LC — linear combination θ = Σ λ_i θ_i"}
+
+
+@dataclass(frozen=True)
+class CardCandidate:
+    """One candidate as the card lists it: its registry version and its own bound."""
+
+    name: str
+    version: str | None
+    epsilon: float | None
+    accountant: str | None
+    delta: float | None
+    noise_multiplier: float | None = None
+    sample_rate: float | None = None
+    steps: int | None = None
+    noise_lineage: str | None = None
+    batch_lineage: str | None = None
+
+    @classmethod
+    def from_record(
+        cls, candidate: Candidate, privacy: Mapping[str, Any] | None, version: str | None
+    ) -> CardCandidate:
+        """From a mechanism record (or label) and its stored candidate bound dict."""
+        bound = dict(privacy or {})
+        record = candidate if isinstance(candidate, MechanismRecord) else None
+        label_eps = getattr(candidate, "epsilon", None)
+        return cls(
+            name=candidate.name,
+            version=version,
+            epsilon=bound.get("epsilon", label_eps),
+            accountant=bound.get("accountant", "label" if label_eps is not None else None),
+            delta=bound.get("delta", getattr(candidate, "delta", None)),
+            noise_multiplier=record.noise_multiplier if record else None,
+            sample_rate=record.sample_rate if record else None,
+            steps=record.steps if record else None,
+            noise_lineage=record.noise_lineage if record else None,
+            batch_lineage=record.batch_lineage if record else None,
+        )
+
+
+@dataclass(frozen=True)
+class PrivacyCard:
+    markdown: str
+    data: dict[str, Any]
+
+    def to_json(self) -> str:
+        return json.dumps(self.data, indent=2, sort_keys=True)
+
+    def description(self, limit: int = 5000) -> str:
+        """The Markdown, or its headline and bounds when longer than ``limit`` characters
+        (an MLflow model-version description holds 5000)."""
+        if len(self.markdown) <= limit:
+            return self.markdown
+        head = self.markdown.split("\n## Merge", 1)[0]
+        short = head + "\n\nFull card: artifact `privacy_card.md`.\n"
+        return short if len(short) <= limit else short[: limit - 1] + "…"
+
+
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def eps_text(value: float | None) -> str:
+    """An ε for display, rounded up to 4 decimals (never toward the unsafe side)."""
+    if value is None:
+        return "—"
+    if math.isinf(value):
+        return "∞"
+    return f"{math.ceil(value * 1e4 - 1e-9) / 1e4:.4f}"
+
+
+def _num(value: Any) -> str:
+    return "—" if value is None else f"{value:g}"
+
+
+def _require(report: Mapping[str, Any]) -> Mapping[str, Any]:
+    missing = [
+        k
+        for k in ("method", "candidates", "weights", "delta", "bound", "epsilon", "bounds")
+        if k not in report
+    ]
+    if missing or "gating" not in report.get("bounds", {}):
+        raise RecordError(
+            f"privacy report lacks {', '.join(missing) or 'bounds.gating'}; "
+            "pass PrivacyReport.to_dict()"
+        )
+    if report["method"] not in _METHODS:
+        raise RecordError(f"privacy report has unknown method {report['method']!r}")
+    return report["bounds"]["gating"]
+
+
+def _bound_rows(bound: Mapping[str, Any]) -> list[str]:
+    delta = _num(bound.get("delta"))
+    pld, rdp = eps_text(bound.get("epsilon_pld")), eps_text(bound.get("epsilon_rdp"))
+    return [
+        f"| PLD (dp_accounting, connect-the-dots, pessimistic) | {pld} | {delta} "
+        f"| value discretisation {_num(bound.get('discretisation'))} |",
+        f"| RDP (converted to (ε, δ)) | {rdp} | {delta} "
+        f"| best order α = {_num(bound.get('rdp_order'))} |",
+    ]
+
+
+def _ledger_section(ledger: Mapping[str, Any]) -> list[str]:
+    details = []
+    if ledger.get("accountant"):
+        details.append(str(ledger["accountant"]).upper())
+    if ledger.get("cap") is not None:
+        details.append(f"cap ε = {ledger['cap']:g}")
+    if ledger.get("releases"):
+        details.append(f"{ledger['releases']} releases")
+    lines = [
+        "## Release ledger (cumulative)",
+        "",
+        f"All releases from this dataset together: ε = **{eps_text(ledger.get('epsilon'))}** "
+        f"at δ = {_num(ledger.get('delta'))}"
+        + (f" ({'; '.join(details)})" if details else "")
+        + ".",
+        "",
+    ]
+    if ledger.get("candidates"):
+        lines += [f"Candidates used by any release: {', '.join(ledger['candidates'])}.", ""]
+    return lines
+
+
+def _bound_section(title: str, bound: Mapping[str, Any]) -> list[str]:
+    lines = [f"### {title}", "", str(bound.get("description", "")), ""]
+    if bound.get("epsilon") is None:
+        return [*lines, f"Not available: {bound.get('reason') or 'no reason given'}.", ""]
+    lines += [
+        f"ε = **{eps_text(bound['epsilon'])}** ({str(bound.get('accountant')).upper()}), "
+        f"δ = {_num(bound.get('delta'))}, neighbouring relation: "
+        f"{str(bound.get('neighbouring', '')).replace('_', '-')}.",
+        "",
+        "| accountant | ε | δ | setting |",
+        "|---|---|---|---|",
+        *_bound_rows(bound),
+        "",
+    ]
+    if bound.get("assumptions"):
+        lines += ["Assumptions:", "", *(f"- {a}" for a in bound["assumptions"]), ""]
+    return lines
+
+
+def build_privacy_card(
+    report: Mapping[str, Any],
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    candidates: Sequence[CardCandidate],
+    model_name: str | None = None,
+    policy_id: str | None = None,
+    ledger: Mapping[str, Any] | None = None,
+) -> PrivacyCard:
+    """The card of one merge. ``candidates`` must be exactly the report's candidates;
+    ``ledger`` (optional) holds the cumulative release bound: ``epsilon``, ``delta`` and
+    optionally ``accountant``, ``candidates``, ``releases``, ``cap`` — e.g.
+    ``{**ReleaseLedger.check(...).to_dict(), "cap": cap, "releases": n}``."""
+    gating = _require(report)
+    by_name = {c.name: c for c in candidates}
+    names = list(report["candidates"])
+    if sorted(by_name) != sorted(names):
+        raise RecordError(
+            f"card candidates {sorted(by_name)} differ from the report's {sorted(names)}"
+        )
+    method, weights = report["method"], list(report["weights"])
+    epsilon, delta = report["epsilon"], report["delta"]
+    meets = epsilon is not None and epsilon <= target_epsilon and delta <= target_delta
+    bounds = report["bounds"]
+    generic, structured = bounds.get("generic"), bounds.get("structured")
+    versions = library_versions()
+    weight_name = "π (selection probability)" if method == "rs" else "λ (weight)"
+
+    md = [
+        f"# Privacy card{f' — {model_name}' if model_name else ''}",
+        "",
+        f"**Guarantee:** (ε = {eps_text(epsilon)}, δ = {_num(delta)})-DP under "
+        f"{str(report.get('neighbouring', gating.get('neighbouring', ''))).replace('_', '-')} "
+        f"adjacency, gated by the **{_BOUND_LABELS.get(report['bound'], report['bound'])}** bound "
+        f"({str(report.get('accountant')).upper()} accountant).",
+        "",
+        f"**Target** (ε\\*, δ\\*) = ({target_epsilon:g}, {target_delta:g})"
+        f"{f', policy `{policy_id}`' if policy_id else ''}: "
+        f"{'met' if meets else '**not met**'}.",
+        "",
+        "## Bounds",
+        "",
+        *_bound_section(
+            f"Gating bound: {_BOUND_LABELS.get(gating['kind'], gating['kind'])}", gating
+        ),
+    ]
+    if method == "lc":
+        if generic is not None and gating.get("kind") != "generic":
+            md += _bound_section(f"Generic bound: {_BOUND_LABELS['generic']}", generic)
+        if generic is None:
+            md += ["### Generic bound", "", "Missing from the report.", ""]
+        if structured is not None and gating.get("kind") != "structured":
+            md += _bound_section(f"Structured bound: {STRUCTURED_LABEL}", structured)
+    else:
+        md += [
+            "The generic and structured bounds are LC bounds; random selection is bounded by the "
+            "mixture of the candidates' curves (no independence between candidates needed).",
+            "",
+        ]
+    md += [
+        "## Merge",
+        "",
+        f"Method: **{_METHODS[method]}**.",
+        "",
+        f"| candidate | registry version | {weight_name} | ε (accountant, δ) | σ | q | T "
+        "| noise lineage | batch lineage |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, weight in zip(names, weights, strict=True):
+        c = by_name[name]
+        md.append(
+            f"| {c.name} | {c.version or '—'} | {weight:.4f} | {eps_text(c.epsilon)} "
+            f"({c.accountant or '—'}, {_num(c.delta)}) | {_num(c.noise_multiplier)} "
+            f"| {_num(c.sample_rate)} | {_num(c.steps)} | {c.noise_lineage or '—'} "
+            f"| {c.batch_lineage or '—'} |"
+        )
+    md.append("")
+    md += _ledger_section(ledger) if ledger is not None else []
+    notes = [*report.get("notes", []), *([RS_NOTE] if method == "rs" else []), INTERNAL_NOTE]
+    notes += [LEDGER_NOTE] if ledger is not None else []
+    md += ["## Notes", "", *(f"- {n}" for n in notes), ""]
+    md += [
+        "## Software",
+        "",
+        "| " + " | ".join(versions) + " |",
+        "|" + "---|" * len(versions),
+        "| " + " | ".join(versions.values()) + " |",
+        "",
+    ]
+    data = {
+        "schema": CARD_SCHEMA,
+        "model": model_name,
+        "policy": policy_id,
+        "target": {"epsilon": target_epsilon, "delta": target_delta, "met": meets},
+        "guarantee": {
+            "epsilon": epsilon,
+            "delta": delta,
+            "bound": report["bound"],
+            "accountant": report.get("accountant"),
+            "epsilon_pld": report.get("epsilon_pld"),
+            "epsilon_rdp": report.get("epsilon_rdp"),
+            "neighbouring": report.get("neighbouring", gating.get("neighbouring")),
+        },
+        "bounds": {
+            k: dict(v) for k, v in bounds.items() if k in ("gating", "generic", "structured") and v
+        },
+        "merge": {
+            "method": method,
+            "weights": weights,
+            "candidates": [asdict(by_name[n]) for n in names],
+        },
+        "ledger": dict(ledger) if ledger is not None else None,
+        "notes": notes,
+        "libraries": versions,
+    }
+    return PrivacyCard("\n".join(md), data)

@@ -1,0 +1,360 @@
+"""The project's own objects in S3 (boto3): buckets, checkpoints, exports, audit records.
+
+Two buckets. The **project bucket** (default ``dpmerge``) holds the MLflow artifact store
+(prefix ``mlartifacts/``, written by the MLflow server), checkpoints of long runs
+(``checkpoints/<run>/``) and exports (``exports/``). The **audit bucket** (default
+``dpmerge-audit``) holds access-restricted records such as the secret RS draw (SPEC §4): it is
+created with public access blocked, default encryption and versioning, and an audit record is
+written at most once (a conditional ``If-None-Match: *`` put), so a release cannot be re-drawn
+by overwriting its record. Nothing from the audit bucket goes to MLflow tags or privacy cards.
+
+Configuration comes from the environment (:meth:`S3Config.from_env`); credentials follow the
+usual AWS chain unless given explicitly (the local stack passes moto's dummy ones). Transient
+errors are retried by botocore (``standard`` mode); an unreachable endpoint, missing
+credentials, a missing bucket or key raise :class:`StorageError` with a one-line cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from dpmerge.errors import DPMergeError
+
+DEFAULT_BUCKET = "dpmerge"
+DEFAULT_AUDIT_BUCKET = "dpmerge-audit"
+DEFAULT_REGION = "us-east-1"
+MLFLOW_ARTIFACTS_PREFIX = "mlartifacts"
+CHECKPOINTS_PREFIX = "checkpoints"
+EXPORTS_PREFIX = "exports"
+AUDIT_PREFIX = "releases"
+
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_SSE_RULE = {"ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "AES256"}}
+_NOT_FOUND = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
+
+
+class StorageError(DPMergeError):
+    """An S3 operation failed; the message names the endpoint, bucket and key."""
+
+
+class ObjectNotFoundError(StorageError):
+    """The bucket or key does not exist."""
+
+
+class ObjectExistsError(StorageError):
+    """A create-only write found the key already there."""
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """Where the project's objects live. ``endpoint_url=None`` means AWS itself."""
+
+    endpoint_url: str | None = None
+    bucket: str = DEFAULT_BUCKET
+    audit_bucket: str = DEFAULT_AUDIT_BUCKET
+    region: str = DEFAULT_REGION
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    max_attempts: int = 5
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in (self.bucket, self.audit_bucket):
+            if not _BUCKET_NAME.match(name):
+                raise StorageError(f"invalid S3 bucket name {name!r} (3–63 of a-z 0-9 . -)")
+        if self.bucket == self.audit_bucket:
+            raise StorageError(
+                f"the audit bucket must differ from the project bucket ({self.bucket!r}): "
+                "audit records are access-restricted"
+            )
+        if self.max_attempts < 1:
+            raise StorageError(f"max_attempts must be at least 1, got {self.max_attempts}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> S3Config:
+        """Read ``DPMERGE_S3_ENDPOINT_URL`` (else ``MLFLOW_S3_ENDPOINT_URL``),
+        ``DPMERGE_S3_BUCKET``, ``DPMERGE_S3_AUDIT_BUCKET``, ``DPMERGE_S3_MAX_ATTEMPTS`` and
+        ``AWS_REGION``/``AWS_DEFAULT_REGION``; credentials are left to the AWS chain."""
+        env = os.environ if environ is None else environ
+        endpoint = env.get("DPMERGE_S3_ENDPOINT_URL") or env.get("MLFLOW_S3_ENDPOINT_URL")
+        attempts = env.get("DPMERGE_S3_MAX_ATTEMPTS", "5")
+        try:
+            max_attempts = int(attempts)
+        except ValueError:
+            raise StorageError(
+                f"DPMERGE_S3_MAX_ATTEMPTS must be an integer, got {attempts!r}"
+            ) from None
+        return cls(
+            endpoint_url=endpoint or None,
+            bucket=env.get("DPMERGE_S3_BUCKET", DEFAULT_BUCKET),
+            audit_bucket=env.get("DPMERGE_S3_AUDIT_BUCKET", DEFAULT_AUDIT_BUCKET),
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or DEFAULT_REGION,
+            max_attempts=max_attempts,
+        )
+
+    @property
+    def mlflow_artifacts_uri(self) -> str:
+        """The MLflow server's ``--artifacts-destination``."""
+        return f"s3://{self.bucket}/{MLFLOW_ARTIFACTS_PREFIX}"
+
+    @property
+    def where(self) -> str:
+        return self.endpoint_url or f"AWS S3 ({self.region})"
+
+
+class S3Store:
+    """put/get/list/delete for the project's objects; one boto3 client per store."""
+
+    def __init__(self, config: S3Config | None = None) -> None:
+        self.config = config or S3Config.from_env()
+        cfg = self.config
+        self.client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=cfg.endpoint_url,
+            region_name=cfg.region,
+            aws_access_key_id=cfg.access_key_id,
+            aws_secret_access_key=cfg.secret_access_key,
+            config=Config(
+                retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
+                connect_timeout=cfg.connect_timeout_s,
+                read_timeout=cfg.read_timeout_s,
+                s3={"addressing_style": "path"},
+            ),
+        )
+
+    @contextmanager
+    def _errors(self, action: str, bucket: str, key: str | None = None) -> Iterator[None]:
+        target = f"s3://{bucket}/{key}" if key is not None else f"s3://{bucket}"
+        try:
+            yield
+        except BotoConnectionError as error:
+            raise StorageError(
+                f"S3 endpoint {self.config.where} unreachable while {action} {target} "
+                f"({type(error).__name__}); start the local stack (`dpmerge stack up`) or set "
+                "DPMERGE_S3_ENDPOINT_URL"
+            ) from None
+        except NoCredentialsError:
+            raise StorageError(
+                f"no AWS credentials for {self.config.where} while {action} {target}; set "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (local stack: eval $(dpmerge stack env))"
+            ) from None
+        except ClientError as error:
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            message = error.response.get("Error", {}).get("Message", "")
+            if code in _NOT_FOUND:
+                raise ObjectNotFoundError(f"not found while {action}: {target} ({code})") from None
+            raise StorageError(f"S3 error while {action} {target}: {code} {message}") from None
+        except BotoCoreError as error:
+            raise StorageError(f"S3 error while {action} {target}: {error}") from None
+
+    # --- buckets -------------------------------------------------------------------------
+
+    def ensure_bucket(self, bucket: str | None = None, *, restricted: bool = False) -> str:
+        """Create ``bucket`` (default: the project bucket) if missing. ``restricted`` blocks
+        public access and turns on default encryption and versioning (the audit bucket)."""
+        bucket = bucket or self.config.bucket
+        with self._errors("checking bucket", bucket):
+            try:
+                self.client.head_bucket(Bucket=bucket)
+                exists = True
+            except ClientError as error:
+                if str(error.response.get("Error", {}).get("Code")) not in _NOT_FOUND:
+                    raise
+                exists = False
+        if not exists:
+            with self._errors("creating bucket", bucket):
+                extra = (
+                    {}
+                    if self.config.region == "us-east-1"
+                    else {"CreateBucketConfiguration": {"LocationConstraint": self.config.region}}
+                )
+                self.client.create_bucket(Bucket=bucket, **extra)
+        if restricted:
+            with self._errors("restricting bucket", bucket):
+                self.client.put_public_access_block(
+                    Bucket=bucket,
+                    PublicAccessBlockConfiguration={
+                        "BlockPublicAcls": True,
+                        "IgnorePublicAcls": True,
+                        "BlockPublicPolicy": True,
+                        "RestrictPublicBuckets": True,
+                    },
+                )
+                self.client.put_bucket_encryption(
+                    Bucket=bucket,
+                    ServerSideEncryptionConfiguration={"Rules": [_SSE_RULE]},
+                )
+                self.client.put_bucket_versioning(
+                    Bucket=bucket, VersioningConfiguration={"Status": "Enabled"}
+                )
+        return bucket
+
+    def bootstrap(self) -> None:
+        """Create the project bucket and the restricted audit bucket (idempotent)."""
+        self.ensure_bucket(self.config.bucket)
+        self.ensure_bucket(self.config.audit_bucket, restricted=True)
+
+    # --- objects -------------------------------------------------------------------------
+
+    def put_bytes(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        bucket: str | None = None,
+        if_absent: bool = False,
+        content_type: str = "application/octet-stream",
+    ) -> str:
+        """Write one object; with ``if_absent`` refuse to replace an existing one. Returns its
+        ``s3://`` URI."""
+        bucket = bucket or self.config.bucket
+        extra: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
+        with self._errors("writing", bucket, key):
+            try:
+                self.client.put_object(
+                    Bucket=bucket, Key=key, Body=data, ContentType=content_type, **extra
+                )
+            except ClientError as error:
+                if error.response.get("Error", {}).get("Code") == "PreconditionFailed":
+                    raise ObjectExistsError(f"s3://{bucket}/{key} already exists") from None
+                raise
+        return f"s3://{bucket}/{key}"
+
+    def put_json(
+        self, key: str, document: Any, *, bucket: str | None = None, if_absent: bool = False
+    ) -> str:
+        data = json.dumps(document, indent=2, sort_keys=True).encode()
+        return self.put_bytes(
+            key, data, bucket=bucket, if_absent=if_absent, content_type="application/json"
+        )
+
+    def get_bytes(self, key: str, *, bucket: str | None = None) -> bytes:
+        bucket = bucket or self.config.bucket
+        with self._errors("reading", bucket, key):
+            return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def get_json(self, key: str, *, bucket: str | None = None) -> Any:
+        return json.loads(self.get_bytes(key, bucket=bucket))
+
+    def exists(self, key: str, *, bucket: str | None = None) -> bool:
+        bucket = bucket or self.config.bucket
+        try:
+            with self._errors("checking", bucket, key):
+                self.client.head_object(Bucket=bucket, Key=key)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def list_keys(self, prefix: str = "", *, bucket: str | None = None) -> list[str]:
+        """Every key under ``prefix``, sorted."""
+        bucket = bucket or self.config.bucket
+        keys: list[str] = []
+        with self._errors("listing", bucket, prefix):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=prefix
+            ):
+                keys.extend(item["Key"] for item in page.get("Contents", []))
+        return sorted(keys)
+
+    def delete(self, key: str, *, bucket: str | None = None) -> None:
+        bucket = bucket or self.config.bucket
+        with self._errors("deleting", bucket, key):
+            self.client.delete_object(Bucket=bucket, Key=key)
+
+    def delete_prefix(self, prefix: str, *, bucket: str | None = None) -> int:
+        """Delete every key under ``prefix`` (which must be non-empty); returns the count."""
+        if not prefix.strip("/"):
+            raise StorageError("refusing to delete a whole bucket: give a non-empty prefix")
+        bucket = bucket or self.config.bucket
+        keys = self.list_keys(prefix, bucket=bucket)
+        with self._errors("deleting under", bucket, prefix):
+            for start in range(0, len(keys), 1000):
+                chunk = [{"Key": k} for k in keys[start : start + 1000]]
+                self.client.delete_objects(Bucket=bucket, Delete={"Objects": chunk})
+        return len(keys)
+
+    def upload_dir(self, prefix: str, directory: str | Path, *, bucket: str | None = None) -> str:
+        """Upload every file under ``directory`` to ``prefix/<relative path>`` (multipart for
+        large files). Returns the ``s3://`` URI of the prefix."""
+        directory, bucket = Path(directory), bucket or self.config.bucket
+        if not directory.is_dir():
+            raise StorageError(f"not a directory: {directory}")
+        prefix = prefix.strip("/")
+        for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+            key = f"{prefix}/{path.relative_to(directory).as_posix()}"
+            with self._errors("uploading", bucket, key):
+                self.client.upload_file(str(path), bucket, key)
+        return f"s3://{bucket}/{prefix}"
+
+    def download_dir(
+        self, prefix: str, directory: str | Path, *, bucket: str | None = None
+    ) -> Path:
+        """Download every key under ``prefix/`` into ``directory`` (the inverse of
+        :meth:`upload_dir`)."""
+        directory, bucket = Path(directory), bucket or self.config.bucket
+        prefix = prefix.strip("/") + "/"
+        keys = self.list_keys(prefix, bucket=bucket)
+        if not keys:
+            raise ObjectNotFoundError(f"nothing stored under s3://{bucket}/{prefix}")
+        for key in keys:
+            target = directory / key[len(prefix) :]
+            if not target.resolve().is_relative_to(directory.resolve()):
+                raise StorageError(f"refusing key {key!r}: it escapes {directory}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self._errors("downloading", bucket, key):
+                self.client.download_file(bucket, key, str(target))
+        return directory
+
+    # --- project objects -----------------------------------------------------------------
+
+    def save_checkpoint(self, run_id: str, directory: str | Path) -> str:
+        """Upload a checkpoint directory of a long run to ``checkpoints/<run_id>/``."""
+        return self.upload_dir(f"{CHECKPOINTS_PREFIX}/{_segment(run_id)}", directory)
+
+    def load_checkpoint(self, run_id: str, directory: str | Path) -> Path:
+        return self.download_dir(f"{CHECKPOINTS_PREFIX}/{_segment(run_id)}", directory)
+
+    def export_dir(self, name: str, directory: str | Path) -> str:
+        """Upload a directory (a released model, a report) to ``exports/<name>/``."""
+        return self.upload_dir(f"{EXPORTS_PREFIX}/{_segment(name)}", directory)
+
+    def write_audit_record(self, release_id: str, record: Mapping[str, Any]) -> str:
+        """Store an access-restricted audit record (e.g. the RS draw) for one release in the
+        audit bucket, at most once: a second write for the same release is refused, since
+        drawing again for a release is a selection step that costs privacy (SPEC §4)."""
+        key = f"{AUDIT_PREFIX}/{_segment(release_id)}.json"
+        try:
+            return self.put_json(key, dict(record), bucket=self.config.audit_bucket, if_absent=True)
+        except ObjectExistsError:
+            raise ObjectExistsError(
+                f"an audit record for release {release_id!r} already exists; "
+                "one draw per release (SPEC §4)"
+            ) from None
+
+    def read_audit_record(self, release_id: str) -> dict[str, Any]:
+        key = f"{AUDIT_PREFIX}/{_segment(release_id)}.json"
+        return self.get_json(key, bucket=self.config.audit_bucket)
+
+
+def _segment(name: str) -> str:
+    """A key segment: no slashes, no leading dots, not empty."""
+    if not name or "/" in name or name.startswith(".") or not name.isprintable():
+        raise StorageError(f"invalid key segment {name!r}")
+    return name

@@ -1,0 +1,53 @@
+"""Shared fixtures. Servers are real processes on loopback (see ``servers.py``), session-scoped,
+started only when a test asks for them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from servers import TELEMETRY_OFF, environment, running_stack
+
+from dpmerge.stack import StackConfig
+from dpmerge.storage import S3Store
+
+for _key, _value in TELEMETRY_OFF.items():
+    os.environ.setdefault(_key, _value)
+
+
+@pytest.fixture(scope="session")
+def s3_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
+    """moto S3 + an MLflow server (sqlite, artifacts proxied to S3) on free loopback ports."""
+    with running_stack(tmp_path_factory.mktemp("s3-mlflow"), prefect=False) as config:
+        yield config
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(s3_mlflow: StackConfig) -> str:
+    """Tracking URI of the session's MLflow server."""
+    return s3_mlflow.mlflow_url
+
+
+@pytest.fixture(scope="session")
+def s3_store(s3_mlflow: StackConfig) -> S3Store:
+    """A store on the session's moto server (buckets already bootstrapped)."""
+    return S3Store(s3_mlflow.s3_config())
+
+
+@pytest.fixture(scope="session")
+def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
+    """The whole stack (S3, MLflow, Prefect, cpu/gpu pools and workers) on free ports, with
+    this process's environment pointed at it (PREFECT_API_URL, MLFLOW_TRACKING_URI, S3…)."""
+    with (
+        running_stack(tmp_path_factory.mktemp("stack"), prefect=True) as config,
+        environment(config.client_env()),
+    ):
+        yield config
+
+
+@pytest.fixture
+def mlflow_embedded(tmp_path: Path) -> str:
+    """An embedded MLflow: a sqlite file in ``tmp_path`` (artifacts beside it)."""
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -1,0 +1,195 @@
+"""The privacy card shows the report's numbers (it computes none) and never the RS draw."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from dpmerge.accounting.account import account
+from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.records import MechanismRecord
+from dpmerge.errors import RecordError
+from dpmerge.privacy_card import (
+    INTERNAL_NOTE,
+    STRUCTURED_LABEL,
+    CardCandidate,
+    build_privacy_card,
+    eps_text,
+)
+
+DELTA = 1e-5
+
+
+def record(name: str, sigma: float) -> MechanismRecord:
+    return MechanismRecord(
+        name=name,
+        noise_multiplier=sigma,
+        sample_rate=0.01,
+        steps=100,
+        clip_norm=1.0,
+        learning_rate=0.5,
+        expected_batch_size=100.0,
+        optimizer="sgd",
+        noise_lineage=f"run-{name}",
+        batch_lineage=f"batches-{name}",
+        dataset="toy-sha256:0123456789abcdef",
+        neighbouring="add_or_remove_one",
+        sampling="poisson",
+        dataset_size=10_000,
+        initialisation="zeros",
+    )
+
+
+RECORDS = [record("cand-a", 1.0), record("cand-b", 1.5), record("cand-c", 2.0)]
+
+
+def entries() -> list[CardCandidate]:
+    return [
+        CardCandidate.from_record(r, candidate_bound(r, DELTA).to_dict(), str(i + 1))
+        for i, r in enumerate(RECORDS)
+    ]
+
+
+def bound(kind: str, pld: float | None, rdp: float | None, **extra: Any) -> dict[str, Any]:
+    values = [v for v in (pld, rdp) if v is not None]
+    return {
+        "kind": kind,
+        "delta": DELTA,
+        "epsilon_pld": pld,
+        "epsilon_rdp": rdp,
+        "rdp_order": 8.0,
+        "discretisation": 1e-4,
+        "assumptions": extra.pop("assumptions", []),
+        "reason": extra.pop("reason", None),
+        "neighbouring": "add_or_remove_one",
+        "epsilon": min(values) if values else None,
+        "accountant": ("pld" if pld is not None and (rdp is None or pld <= rdp) else "rdp")
+        if values
+        else None,
+        "description": f"{kind} bound",
+    }
+
+
+def fabricated_lc_report(structured: dict[str, Any] | None) -> dict[str, Any]:
+    """A report with made-up ε values: the card must show these, not recompute anything."""
+    generic = bound("generic", 1.234561, 1.5)
+    return {
+        "method": "lc",
+        "candidates": [r.name for r in RECORDS],
+        "weights": [0.5, 0.3, 0.2],
+        "delta": DELTA,
+        "bound": "generic",
+        "epsilon": 1.234561,
+        "accountant": "pld",
+        "epsilon_pld": 1.234561,
+        "epsilon_rdp": 1.5,
+        "neighbouring": "add_or_remove_one",
+        "assumptions": [],
+        "notes": ["a note from the accountant"],
+        "bounds": {"gating": generic, "generic": generic, "structured": structured},
+    }
+
+
+def test_card_shows_the_reports_numbers_rounded_up() -> None:
+    structured = bound("structured", 0.987654, None, assumptions=["plain SGD"])
+    card = build_privacy_card(
+        fabricated_lc_report(structured),
+        target_epsilon=2.0,
+        target_delta=DELTA,
+        candidates=entries(),
+        model_name="dpmerge-toy-logreg-merged",
+        policy_id="policy-7",
+    )
+    md = card.markdown
+    assert "ε = 1.2346" in md  # 1.234561 rounded up, never down
+    assert "0.9877" in md and STRUCTURED_LABEL in md and "plain SGD" in md
+    assert "Generic" not in md.split("### Gating")[0]  # generic is the gate here, shown once
+    assert "(2, 1e-05), policy `policy-7`: met" in md
+    assert "a note from the accountant" in md and INTERNAL_NOTE in md
+    for r in RECORDS:
+        assert f"| {r.name} |" in md and r.noise_lineage in md
+    for library in ("dpmerge", "dp-accounting", "opacus", "torch", "mlflow"):
+        assert library in md and library in card.data["libraries"]
+    data = json.loads(card.to_json())
+    assert data["guarantee"]["epsilon"] == 1.234561  # unrounded in JSON
+    assert data["bounds"]["structured"]["epsilon_pld"] == 0.987654
+    assert data["merge"]["weights"] == [0.5, 0.3, 0.2]
+    assert [c["version"] for c in data["merge"]["candidates"]] == ["1", "2", "3"]
+
+
+def test_unavailable_structured_bound_shows_its_reason() -> None:
+    structured = bound("structured", None, None, reason="candidates share noise lineage")
+    card = build_privacy_card(
+        fabricated_lc_report(structured),
+        target_epsilon=1.0,
+        target_delta=DELTA,
+        candidates=entries(),
+    )
+    assert "Not available: candidates share noise lineage." in card.markdown
+    assert "**not met**" in card.markdown and card.data["target"]["met"] is False
+
+
+def test_real_lc_report_with_structured_gate_shows_generic_beside_it() -> None:
+    report = account(RECORDS, "lc", [0.2, 0.3, 0.5], DELTA, gating_bound="structured").to_dict()
+    card = build_privacy_card(report, target_epsilon=5.0, target_delta=DELTA, candidates=entries())
+    md = card.markdown
+    assert f"Gating bound: {STRUCTURED_LABEL}" in md
+    assert "Generic bound" in md and eps_text(report["bounds"]["generic"]["epsilon"]) in md
+    assert eps_text(report["epsilon"]) in md
+
+
+def test_rs_card_names_probabilities_but_no_draw() -> None:
+    report = account(RECORDS, "rs", [0.25, 0.25, 0.5], DELTA).to_dict()
+    card = build_privacy_card(report, target_epsilon=5.0, target_delta=DELTA, candidates=entries())
+    text = card.markdown + card.to_json()
+    assert "π (selection probability)" in card.markdown
+    assert "not recorded here" in card.markdown
+    for word in ("drawn_index", "drawn_candidate", "selected", "released candidate"):
+        assert word not in text
+    # every candidate is named equally often: nothing singles one out
+    counts = {r.name: text.count(r.name) for r in RECORDS}
+    assert len(set(counts.values())) == 1, counts
+
+
+def test_ledger_section() -> None:
+    card = build_privacy_card(
+        fabricated_lc_report(None),
+        target_epsilon=2.0,
+        target_delta=DELTA,
+        candidates=entries(),
+        ledger={"epsilon": 3.21, "delta": DELTA, "accountant": "pld", "cap": 8.0, "releases": 3},
+    )
+    assert "## Release ledger (cumulative)" in card.markdown
+    assert "ε = **3.2100** at δ = 1e-05 (PLD; cap ε = 8; 3 releases)" in card.markdown
+    assert card.data["ledger"]["epsilon"] == 3.21
+
+
+def test_description_fits_mlflow_limit() -> None:
+    card = build_privacy_card(
+        fabricated_lc_report(None), target_epsilon=2.0, target_delta=DELTA, candidates=entries()
+    )
+    assert card.description() == card.markdown
+    short = card.description(limit=len(card.markdown) - 1)
+    assert len(short) < len(card.markdown) and "Full card" in short and "## Bounds" in short
+
+
+def test_candidates_must_match_the_report() -> None:
+    with pytest.raises(RecordError, match="differ from the report"):
+        build_privacy_card(
+            fabricated_lc_report(None),
+            target_epsilon=2.0,
+            target_delta=DELTA,
+            candidates=entries()[:2],
+        )
+    with pytest.raises(RecordError, match=r"PrivacyReport\.to_dict"):
+        build_privacy_card(
+            {"method": "lc"}, target_epsilon=2.0, target_delta=DELTA, candidates=entries()
+        )
+
+
+def test_eps_text_rounds_up() -> None:
+    assert eps_text(1.00001) == "1.0001"
+    assert eps_text(2.0) == "2.0000"
+    assert eps_text(None) == "—"

@@ -1,0 +1,342 @@
+"""The MLflow registry adapter against a real MLflow server (S3 artifacts on moto) and against
+an embedded sqlite store: registration, privacy card, gates, idempotency, RS secrecy."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pytest
+import torch
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.records import MechanismRecord
+from dpmerge.artifacts import ModelSpec, save_model_dir
+from dpmerge.cli import main
+from dpmerge.merging import merge_model_dirs
+from dpmerge.policies import Policy
+from dpmerge.registry import (
+    CARD_JSON,
+    CARD_MARKDOWN,
+    STATUS_FAILED,
+    GateError,
+    Registry,
+    RegistryError,
+    candidate_model_name,
+    merged_model_name,
+)
+from dpmerge.storage import S3Store
+
+DELTA = 1e-5
+DATASET = "toy-sha256:0123456789abcdef0123"
+SPEC = ModelSpec("logreg", (1, 4, 4), 3)
+CANDIDATES = candidate_model_name(DATASET, "logreg")
+MERGED = merged_model_name(DATASET, "logreg")
+POLICY = {"id": "policy-1", "target_epsilon": 5.0, "target_delta": DELTA}
+SIGMAS = {"cand-a": 1.0, "cand-b": 1.5, "cand-c": 2.0}
+
+
+def _record(name: str, sigma: float) -> MechanismRecord:
+    return MechanismRecord(
+        name=name,
+        noise_multiplier=sigma,
+        sample_rate=0.01,
+        steps=100,
+        clip_norm=1.0,
+        learning_rate=0.5,
+        expected_batch_size=100.0,
+        optimizer="sgd",
+        noise_lineage=f"run-{name}",
+        batch_lineage=f"batches-{name}",
+        dataset=DATASET,
+        neighbouring="add_or_remove_one",
+        sampling="poisson",
+        dataset_size=10_000,
+        initialisation="zeros",
+    )
+
+
+@pytest.fixture(scope="module")
+def candidate_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("candidates")
+    dirs = []
+    for i, (name, sigma) in enumerate(SIGMAS.items()):
+        generator = torch.Generator().manual_seed(i)
+        weights = {
+            "linear.weight": torch.randn(3, 16, generator=generator),
+            "linear.bias": torch.randn(3, generator=generator),
+        }
+        record = _record(name, sigma)
+        dirs.append(
+            save_model_dir(
+                root / name,
+                weights,
+                SPEC,
+                record=record,
+                candidate_privacy=candidate_bound(record, DELTA).to_dict(),
+                metrics={"test_accuracy": 0.70 + i / 100, "validation_accuracy": 0.7},
+            )
+        )
+    return dirs
+
+
+def _merge(
+    dirs: Sequence[Path], method: str, weights: Sequence[float], out: Path, **kw: Any
+) -> Path:
+    return merge_model_dirs(dirs, method, weights, out, delta=DELTA, **kw).path
+
+
+def _accuracy(accuracy: float) -> Any:
+    return lambda spec, weights: {"test_accuracy": accuracy, "test_loss": 0.5}
+
+
+@pytest.fixture(scope="module")
+def server_registry(mlflow_server: str) -> Registry:
+    return Registry(mlflow_server)
+
+
+@pytest.fixture(scope="module")
+def registered(server_registry: Registry, candidate_dirs: list[Path]) -> list[str]:
+    return [server_registry.register_candidate(d).version for d in candidate_dirs]
+
+
+@pytest.mark.integration
+def test_candidates_registered_with_tags_and_artifacts_in_s3(
+    server_registry: Registry,
+    registered: list[str],
+    candidate_dirs: list[Path],
+    s3_store: S3Store,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client = MlflowClient(server_registry.tracking_uri)
+    for version, path in zip(registered, candidate_dirs, strict=True):
+        tags = client.get_model_version(CANDIDATES, version).tags
+        record = _record(path.name, SIGMAS[path.name])
+        bound = candidate_bound(record, DELTA)
+        assert tags["dp.role"] == "candidate" and tags["dp.status"] == "ready"
+        assert float(tags["dp.epsilon"]) == bound.epsilon
+        assert (tags["dp.delta"], tags["dp.accountant"]) == (repr(DELTA), bound.accountant)
+        assert float(tags["dp.noise_multiplier"]) == record.noise_multiplier
+        assert (tags["dp.sample_rate"], tags["dp.steps"]) == ("0.01", "100")
+        assert (tags["dp.dataset"], tags["dp.noise_lineage"]) == (DATASET, record.noise_lineage)
+        assert len(tags["dp.content_hash"]) == 64
+        assert tags["dp.accuracy_metric"] == "test_accuracy"
+    again = server_registry.register_candidate(candidate_dirs[0])
+    assert again.reused and again.version == registered[0]
+    keys = s3_store.list_keys("mlartifacts/")
+    assert any(k.endswith("/extra_files/weights.safetensors") for k in keys)
+    assert any(k.endswith("/data/model.pt2") for k in keys)
+    loaded = server_registry.load_candidates(CANDIDATES, registered)
+    assert [c.version for c in loaded] == sorted(registered, key=int)
+    for item, path in zip(loaded, candidate_dirs, strict=True):
+        assert item.model_dir.record == _record(path.name, SIGMAS[path.name])
+        expected = load_file(str(path / "weights.safetensors"))
+        assert all(torch.equal(item.model_dir.weights[k], v) for k, v in expected.items())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server_registry.tracking_uri)
+    model = mlflow.pytorch.load_model(f"models:/{CANDIDATES}/{registered[0]}")
+    assert model(torch.zeros(7, 1, 4, 4)).shape == (7, 3)  # dynamic batch dimension
+
+
+@pytest.mark.integration
+def test_merged_version_card_gates_and_alias(
+    server_registry: Registry,
+    registered: list[str],
+    candidate_dirs: list[Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server_registry.tracking_uri)
+    merged = _merge(candidate_dirs, "lc", [0.2, 0.3, 0.5], tmp_path / "lc", metrics=_accuracy(0.8))
+    result = server_registry.register_merged(merged, parents=registered, policy=POLICY)
+    client = MlflowClient(server_registry.tracking_uri)
+    version = client.get_model_version(MERGED, result.version)
+    report = json.loads((merged / "privacy.json").read_text())
+    tags = version.tags
+    assert tags["dp.role"] == "merged" and tags["dp.method"] == "lc"
+    assert json.loads(tags["dp.weights"]) == [0.2, 0.3, 0.5]
+    assert tags["dp.parents"] == ",".join(registered)
+    assert tags["dp.gating_bound"] == "generic"
+    assert float(tags["dp.epsilon"]) == report["epsilon"]
+    assert float(tags["dp.generic_epsilon"]) == report["bounds"]["generic"]["epsilon"]
+    assert tags["dp.accountant"] == report["accountant"] and tags["dp.status"] == "ready"
+    assert version.description.startswith("# Privacy card")
+    card = json.loads(mlflow.artifacts.load_text(f"runs:/{version.run_id}/{CARD_JSON}"))
+    assert card["guarantee"]["epsilon"] == report["epsilon"]
+    markdown = mlflow.artifacts.load_text(f"runs:/{version.run_id}/{CARD_MARKDOWN}")
+    assert "structured (the DP model merging paper's analysis)" in markdown
+
+    # idempotent: the same request reuses the version
+    again = server_registry.register_merged(merged, parents=registered, policy=POLICY)
+    assert again.reused and again.version == result.version
+
+    # failing gates leave the alias where it was
+    with pytest.raises(GateError, match="exceeds the target"):
+        server_registry.promote(
+            MERGED, result.version, "production", target_epsilon=0.01, min_accuracy=None
+        )
+    with pytest.raises(GateError, match="below the minimum"):
+        server_registry.promote(
+            MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.9
+        )
+    assert "production" not in client.get_registered_model(MERGED).aliases
+    promoted = server_registry.promote(
+        MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.75
+    )
+    assert promoted.changed and promoted.previous is None
+    assert client.get_registered_model(MERGED).aliases["production"] == result.version
+    assert not server_registry.promote(
+        MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.75
+    ).changed
+
+    # a candidate is never promoted directly
+    with pytest.raises(GateError, match="only merged versions"):
+        server_registry.promote(
+            CANDIDATES, registered[0], "production", target_epsilon=99.0, min_accuracy=None
+        )
+
+    # a version that failed after creation is marked and never aliased; a re-run registers anew
+    class FailingVerify(Registry):
+        def _verify(self, *args: Any, **kwargs: Any) -> None:
+            raise RegistryError("injected failure after the version was created")
+
+    other_policy = {**POLICY, "id": "policy-2"}
+    with pytest.raises(RegistryError, match="injected"):
+        FailingVerify(server_registry.tracking_uri).register_merged(
+            merged, parents=registered, policy=other_policy
+        )
+    failed = max(client.search_model_versions(f"name = '{MERGED}'"), key=lambda v: int(v.version))
+    assert failed.tags["dp.status"] == STATUS_FAILED
+    with pytest.raises(GateError, match=r"dp\.status is 'failed'"):
+        server_registry.promote(
+            MERGED, failed.version, "production", target_epsilon=5.0, min_accuracy=None
+        )
+    assert client.get_registered_model(MERGED).aliases["production"] == result.version
+    rerun = server_registry.register_merged(merged, parents=registered, policy=other_policy)
+    assert not rerun.reused and int(rerun.version) > int(failed.version)
+
+    # revoke removes the alias (on_infeasible=revoke); a second revoke is a no-op
+    assert server_registry.revoke(MERGED, "production") == result.version
+    assert server_registry.revoke(MERGED, "production") is None
+    assert "production" not in client.get_registered_model(MERGED).aliases
+
+
+@pytest.mark.integration
+def test_parents_must_be_the_merges_candidates(
+    server_registry: Registry, registered: list[str], candidate_dirs: list[Path], tmp_path: Path
+) -> None:
+    merged = _merge(candidate_dirs[:2], "lc", [0.5, 0.5], tmp_path / "two")
+    with pytest.raises(RegistryError, match="the merge used"):
+        server_registry.register_merged(merged, parents=registered, policy=POLICY)
+    with pytest.raises(RegistryError, match="target_epsilon"):
+        server_registry.register_merged(merged, parents=registered[:2], policy={"id": "x"})
+    with pytest.raises(RegistryError, match="v999 does not exist"):
+        server_registry.register_merged(merged, parents=["999", registered[1]], policy=POLICY)
+
+
+def _released_text(registry: Registry, name: str, version: str, dest: Path) -> dict[str, str]:
+    """Every tag, the description and every text artifact of a version (model and run)."""
+    client = MlflowClient(registry.tracking_uri, registry.tracking_uri)
+    mv = client.get_model_version(name, version)
+    texts = {f"tag:{k}": v for k, v in mv.tags.items()}
+    texts["description"] = mv.description or ""
+    model_dir = Path(
+        mlflow.artifacts.download_artifacts(
+            mv.source,
+            dst_path=str(dest / "model"),
+            tracking_uri=registry.tracking_uri,
+        )
+    )
+    run_dir = Path(
+        mlflow.artifacts.download_artifacts(
+            run_id=mv.run_id, dst_path=str(dest / "run"), tracking_uri=registry.tracking_uri
+        )
+    )
+    for root, prefix in ((model_dir, "model"), (run_dir, "run")):
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            if path.suffix in (".md", ".json", ".txt", ".yaml") or path.name == "MLmodel":
+                texts[f"{prefix}:{path.relative_to(root)}"] = path.read_text()
+    params = client.get_run(mv.run_id).data.params
+    texts.update({f"param:{k}": v for k, v in params.items()})
+    return texts
+
+
+def _normalise(texts: dict[str, str]) -> dict[str, str]:
+    """Drop what differs between any two registrations (ids, times, paths, file sizes)."""
+    volatile = ("MLmodel", "registered_model_meta")
+    return {k: v for k, v in texts.items() if not any(part in k for part in volatile)}
+
+
+def test_rs_draw_appears_nowhere(
+    mlflow_embedded: str, candidate_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Two RS releases of one request with different draws publish identical metadata (tags,
+    description, card, records, params); the draw exists only in the audit record."""
+    pi = [0.2, 0.3, 0.5]
+    draws: dict[int, Path] = {}
+    seed = 0
+    while len(draws) < 2:  # a test hook: real releases draw once from the OS's CSPRNG
+        out, audit = tmp_path / f"rs-{seed}", tmp_path / f"audit-{seed}.json"
+        _merge(candidate_dirs, "rs", pi, out, rng=random.Random(seed), audit_path=audit)
+        draws.setdefault(json.loads(audit.read_text())["drawn_index"], out)
+        seed += 1
+    registry = Registry(mlflow_embedded)
+    versions = [registry.register_candidate(d).version for d in candidate_dirs]
+    released = []
+    for drawn, out in draws.items():
+        name = f"{MERGED}-draw{drawn}"
+        result = registry.register_merged(out, parents=versions, policy=POLICY, name=name)
+        texts = _released_text(registry, name, result.version, tmp_path / f"dl-{drawn}")
+        audit_keys = ("drawn_index", "drawn_candidate", "drawn_at", "weights_sha256")
+        assert not [k for k, v in texts.items() if any(w in v for w in audit_keys)]
+        released.append({k: v.replace(name, "<name>") for k, v in _normalise(texts).items()})
+    assert released[0] == released[1]
+    for key in (
+        "tag:dp.weights",
+        "description",
+        "model:extra_files/record.json",
+        "run:privacy_card.md",
+    ):
+        assert key in released[0]
+
+
+def test_embedded_registry_and_ls_cli(
+    mlflow_embedded: str, candidate_dirs: list[Path], tmp_path: Path, capsys: Any
+) -> None:
+    registry = Registry(mlflow_embedded)
+    versions = [registry.register_candidate(d).version for d in candidate_dirs]
+    assert versions == ["1", "2", "3"]
+    assert (tmp_path / "mlartifacts").is_dir()  # artifacts beside the database
+    loaded = registry.load_candidates(CANDIDATES, dest=tmp_path / "dl")
+    assert [c.model_dir.record.name for c in loaded] == list(SIGMAS)
+    merged = _merge(candidate_dirs, "lc", [0.2, 0.3, 0.5], tmp_path / "lc", metrics=_accuracy(0.8))
+    policy = Policy(
+        name="toy-eps5", target_epsilon=5.0, target_delta=DELTA, dataset="toy", model="logreg"
+    )
+    result = registry.register_merged(merged, parents=versions, policy=policy)
+    version = MlflowClient(mlflow_embedded, mlflow_embedded).get_model_version(MERGED, "1")
+    assert "policy `toy-eps5`" in version.description and version.tags["dp.policy"] == "toy-eps5"
+    registry.promote(MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.5)
+
+    assert main(["registry", "ls", "--tracking-uri", mlflow_embedded, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["role"], r["version"]) for r in rows] == [
+        ("candidate", "1"),
+        ("candidate", "2"),
+        ("candidate", "3"),
+        ("merged", "1"),
+    ]
+    assert rows[3]["aliases"] == ["production"] and rows[3]["accuracy"] == 0.8
+    assert main(["registry", "ls", "--tracking-uri", mlflow_embedded]) == 0
+    table = capsys.readouterr().out
+    assert "production" in table and "pld" in table.lower()
+
+
+def test_unreachable_server_is_a_clear_error() -> None:
+    with pytest.raises(RegistryError, match=r"unreachable.*dpmerge stack up"):
+        Registry("http://127.0.0.1:9")

@@ -1,0 +1,132 @@
+"""S3 storage against a real moto server on loopback (and configuration without one)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from servers import free_ports
+
+from dpmerge.storage import (
+    CHECKPOINTS_PREFIX,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    S3Config,
+    S3Store,
+    StorageError,
+)
+
+
+def test_config_from_env_prefers_dpmerge_endpoint() -> None:
+    env = {
+        "MLFLOW_S3_ENDPOINT_URL": "http://127.0.0.1:1",
+        "DPMERGE_S3_ENDPOINT_URL": "http://127.0.0.1:2",
+        "DPMERGE_S3_BUCKET": "proj",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }
+    config = S3Config.from_env(env)
+    assert config.endpoint_url == "http://127.0.0.1:2"
+    assert (config.bucket, config.audit_bucket, config.region) == (
+        "proj",
+        "dpmerge-audit",
+        "eu-west-1",
+    )
+    assert config.mlflow_artifacts_uri == "s3://proj/mlartifacts"
+    assert S3Config.from_env({"MLFLOW_S3_ENDPOINT_URL": "http://x:1"}).endpoint_url == "http://x:1"
+    assert S3Config.from_env({}).endpoint_url is None
+
+
+def test_config_rejects_bad_buckets() -> None:
+    with pytest.raises(StorageError, match="invalid S3 bucket name"):
+        S3Config(bucket="No_Such")
+    with pytest.raises(StorageError, match="must differ"):
+        S3Config(bucket="same", audit_bucket="same")
+    with pytest.raises(StorageError, match="integer"):
+        S3Config.from_env({"DPMERGE_S3_MAX_ATTEMPTS": "many"})
+
+
+def test_unreachable_endpoint_is_a_clear_error() -> None:
+    (port,) = free_ports(1)  # nothing listens there
+    store = S3Store(
+        S3Config(
+            endpoint_url=f"http://127.0.0.1:{port}",
+            access_key_id="x",
+            secret_access_key="x",
+            max_attempts=1,
+        )
+    )
+    start = time.monotonic()
+    with pytest.raises(StorageError, match=rf"127\.0\.0\.1:{port} unreachable.*dpmerge stack up"):
+        store.get_bytes("anything")
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.integration
+def test_bootstrap_restricts_the_audit_bucket(s3_store: S3Store) -> None:
+    s3_store.bootstrap()  # idempotent: the stack already ran it
+    client, config = s3_store.client, s3_store.config
+    names = {b["Name"] for b in client.list_buckets()["Buckets"]}
+    assert {config.bucket, config.audit_bucket} <= names
+    block = client.get_public_access_block(Bucket=config.audit_bucket)
+    assert all(block["PublicAccessBlockConfiguration"].values())
+    rules = client.get_bucket_encryption(Bucket=config.audit_bucket)
+    assert (
+        rules["ServerSideEncryptionConfiguration"]["Rules"][0][
+            "ApplyServerSideEncryptionByDefault"
+        ]["SSEAlgorithm"]
+        == "AES256"
+    )
+    assert client.get_bucket_versioning(Bucket=config.audit_bucket)["Status"] == "Enabled"
+
+
+@pytest.mark.integration
+def test_objects_round_trip(s3_store: S3Store) -> None:
+    uri = s3_store.put_json("exports/t1/doc.json", {"b": 1, "a": [1, 2]})
+    assert uri == f"s3://{s3_store.config.bucket}/exports/t1/doc.json"
+    assert s3_store.get_json("exports/t1/doc.json") == {"a": [1, 2], "b": 1}
+    s3_store.put_bytes("exports/t1/raw.bin", b"\x00\x01")
+    assert s3_store.exists("exports/t1/raw.bin") and not s3_store.exists("exports/t1/none")
+    assert s3_store.list_keys("exports/t1/") == ["exports/t1/doc.json", "exports/t1/raw.bin"]
+    s3_store.delete("exports/t1/raw.bin")
+    with pytest.raises(ObjectNotFoundError):
+        s3_store.get_bytes("exports/t1/raw.bin")
+    assert s3_store.delete_prefix("exports/t1") == 1
+    assert s3_store.list_keys("exports/t1/") == []
+    with pytest.raises(StorageError, match="non-empty prefix"):
+        s3_store.delete_prefix("/")
+    s3_store.put_bytes("exports/t2", b"1")
+    with pytest.raises(ObjectExistsError):
+        s3_store.put_bytes("exports/t2", b"2", if_absent=True)
+    assert s3_store.get_bytes("exports/t2") == b"1"
+    with pytest.raises(ObjectNotFoundError, match="NoSuchBucket"):
+        s3_store.get_bytes("k", bucket="no-such-bucket")
+
+
+@pytest.mark.integration
+def test_checkpoint_directory_round_trip(s3_store: S3Store, tmp_path: Path) -> None:
+    source = tmp_path / "ckpt"
+    (source / "sub").mkdir(parents=True)
+    (source / "state.pt").write_bytes(b"weights" * 1000)
+    (source / "sub" / "meta.json").write_text("{}")
+    uri = s3_store.save_checkpoint("run-42", source)
+    assert uri.endswith(f"{CHECKPOINTS_PREFIX}/run-42")
+    target = s3_store.load_checkpoint("run-42", tmp_path / "restored")
+    assert (target / "state.pt").read_bytes() == b"weights" * 1000
+    assert (target / "sub" / "meta.json").read_text() == "{}"
+    with pytest.raises(ObjectNotFoundError, match="nothing stored"):
+        s3_store.load_checkpoint("run-none", tmp_path / "none")
+    with pytest.raises(StorageError, match="invalid key segment"):
+        s3_store.save_checkpoint("../escape", source)
+
+
+@pytest.mark.integration
+def test_audit_record_is_written_once_in_the_audit_bucket(s3_store: S3Store) -> None:
+    record = {"drawn_index": 2, "probabilities": [0.2, 0.3, 0.5]}
+    uri = s3_store.write_audit_record("release-abc", record)
+    assert uri.startswith(f"s3://{s3_store.config.audit_bucket}/")
+    assert s3_store.read_audit_record("release-abc") == record
+    with pytest.raises(ObjectExistsError, match="one draw per release"):
+        s3_store.write_audit_record("release-abc", {"drawn_index": 0})
+    assert s3_store.read_audit_record("release-abc") == record
+    assert not [k for k in s3_store.list_keys("") if "release-abc" in k]  # project bucket
