@@ -34,6 +34,8 @@ COARSE_DISCRETISATION = 1e-3
 """Discretisation used only to steer searches; never certifies (SPEC §6)."""
 
 _NEWTON_MAX_ITERATIONS = 300
+_CONTINUATION_SIZE = 4096
+_CONTINUATION_STRIDE = 64
 
 
 def subsampled_gaussian_pld(
@@ -128,11 +130,18 @@ def _inverse_privacy_losses(
         high += span
         span *= 2
     lo, hi = np.full(targets.shape, low), np.full(targets.shape, high)
-    # Newton approaches the root of a convex decreasing ℓ (REMOVE) from the left without
-    # overshooting, and of a concave one (ADD) from the right: start on that side.
-    start = np.clip(guess_low if loss.outer > 0 else guess_high, low, high)
-    wrong_side = (loss.value_and_slope(start)[0] < targets) == (loss.outer > 0)
-    x = np.where(wrong_side, low if loss.outer > 0 else high, start)
+    if targets.size > _CONTINUATION_SIZE:
+        # Continuation: solve every k-th target, interpolate starting points for the rest (the
+        # roots are monotone in the target); Newton then needs two or three steps each.
+        sub = np.unique(np.r_[np.arange(0, targets.size, _CONTINUATION_STRIDE), targets.size - 1])
+        roots = _inverse_privacy_losses(loss, targets[sub], guess_low[sub], guess_high[sub])
+        x = np.clip(np.interp(targets, targets[sub], roots), low, high)
+    else:
+        # Newton approaches the root of a convex decreasing ℓ (REMOVE) from the left without
+        # overshooting, and of a concave one (ADD) from the right: start on that side.
+        start = np.clip(guess_low if loss.outer > 0 else guess_high, low, high)
+        wrong_side = (loss.value_and_slope(start)[0] < targets) == (loss.outer > 0)
+        x = np.where(wrong_side, low if loss.outer > 0 else high, start)
     active = np.ones(targets.shape, dtype=bool)
     step_before_last = hi - lo
     last_step = hi - lo
