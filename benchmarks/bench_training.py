@@ -1,0 +1,116 @@
+"""DP-SGD throughput against non-private SGD, per model and Opacus grad_sample_mode.
+
+Run: ``.venv/bin/python benchmarks/bench_training.py [--threads 1 2] [--repeats 3]``
+
+Both sides train the same architecture on Fashion-MNIST rows with B = 256 and plain SGD; the
+DP side is ``dpmerge.training.train_candidate`` (Poisson sampling, clipping, noise, accounting
+hook), timed over its step loop only. Variants are interleaved and repeated, and each ratio
+uses medians from the same run, because a shared 2-core machine is noisy. Results and the
+chosen defaults are recorded in docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+from dataclasses import replace
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dpmerge.data import DatasetSplits, Split, collate_batch, load_dataset
+from dpmerge.models import build_model, model_spec
+from dpmerge.training import GRAD_SAMPLE_MODES, TrainConfig, train_candidate
+
+BATCH = 256
+STEPS = {"logreg": 200, "cnn": 30}
+WARMUP_STEPS = 3
+
+
+def non_private(data: DatasetSplits, model_name: str, steps: int) -> float:
+    """Examples per second of plain SGD on shuffled fixed-size batches (loading included)."""
+    model = build_model(model_spec(model_name, data), seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(
+        data.train.as_dataset(),
+        batch_size=BATCH,
+        shuffle=True,
+        collate_fn=collate_batch,
+        generator=torch.Generator().manual_seed(0),
+    )
+    batches = iter(loader)
+    criterion = nn.CrossEntropyLoss()
+    examples, start = 0, 0.0
+    for step in range(WARMUP_STEPS + steps):
+        if step == WARMUP_STEPS:
+            examples, start = 0, time.perf_counter()
+        x, y = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        criterion(model(x), y).backward()
+        optimizer.step()
+        examples += len(y)
+    return examples / (time.perf_counter() - start)
+
+
+def private(data: DatasetSplits, model_name: str, mode: str, steps: int) -> float:
+    """Examples per second (expected batch × steps / loop time) of a DP-SGD run."""
+    config = TrainConfig(
+        dataset=data.name,
+        model=model_name,
+        noise_multiplier=1.0,
+        batch_size=BATCH,
+        noise_seed=0,
+        batch_seed=0,
+        grad_sample_mode=mode,
+        max_steps=steps,
+    )
+    train_candidate(replace(config, max_steps=WARMUP_STEPS), data)
+    result = train_candidate(config, data)
+    return result.record.steps * result.record.expected_batch_size / result.metrics["train_seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", nargs="+", default=list(STEPS))
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+    data = load_dataset("fashion-mnist")
+    empty = Split(data.test.features[:0], data.test.labels[:0])
+    data = replace(data, validation=empty, test=empty)  # skip evaluation: time training only
+    variants = ["non-private", *GRAD_SAMPLE_MODES]
+    samples: dict[tuple[int, str, str], list[float]] = {}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for _ in range(args.repeats):
+            for model_name in args.models:
+                for variant in variants:
+                    steps = STEPS[model_name]
+                    rate = (
+                        non_private(data, model_name, steps)
+                        if variant == "non-private"
+                        else private(data, model_name, variant, steps)
+                    )
+                    samples.setdefault((threads, model_name, variant), []).append(rate)
+
+    print(f"Fashion-MNIST, B = {BATCH}, n = {data.dataset_size}, medians of {args.repeats}")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print()
+    print("| threads | model | variant | examples/s | ratio to non-private |")
+    print("|---|---|---|---|---|")
+    for threads in args.threads:
+        for model_name in args.models:
+            base = statistics.median(samples[(threads, model_name, "non-private")])
+            for variant in variants:
+                rate = statistics.median(samples[(threads, model_name, variant)])
+                print(f"| {threads} | {model_name} | {variant} | {rate:,.0f} | {rate / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

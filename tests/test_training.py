@@ -1,0 +1,305 @@
+"""DP-SGD training and its mechanism record (dpmerge.training, ``dpmerge train``; SPEC §2, §3)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from dp_accounting import dp_event
+from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+from opacus.accountants import RDPAccountant
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+
+import dpmerge.cli
+from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.artifacts import load_model_dir
+from dpmerge.data import DatasetSplits, RowDataset, load_dataset
+from dpmerge.data.datasets import FASHION_MNIST_ROOT
+from dpmerge.models import build_model, check_weights_match, model_spec
+from dpmerge.training import (
+    TrainConfig,
+    TrainingConfigError,
+    save_candidate,
+    train_candidate,
+    train_candidates,
+)
+
+DELTA = 1e-5
+EPSILON_SLACK = 1e-6
+"""dpmerge's ε may sit above dp_accounting's by a safety margin, never below."""
+
+
+@pytest.fixture(scope="module")
+def digits() -> DatasetSplits:
+    return load_dataset("digits")
+
+
+def config(**overrides: object) -> TrainConfig:
+    settings: dict = dict(
+        dataset="digits", model="logreg", noise_multiplier=1.0, batch_size=64, noise_seed=1
+    )
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def fresh_pld_epsilon(sigma: float, q: float, steps: int) -> float:
+    accountant = PLDAccountant(value_discretization_interval=1e-4)
+    event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
+    accountant.compose(dp_event.SelfComposedDpEvent(event, steps))
+    return accountant.get_epsilon(DELTA)
+
+
+def test_record_is_what_opacus_ran(digits: DatasetSplits) -> None:
+    result = train_candidate(config(epochs=2), digits)
+    record, n = result.record, digits.dataset_size
+    loader_length = len(DataLoader(RowDataset(digits.train.features, digits.train.labels), 64))
+    assert loader_length == math.ceil(n / 64)
+    assert record.sample_rate == 1 / loader_length != 64 / n
+    assert result.accountant_history == ((1.0, record.sample_rate, 2 * loader_length),)
+    assert record.steps == result.metrics["steps"] == 2 * loader_length
+    assert record.expected_batch_size == int(n * record.sample_rate)
+    assert (record.noise_multiplier, record.clip_norm, record.learning_rate) == (1.0, 1.0, 2.0)
+    assert record.optimizer == "sgd" and record.sampling == "poisson"
+    assert (record.dataset, record.dataset_size) == (digits.fingerprint, n)
+    assert record.initialisation == "zeros" and record.noise_lineage == "noise-seed-1"
+    assert record.batch_lineage.endswith("/batches-fresh")
+
+
+def test_record_epsilon_equals_fresh_accountants(digits: DatasetSplits) -> None:
+    result = train_candidate(config(noise_multiplier=0.9, epochs=2), digits)
+    record = result.record
+    assert result.accountant_history == ((0.9, record.sample_rate, record.steps),)
+    bound = candidate_bound(record, DELTA)
+    fresh = fresh_pld_epsilon(record.noise_multiplier, record.sample_rate, record.steps)
+    assert fresh <= bound.epsilon_pld <= fresh + EPSILON_SLACK
+    opacus_rdp = RDPAccountant()
+    opacus_rdp.history = list(result.accountant_history)
+    assert bound.epsilon_rdp == pytest.approx(opacus_rdp.get_epsilon(DELTA), rel=0.02)
+
+
+def test_target_epsilon_is_calibrated_for_the_q_and_steps_that_run(digits: DatasetSplits) -> None:
+    result = train_candidate(
+        config(noise_multiplier=None, target_epsilon=3.0, epochs=2, max_steps=30), digits
+    )
+    record = result.record
+    assert record.steps == 30 and record.sample_rate == 1 / math.ceil(digits.dataset_size / 64)
+    # σ is calibrated to within 0.1 %: calibrating for the 2 planned epochs (42 steps) would
+    # leave ε at 30 steps far below the target
+    epsilon = candidate_bound(record, DELTA).epsilon_pld
+    assert 3.0 * 0.99 <= epsilon <= 3.0
+
+
+def test_max_steps_stops_early_and_the_record_counts_the_steps_run(digits: DatasetSplits) -> None:
+    result = train_candidate(config(epochs=3, max_steps=7), digits)
+    assert result.record.steps == 7 and sum(t for *_, t in result.accountant_history) == 7
+    fresh = fresh_pld_epsilon(1.0, result.record.sample_rate, 7)
+    assert fresh <= candidate_bound(result.record, DELTA).epsilon_pld <= fresh + EPSILON_SLACK
+
+
+def record_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, ...]]]:
+    """Patch the dataset to log the rows of every batch; one list per training run."""
+    runs: list[list[tuple[int, ...]]] = []
+    original = RowDataset.__getitems__
+
+    def logged(self: RowDataset, indices: list[int]) -> list:
+        runs[-1].append(tuple(indices))
+        return original(self, indices)
+
+    monkeypatch.setattr(RowDataset, "__getitems__", logged)
+    return runs
+
+
+def test_shared_batch_seed_draws_identical_batches(
+    digits: DatasetSplits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = record_batches(monkeypatch)
+    settings = [
+        dict(batch_seed=7, noise_seed=1),
+        dict(batch_seed=7, noise_seed=2),
+        dict(batch_seed=8, noise_seed=1),
+        dict(batch_seed=None),
+        dict(batch_seed=None),
+        dict(batch_seed=7, batch_size=32),
+    ]
+    records = []
+    for overrides in settings:
+        runs.append([])
+        records.append(train_candidate(config(epochs=2, **overrides), digits).record)
+    assert runs[0] == runs[1] and len(runs[0]) == records[0].steps
+    assert runs[0] != runs[2] and runs[3] != runs[4] and runs[0] != runs[5]
+    lineages = [r.batch_lineage for r in records]
+    assert lineages[0] == lineages[1]
+    assert len({lineages[0], *lineages[2:]}) == 5  # other seed, fresh, fresh, other q
+    assert records[0].noise_lineage == records[2].noise_lineage != records[1].noise_lineage
+    assert records[3].noise_lineage == records[4].noise_lineage == "noise-seed-1"
+
+
+def test_fresh_noise_seed_gives_a_fresh_lineage(digits: DatasetSplits) -> None:
+    a, b = (train_candidate(config(noise_seed=None, max_steps=3), digits) for _ in range(2))
+    assert a.record.noise_lineage != b.record.noise_lineage
+    assert a.record.noise_lineage.endswith("/noise-fresh")
+    assert not weights_equal(a.weights, b.weights)
+
+
+def test_same_seeds_reproduce_and_resume_continues_both_streams(
+    digits: DatasetSplits, tmp_path: Path
+) -> None:
+    # batch size 14: q = 1/93 but Opacus' loader pass is int(1/q) = 92 steps long, so the run
+    # crosses pass boundaries at steps 92 and 184; it is interrupted mid-pass and on a boundary.
+    base = config(batch_size=14, epochs=2, batch_seed=3)
+    whole = train_candidate(base, digits)
+    assert whole.record.steps == 186 and whole.record.sample_rate == 1 / 93
+    assert whole.accountant_history == ((1.0, 1 / 92, 186),)  # Opacus' own, pessimistic q
+    assert weights_equal(whole.weights, train_candidate(base, digits).weights)
+
+    checkpoint = tmp_path / "run.pt"
+    resumable = replace(base, checkpoint_path=str(checkpoint), checkpoint_every=20)
+    first = train_candidate(replace(resumable, max_steps=50), digits)
+    assert first.record.steps == 50 and checkpoint.exists()
+    second = train_candidate(replace(resumable, max_steps=92), digits)
+    assert second.record.steps == 92
+    resumed = train_candidate(resumable, digits)
+    assert weights_equal(resumed.weights, whole.weights)
+    assert resumed.accountant_history == whole.accountant_history
+    assert resumed.record == whole.record.model_copy(update={"name": resumed.record.name})
+    assert resumed.record.name == first.record.name  # one run, one id
+
+    with pytest.raises(TrainingConfigError, match="differs in noise_multiplier"):
+        train_candidate(replace(resumable, noise_multiplier=2.0), digits)
+    with pytest.raises(TrainingConfigError, match="past this run's 10 steps"):
+        train_candidate(replace(resumable, max_steps=10), digits)
+
+
+@pytest.mark.parametrize("model", ["logreg", "cnn"])
+def test_grad_sample_modes_agree(digits: DatasetSplits, model: str) -> None:
+    results = [
+        train_candidate(config(model=model, batch_seed=1, max_steps=5, grad_sample_mode=m), digits)
+        for m in ("hooks", "functorch", "ew", "ghost")
+    ]
+    for other in results[1:]:
+        for key, value in results[0].weights.items():
+            torch.testing.assert_close(other.weights[key], value, atol=1e-5, rtol=1e-4)
+
+
+def test_initial_checkpoint_is_recorded_by_hash(digits: DatasetSplits, tmp_path: Path) -> None:
+    path = tmp_path / "public.safetensors"
+    save_file(build_model(model_spec("cnn", digits), seed=11).state_dict(), str(path))
+    result = train_candidate(config(model="cnn", max_steps=2, init_checkpoint=str(path)), digits)
+    assert result.record.initialisation.startswith("checkpoint:")
+    assert len(result.record.initialisation) == len("checkpoint:") + 64
+
+
+def test_saved_candidate_round_trips(digits: DatasetSplits, tmp_path: Path) -> None:
+    first, second = train_candidates(
+        [config(model="cnn", max_steps=5), config(model="cnn", max_steps=5, noise_seed=2)], digits
+    )
+    assert not weights_equal(first.weights, second.weights)
+    out = save_candidate(first, tmp_path / "cand", DELTA)
+    loaded = load_model_dir(out)
+    assert loaded.record == first.record and loaded.spec == first.spec
+    assert (
+        loaded.candidate_privacy["epsilon_pld"] == candidate_bound(first.record, DELTA).epsilon_pld
+    )
+    assert loaded.candidate_privacy["delta"] == DELTA
+    assert {"validation_accuracy", "test_accuracy", "test_loss"} <= loaded.metrics.keys()
+    check_weights_match(loaded.spec, loaded.weights)
+    model = build_model(loaded.spec)
+    model.load_state_dict(loaded.weights)
+    x = digits.test.features[:16]
+    torch.testing.assert_close(model.eval()(x), first.model.eval()(x))
+
+
+@pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(), reason="no Fashion-MNIST")
+def test_fashion_mnist_rows_train_and_record() -> None:
+    data = load_dataset("fashion-mnist", limit=400)
+    result = train_candidate(
+        TrainConfig("fashion-mnist", "cnn", noise_multiplier=1.0, batch_size=32, noise_seed=0),
+        data,
+    )
+    assert result.record.dataset_size == 360 and result.record.sample_rate == 1 / 12
+    assert result.record.steps == 12 and result.record.dataset == data.fingerprint
+    assert 0 <= result.metrics["test_accuracy"] <= 1
+
+
+def test_bad_configurations_are_refused(digits: DatasetSplits) -> None:
+    with pytest.raises(TrainingConfigError, match="exactly one of"):
+        config(target_epsilon=2.0)
+    with pytest.raises(TrainingConfigError, match="exactly one of"):
+        config(noise_multiplier=None)
+    with pytest.raises(TrainingConfigError, match="batch_size must be a positive"):
+        config(batch_size=0)
+    with pytest.raises(TrainingConfigError, match="unknown model"):
+        config(model="mlp")
+    with pytest.raises(TrainingConfigError, match="grad_sample_mode"):
+        config(grad_sample_mode="fast")
+    with pytest.raises(TrainingConfigError, match="data is 'digits'"):
+        train_candidate(config(dataset="mnist"), digits)
+    if not torch.cuda.is_available():
+        with pytest.raises(TrainingConfigError, match="CUDA is not available"):
+            train_candidate(config(device="cuda"), digits)
+
+
+def run_cli(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
+    monkeypatch.setattr(dpmerge.cli, "SUBCOMMAND_MODULES", ("dpmerge.cli.train",))
+    return dpmerge.cli.main(["train", *args])
+
+
+def test_cli_trains_and_writes_the_model_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cand"
+    code = run_cli(
+        monkeypatch,
+        *("--dataset", "digits", "--model", "logreg", "--target-epsilon", "4"),
+        *("--delta", "1e-6", "--epochs", "1", "--batch-size", "128", "--seed", "1"),
+        *("--noise-seed", "5", "--batch-seed", "6", "--out", str(out), "--no-progress"),
+    )
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    document = json.loads((out / "record.json").read_text())
+    assert document["privacy"]["delta"] == 1e-6
+    assert document["privacy"]["epsilon_pld"] == summary["epsilon_pld"] <= 4.0
+    assert document["privacy"]["epsilon_rdp"] == summary["epsilon_rdp"]
+    assert document["record"]["noise_lineage"] == "noise-seed-5"
+    assert (out / "weights.safetensors").is_file()
+    assert json.loads((out / "metrics.json").read_text())["steps"] == summary["steps"] == 11
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--dataset", "fashion-mnist", "--data-root", "/nonexistent"), "dataset-fashion-mnist"),
+        (("--dataset", "digits", "--model", "mlp"), "unknown model 'mlp'"),
+        (("--dataset", "digits", "--target-epsilon", "2"), "exactly one of"),
+        (("--dataset", "digits", "--noise-multiplier", "-1"), "noise_multiplier must be"),
+        (("--dataset", "digits", "--out", "EXISTING"), "already exists"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    args: tuple[str, ...],
+    message: str,
+) -> None:
+    (tmp_path / "EXISTING").mkdir()
+    defaults = {"--model": "logreg", "--noise-multiplier": "1", "--out": "new"}
+    given = dict(zip(args[::2], args[1::2], strict=True))
+    merged = {**defaults, **given}
+    argv = [part for key, value in merged.items() for part in (key, value)]
+    argv = [str(tmp_path / a) if a in ("new", "EXISTING") else a for a in argv]
+    before = sorted(tmp_path.rglob("*"))
+    code = run_cli(monkeypatch, *argv, "--checkpoint", str(tmp_path / "ck.pt"), "--no-progress")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == dpmerge.cli.EXIT_BAD_INPUT
+    assert len(err) == 1 and err[0].startswith("dpmerge: error:") and message in err[0]
+    assert sorted(tmp_path.rglob("*")) == before
