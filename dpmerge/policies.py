@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dpmerge.documents import describe_validation_error, read_item_list
 from dpmerge.errors import RecordError
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -84,20 +85,6 @@ class Policy(BaseModel):
         return self.model_dump(mode="json")
 
 
-def _format(error: ValidationError, where: str) -> str:
-    problems = []
-    for item in error.errors():
-        field = ".".join(str(p) for p in item["loc"]) or "policy"
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "missing":
-            problems.append(f"missing field {field!r}")
-        elif item["type"] == "extra_forbidden":
-            problems.append(f"unknown field {field!r}")
-        else:
-            problems.append(f"field {field!r}: {message}")
-    return f"{where}: " + "; ".join(problems)
-
-
 def policy_from_dict(data: Mapping[str, Any]) -> Policy:
     if not isinstance(data, Mapping):
         raise PolicyError(f"a policy must be a mapping, got {type(data).__name__}")
@@ -105,7 +92,7 @@ def policy_from_dict(data: Mapping[str, Any]) -> Policy:
     try:
         return Policy.model_validate(dict(data))
     except ValidationError as error:
-        raise PolicyError(_format(error, where)) from None
+        raise PolicyError(describe_validation_error(where, error)) from None
 
 
 def policies_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Policy, ...]:
@@ -122,15 +109,6 @@ def policies_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Policy, ...
 
 def load_policies(path: str | Path) -> tuple[Policy, ...]:
     """Read ``{"policies": [...]}`` from a YAML file; every policy is validated first."""
-    path = Path(path)
-    try:
-        document = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise PolicyError(f"policy file not found: {path}") from None
-    except yaml.YAMLError as error:
-        raise PolicyError(f"policy file {path} is not valid YAML: {error}") from None
-    if not isinstance(document, dict) or not isinstance(document.get("policies"), list):
-        raise PolicyError(f"{path}: expected a mapping with a 'policies' list")
-    if not document["policies"]:
-        raise PolicyError(f"{path}: the policy list is empty")
-    return policies_from_dicts(document["policies"])
+    return policies_from_dicts(
+        read_item_list(path, "policies", what="policy", parse=yaml.safe_load, error=PolicyError)
+    )

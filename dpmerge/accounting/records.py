@@ -19,6 +19,7 @@ from typing import Any, Literal
 from dp_accounting import dp_event
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dpmerge.documents import describe_validation_error, read_item_list
 from dpmerge.errors import RecordError
 
 NEIGHBOURING_ADD_OR_REMOVE = "add_or_remove_one"
@@ -171,22 +172,6 @@ Candidate = MechanismRecord | PrivacyLabel
 _RECORD_FIELDS = tuple(f for f in MechanismRecord.model_fields if f != "kind")
 
 
-def _format_validation_error(name: str, error: ValidationError) -> str:
-    problems = []
-    for item in error.errors():
-        field = ".".join(str(p) for p in item["loc"]) or "record"
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "missing":
-            problems.append(f"missing field {field!r}")
-        elif item["type"] == "extra_forbidden":
-            problems.append(f"unknown field {field!r}")
-        else:
-            got = item.get("input")
-            shown = f" (got {got!r})" if not isinstance(got, dict) else ""
-            problems.append(f"field {field!r}: {message}{shown}")
-    return f"candidate {name!r}: " + "; ".join(problems)
-
-
 def candidate_from_dict(data: Mapping[str, Any]) -> Candidate:
     """Parse one candidate: a DP-SGD record if it has ``noise_multiplier``, else a label."""
     if not isinstance(data, Mapping):
@@ -205,7 +190,7 @@ def candidate_from_dict(data: Mapping[str, Any]) -> Candidate:
     try:
         return model.model_validate(dict(data))
     except ValidationError as error:
-        raise RecordError(_format_validation_error(name, error)) from None
+        raise RecordError(describe_validation_error(f"candidate {name!r}", error)) from None
 
 
 def candidates_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Candidate, ...]:
@@ -219,18 +204,9 @@ def candidates_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Candidate
 
 def load_candidates(path: str | Path) -> tuple[Candidate, ...]:
     """Read a candidates file: ``{"candidates": [{...}, ...]}`` (the CLI's format)."""
-    path = Path(path)
-    try:
-        document = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise RecordError(f"candidates file not found: {path}") from None
-    except json.JSONDecodeError as error:
-        raise RecordError(f"candidates file {path} is not valid JSON: {error}") from None
-    if not isinstance(document, dict) or not isinstance(document.get("candidates"), list):
-        raise RecordError(f'{path}: expected an object {{"candidates": [...]}}')
-    if not document["candidates"]:
-        raise RecordError(f"{path}: the candidate list is empty")
-    return candidates_from_dicts(document["candidates"])
+    return candidates_from_dicts(
+        read_item_list(path, "candidates", what="candidates", parse=json.loads)
+    )
 
 
 def candidates_to_document(candidates: Sequence[Candidate]) -> dict[str, Any]:

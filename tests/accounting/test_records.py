@@ -77,7 +77,7 @@ def test_unknown_fields_and_shapes_are_refused(tmp_path):
         candidate_from_dict({"name": "x", "epsilon": 1.0, "dataset": "d"})
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(RecordError, match="not valid JSON"):
+    with pytest.raises(RecordError, match="not valid"):
         load_candidates(bad)
     bad.write_text('{"candidates": []}')
     with pytest.raises(RecordError, match="empty"):
