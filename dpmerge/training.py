@@ -1,22 +1,31 @@
-"""DP-SGD training of candidates with Opacus, recorded from what actually ran (SPEC §2, §3).
+"""DP-SGD training of candidates, recorded from what actually ran (SPEC §2, §3).
 
 One candidate is plain SGD (no momentum, no weight decay) on Poisson-sampled batches with
-per-example clipping and Gaussian noise (Opacus 1.6, ``poisson_sampling=True``). Its
-:class:`~dpmerge.accounting.records.MechanismRecord` is filled from the objects that ran, never
-from the request: Opacus sets q = 1/len(loader) (not batch_size/n) and divides by
-``int(n·q)``; the steps are the accountant's history. With a target ε, σ is calibrated for that
-q and the number of steps that will run, so training and merging agree on ε.
+per-example clipping and Gaussian noise. Two engines run it:
 
-Randomness has three streams, each its own ``torch.Generator`` seeded through a
-domain-separated hash, so equal user seeds for noise and batches never give correlated streams:
+* Opacus 1.6 (``poisson_sampling=True``), grad-sample modes ``hooks``, ``functorch``, ``ew``,
+  ``ghost``: any model;
+* ``linear-exact`` (:mod:`dpmerge.linear_engine`): the same mechanism for ``logreg`` with
+  analytic per-example norms and O(B) Poisson sampling, the default there.
+
+Its :class:`~dpmerge.accounting.records.MechanismRecord` is filled from the objects that ran,
+never from the request: q = 1/len(loader) as Opacus sets it (not batch_size/n), the divisor
+``int(n·q)``; the steps are the accountant's history. Both engines record the same values for
+the same configuration. With a target ε, σ is calibrated for that q and the number of steps
+that will run, so training and merging agree on ε.
+
+Randomness has three streams, each its own generator (``torch.Generator``; numpy's PCG64 for
+the linear engine's batches) seeded through a domain-separated hash, so equal user seeds for
+noise and batches never give correlated streams:
 
 * noise (``noise_seed``): lineage ``noise-seed-<seed>``; every run given the same seed shares
   the lineage, since it reuses the noise stream (SPEC §2, §5.2). ``None`` draws a secret seed
   from the OS (a fresh lineage ``run-<id>/noise-fresh``). A fixed seed makes the noise
   reproducible by whoever knows it: use ``None`` for releases.
-* batches (``batch_seed``): lineage ``poisson-seed-<seed>/n-<n>/q-<q>``; candidates with the same
-  batch seed on the same data and q draw identical Poisson batches (shared sampling, §5.2).
-  ``None`` draws a secret seed (independent sampling, lineage ``run-<id>/batches-fresh``).
+* batches (``batch_seed``): lineage ``poisson-seed-<seed>/n-<n>/q-<q>`` (Opacus' sampler) or
+  ``…/q-<q>/binomial-subset`` (the linear engine's); candidates with the same batch seed,
+  engine, data and q draw identical Poisson batches (shared sampling, §5.2). ``None`` draws a
+  secret seed (independent sampling, lineage ``run-<id>/batches-fresh``).
 * initialisation (``init_seed`` or a public checkpoint, §8.4).
 
 Long runs checkpoint model, optimizer, both generators, the accountant history and the step,
@@ -38,6 +47,7 @@ from typing import Any
 
 import torch
 from opacus import PrivacyEngine
+from opacus.accountants import RDPAccountant
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
@@ -52,17 +62,24 @@ from dpmerge.accounting.records import (
 from dpmerge.artifacts import ModelSpec, save_model_dir
 from dpmerge.data import DatasetSplits, Split, collate_batch
 from dpmerge.errors import DPMergeError
+from dpmerge.linear_engine import SAMPLER_ID, LinearDPSGD, PoissonSubsetSampler
 from dpmerge.models import MODEL_NAMES, build_model, initialisation_id, load_pretrained, model_spec
 
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
-DEFAULT_GRAD_SAMPLE_MODE = {"logreg": "ghost", "cnn": "hooks", "resnet18_gn": "hooks"}
+LINEAR_EXACT = "linear-exact"
+LINEAR_EXACT_MODELS = frozenset({"logreg"})
+"""Models the linear-exact engine runs: one linear layer on the flattened input."""
+OPACUS_MODES = ("hooks", "functorch", "ew", "ghost")
+GRAD_SAMPLE_MODES = (LINEAR_EXACT, *OPACUS_MODES)
+DEFAULT_GRAD_SAMPLE_MODE = {"logreg": LINEAR_EXACT, "cnn": "hooks", "resnet18_gn": "hooks"}
 """Fastest valid mode per model on the 2-core CPU (docs/training.md, bench_training.py)."""
 DEFAULT_LEARNING_RATE = {"logreg": 2.0, "cnn": 1.0, "resnet18_gn": 0.5}
 """Plain-SGD step sizes at C = 1, B = 256: logreg from notes/utility-experiment.md §1, cnn from
 docs/training.md; resnet18_gn is not tuned here."""
 CHECKPOINT_FORMAT = 1
 _EVAL_BATCH = 1024
-_EPSILON_REFRESH_STEPS = 20
+_EPSILON_REFRESH_SECONDS = 1.0
+"""The progress bar's running ε is refreshed at most this often: one RDP evaluation takes
+~20 ms, as long as 40 linear-exact steps."""
 
 
 class TrainingConfigError(DPMergeError, ValueError):
@@ -73,7 +90,8 @@ class TrainingConfigError(DPMergeError, ValueError):
 class TrainConfig:
     """One DP-SGD candidate. Exactly one of ``noise_multiplier`` and ``target_epsilon``.
 
-    ``learning_rate`` and ``grad_sample_mode`` default per model; ``delta`` is the δ of a
+    ``learning_rate`` and ``grad_sample_mode`` default per model; ``grad_sample_mode`` picks
+    the engine: ``linear-exact`` (``logreg`` only) or an Opacus mode. ``delta`` is the δ of a
     target ε and of the running ε in the progress bar. ``max_steps`` stops early; the record
     counts the steps that ran.
     """
@@ -126,6 +144,11 @@ class TrainConfig:
                 f"unknown grad_sample_mode {self.grad_sample_mode!r}; "
                 f"known: {', '.join(GRAD_SAMPLE_MODES)}"
             )
+        if self.mode == LINEAR_EXACT and self.model not in LINEAR_EXACT_MODELS:
+            raise TrainingConfigError(
+                f"grad_sample_mode {LINEAR_EXACT!r} runs only {', '.join(LINEAR_EXACT_MODELS)}, "
+                f"not {self.model!r}; use an Opacus mode ({', '.join(OPACUS_MODES)})"
+            )
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise TrainingConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -137,13 +160,19 @@ class TrainConfig:
     def mode(self) -> str:
         return self.grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE[self.model]
 
+    @property
+    def engine(self) -> str:
+        """``linear-exact`` or ``opacus``: which code runs the mechanism."""
+        return LINEAR_EXACT if self.mode == LINEAR_EXACT else "opacus"
+
 
 @dataclass(frozen=True, eq=False)
 class TrainResult:
     """A trained candidate: the module, its spec, the record of what ran, and its metrics.
 
-    ``accountant_history`` is Opacus' own ``(σ, q, steps)`` history of the run, the evidence
-    the record was taken from.
+    ``accountant_history`` is the engine's own RDP accountant ``(σ, q, steps)`` history of the
+    run, the evidence the record was taken from (Opacus logs its pessimistic q, see
+    :meth:`_OpacusRun.ran`; the linear engine logs its sampler's q).
     """
 
     model: nn.Module
@@ -202,7 +231,7 @@ class _RunState:
     model: dict[str, torch.Tensor] | None = None
     optimizer: dict[str, Any] | None = None
     noise_generator: torch.Tensor | None = None
-    sampler_generator: torch.Tensor | None = None
+    sampler_generator: torch.Tensor | dict[str, Any] | None = None
     accountant_history: list[tuple[float, float, int]] = field(default_factory=list)
 
 
@@ -218,6 +247,8 @@ def _fresh_state(config: TrainConfig, plan: MechanismPlan, n: int) -> tuple[_Run
         batch_lineage, batch_seed = f"run-{run_id}/batches-fresh", secrets.randbits(63)
     else:
         batch_lineage = f"poisson-seed-{config.batch_seed}/n-{n}/q-{plan.sample_rate!r}"
+        if config.engine == LINEAR_EXACT:
+            batch_lineage += f"/{SAMPLER_ID}"
         batch_seed = _stream_seed(f"dpmerge/batches/{batch_lineage}")
     return _RunState(run_id, noise_lineage, batch_lineage), noise_seed, batch_seed
 
@@ -303,9 +334,14 @@ def train_candidate(config: TrainConfig, data: DatasetSplits) -> TrainResult:
         "noise_seed": config.noise_seed,
         "batch_seed": config.batch_seed,
         "device_type": device.type,
+        "engine": config.engine,
     }
     checkpoint = Path(config.checkpoint_path) if config.checkpoint_path else None
-    run = _Run(config, plan, device, torch.Generator(device=device), torch.Generator())
+    run: _OpacusRun | _LinearRun = (
+        _LinearRun(config, plan, device, data.dataset_size)
+        if config.engine == LINEAR_EXACT
+        else _OpacusRun(config, plan, device)
+    )
     if checkpoint is not None and checkpoint.exists():
         state = _load_checkpoint(checkpoint, identity)
         if state.step > plan.total_steps:
@@ -330,9 +366,9 @@ def train_candidate(config: TrainConfig, data: DatasetSplits) -> TrainResult:
     if checkpoint is not None:
         save()
 
-    history = tuple((float(s), float(q), int(t)) for s, q, t in run.engine.accountant.history)
-    record = _record(config, data, state, run, history, init_id)
-    model = run.dp_model.to_standard_module()  # Opacus' hooks and per-sample buffers removed
+    ran = run.ran()
+    record = _record(config, data, state, ran, init_id)
+    model = run.module()
     metrics: dict[str, Any] = {
         "steps": record.steps,
         "train_seconds": state.seconds,
@@ -341,22 +377,128 @@ def train_candidate(config: TrainConfig, data: DatasetSplits) -> TrainResult:
     for split_name, split in (("validation", data.validation), ("test", data.test)):
         for key, value in _evaluate(model, split, device).items():
             metrics[f"{split_name}_{key}"] = value
-    return TrainResult(model, spec, record, metrics, history)
+    return TrainResult(model, spec, record, metrics, ran.history)
 
 
-class _Run:
-    """The Opacus objects of one run and its step loop."""
+@dataclass(frozen=True)
+class _Ran:
+    """What an engine ran, read off its own optimizer, sampler and accountant (SPEC §2)."""
+
+    noise_multiplier: float
+    sample_rate: float
+    clip_norm: float
+    learning_rate: float
+    expected_batch_size: float
+    history: tuple[tuple[float, float, int], ...]
+
+
+def _history(accountant: RDPAccountant) -> tuple[tuple[float, float, int], ...]:
+    return tuple((float(s), float(q), int(t)) for s, q, t in accountant.history)
+
+
+class _Progress:
+    """The bookkeeping of a step loop, either engine: progress bar with the running RDP ε,
+    checkpoint cadence and the training clock."""
 
     def __init__(
         self,
         config: TrainConfig,
         plan: MechanismPlan,
-        device: torch.device,
-        noise_generator: torch.Generator,
-        sampler_generator: torch.Generator,
+        state: _RunState,
+        accountant: RDPAccountant,
+        save: Callable[[], None] | None,
     ) -> None:
+        self.config, self.state, self.accountant, self.save = config, state, accountant, save
+        self.bar = tqdm(
+            total=plan.total_steps,
+            initial=state.step,
+            disable=not config.progress,
+            desc=config.name or f"{config.dataset}/{config.model} σ={plan.noise_multiplier:.3g}",
+            unit="step",
+        )
+        self.clock = self.shown = time.perf_counter()
+
+    def stepped(self, loss: torch.Tensor) -> None:
+        """Count one step that ran, with the loss of its batch."""
+        state, config = self.state, self.config
+        state.step += 1
+        self.bar.update()
+        if config.progress and time.perf_counter() - self.shown >= _EPSILON_REFRESH_SECONDS:
+            epsilon = self.accountant.get_epsilon(config.delta)
+            self.bar.set_postfix(loss=f"{loss.item():.3f}", eps_rdp=f"{epsilon:.3f}")
+            self.shown = time.perf_counter()
+        if self.save is not None and state.step % config.checkpoint_every == 0:
+            now = time.perf_counter()
+            state.seconds, self.clock = state.seconds + now - self.clock, now
+            self.save()
+
+    def close(self) -> None:
+        self.state.seconds += time.perf_counter() - self.clock
+        self.bar.close()
+
+
+class _LinearRun:
+    """The linear-exact engine (:mod:`dpmerge.linear_engine`) of one logreg run, its loop."""
+
+    def __init__(
+        self, config: TrainConfig, plan: MechanismPlan, device: torch.device, dataset_size: int
+    ) -> None:
+        self.config, self.plan = config, plan
+        self.noise_generator = torch.Generator(device=device)
+        self.sampler_generator = PoissonSubsetSampler(dataset_size, plan.sample_rate)
+
+    def make_private(self, model: nn.Module, train: Split, state: _RunState) -> None:
+        self.model = model
+        self.engine = LinearDPSGD(
+            model.linear,
+            train.features,
+            train.labels,
+            noise_multiplier=self.plan.noise_multiplier,
+            clip_norm=self.config.clip_norm,
+            learning_rate=self.config.lr,
+            noise_generator=self.noise_generator,
+            sampler=self.sampler_generator,
+        )
+        self.engine.accountant.history = list(state.accountant_history)
+        if state.sampler_generator is not None:
+            self.sampler_generator.set_state(state.sampler_generator)
+
+    def snapshot(self, state: _RunState) -> _RunState:
+        state.model = {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
+        state.noise_generator = self.noise_generator.get_state()
+        state.sampler_generator = self.sampler_generator.get_state()
+        state.accountant_history = list(self.engine.accountant.history)
+        return state
+
+    def steps(self, state: _RunState, save: Callable[[], None] | None) -> None:
+        """Run from ``state.step`` to the planned T, one Poisson batch per step."""
+        progress = _Progress(self.config, self.plan, state, self.engine.accountant, save)
+        while state.step < self.plan.total_steps:
+            progress.stepped(self.engine.step())
+        progress.close()
+
+    def ran(self) -> _Ran:
+        engine = self.engine
+        return _Ran(
+            noise_multiplier=engine.noise_multiplier,
+            sample_rate=engine.sample_rate,
+            clip_norm=engine.clip_norm,
+            learning_rate=engine.learning_rate,
+            expected_batch_size=engine.expected_batch_size,
+            history=_history(engine.accountant),
+        )
+
+    def module(self) -> nn.Module:
+        return self.model
+
+
+class _OpacusRun:
+    """The Opacus objects of one run and its step loop."""
+
+    def __init__(self, config: TrainConfig, plan: MechanismPlan, device: torch.device) -> None:
         self.config, self.plan, self.device = config, plan, device
-        self.noise_generator, self.sampler_generator = noise_generator, sampler_generator
+        self.noise_generator = torch.Generator(device=device)
+        self.sampler_generator = torch.Generator()
 
     def make_private(self, model: nn.Module, train: Split, state: _RunState) -> None:
         self.model = model
@@ -411,16 +553,8 @@ class _Run:
         config, total = self.config, self.plan.total_steps
         pass_length = len(self.loader)
         restore = state.sampler_generator
-        bar = tqdm(
-            total=total,
-            initial=state.step,
-            disable=not config.progress,
-            desc=config.name
-            or f"{config.dataset}/{config.model} σ={self.plan.noise_multiplier:.3g}",
-            unit="step",
-        )
+        progress = _Progress(config, self.plan, state, self.engine.accountant, save)
         self.dp_model.train()
-        clock = time.perf_counter()
         while state.step < total:
             if restore is not None and state.step % pass_length == 0:
                 self.sampler_generator.set_state(restore)
@@ -435,48 +569,47 @@ class _Run:
                 loss = self.criterion(self.dp_model(x.to(self.device)), y.to(self.device))
                 loss.backward()
                 self.optimizer.step()
-                state.step += 1
-                bar.update()
-                if config.progress and state.step % _EPSILON_REFRESH_STEPS == 0:
-                    epsilon = self.engine.accountant.get_epsilon(config.delta)
-                    bar.set_postfix(loss=f"{loss.item():.3f}", eps_rdp=f"{epsilon:.3f}")
-                if save is not None and state.step % config.checkpoint_every == 0:
-                    now = time.perf_counter()
-                    state.seconds, clock = state.seconds + now - clock, now
-                    save()
-        state.seconds += time.perf_counter() - clock
-        bar.close()
+                progress.stepped(loss)
+        progress.close()
+
+    def ran(self) -> _Ran:
+        """What Opacus ran. q is the Poisson sampler's own rate: Opacus' accountant logs
+        1/len(Poisson loader) instead, which is larger when int(1/q) rounds down (its ε is then
+        slightly pessimistic); the steps and σ come from its history."""
+        optimizer = self.optimizer
+        (group,) = optimizer.original_optimizer.param_groups
+        if group["momentum"] != 0 or group["weight_decay"] != 0:
+            raise RuntimeError("the update rule is not plain SGD")
+        return _Ran(
+            noise_multiplier=optimizer.noise_multiplier,
+            sample_rate=self.loader.batch_sampler.sample_rate,
+            clip_norm=optimizer.max_grad_norm,
+            learning_rate=group["lr"],
+            expected_batch_size=optimizer.expected_batch_size,
+            history=_history(self.engine.accountant),
+        )
+
+    def module(self) -> nn.Module:
+        return self.dp_model.to_standard_module()  # Opacus' hooks and per-sample buffers removed
 
 
 def _record(
-    config: TrainConfig,
-    data: DatasetSplits,
-    state: _RunState,
-    run: _Run,
-    history: tuple[tuple[float, float, int], ...],
-    init_id: str,
+    config: TrainConfig, data: DatasetSplits, state: _RunState, ran: _Ran, init_id: str
 ) -> MechanismRecord:
-    """The mechanism record, read off the optimizer, sampler and accountant that ran.
-
-    q is the Poisson sampler's own rate. Opacus' accountant logs 1/len(Poisson loader) instead,
-    which is larger when int(1/q) rounds down (its ε is then slightly pessimistic); the steps
-    and σ come from its history.
-    """
-    optimizer, sampler = run.optimizer, run.loader.batch_sampler
+    """The mechanism record, read off what the engine ran (:meth:`_OpacusRun.ran`,
+    :meth:`_LinearRun.ran`); the steps and σ are checked against its accountant's history."""
+    history = ran.history
     steps = sum(t for _, _, t in history)
-    if steps != state.step or any(s != optimizer.noise_multiplier for s, _, _ in history):
+    if steps != state.step or any(s != ran.noise_multiplier for s, _, _ in history):
         raise RuntimeError(f"accountant history {history} disagrees with {state.step} steps run")
-    (group,) = optimizer.original_optimizer.param_groups
-    if group["momentum"] != 0 or group["weight_decay"] != 0:
-        raise RuntimeError("the update rule is not plain SGD")
     return MechanismRecord(
         name=config.name or f"{data.name}-{config.model}-{state.run_id[:8]}",
-        noise_multiplier=optimizer.noise_multiplier,
-        sample_rate=sampler.sample_rate,
+        noise_multiplier=ran.noise_multiplier,
+        sample_rate=ran.sample_rate,
         steps=steps,
-        clip_norm=optimizer.max_grad_norm,
-        learning_rate=group["lr"],
-        expected_batch_size=optimizer.expected_batch_size,
+        clip_norm=ran.clip_norm,
+        learning_rate=ran.learning_rate,
+        expected_batch_size=ran.expected_batch_size,
         optimizer=Optimizer.SGD,
         noise_lineage=state.noise_lineage,
         batch_lineage=state.batch_lineage,

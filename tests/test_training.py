@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from dp_accounting import dp_event
@@ -20,8 +21,11 @@ from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.artifacts import load_model_dir
 from dpmerge.data import DatasetSplits, RowDataset, load_dataset
 from dpmerge.data.datasets import FASHION_MNIST_ROOT
+from dpmerge.linear_engine import PoissonSubsetSampler
 from dpmerge.models import build_model, check_weights_match, model_spec
 from dpmerge.training import (
+    LINEAR_EXACT,
+    OPACUS_MODES,
     TrainConfig,
     TrainingConfigError,
     save_candidate,
@@ -30,6 +34,9 @@ from dpmerge.training import (
 )
 
 DELTA = 1e-5
+ENGINES = ("ghost", LINEAR_EXACT)
+"""The Opacus engine (its fastest logreg mode) and the linear-exact engine: the tests of what
+a run records and how its streams behave hold for both."""
 EPSILON_SLACK = 1e-6
 """dpmerge's ε may sit above dp_accounting's by a safety margin, never below."""
 
@@ -58,8 +65,9 @@ def fresh_pld_epsilon(sigma: float, q: float, steps: int) -> float:
     return accountant.get_epsilon(DELTA)
 
 
-def test_record_is_what_opacus_ran(digits: DatasetSplits) -> None:
-    result = train_candidate(config(epochs=2), digits)
+@pytest.mark.parametrize("mode", ENGINES)
+def test_record_is_what_ran(digits: DatasetSplits, mode: str) -> None:
+    result = train_candidate(config(epochs=2, grad_sample_mode=mode), digits)
     record, n = result.record, digits.dataset_size
     loader_length = len(DataLoader(RowDataset(digits.train.features, digits.train.labels), 64))
     assert loader_length == math.ceil(n / 64)
@@ -72,10 +80,17 @@ def test_record_is_what_opacus_ran(digits: DatasetSplits) -> None:
     assert (record.dataset, record.dataset_size) == (digits.fingerprint, n)
     assert record.initialisation == "zeros" and record.noise_lineage == "noise-seed-1"
     assert record.batch_lineage.endswith("/batches-fresh")
+    assert result.metrics["grad_sample_mode"] == mode
 
 
-def test_record_epsilon_equals_fresh_accountants(digits: DatasetSplits) -> None:
-    result = train_candidate(config(noise_multiplier=0.9, epochs=2), digits)
+def test_logreg_defaults_to_the_linear_engine(digits: DatasetSplits) -> None:
+    assert config().mode == LINEAR_EXACT and config(model="cnn").mode == "hooks"
+    assert train_candidate(config(max_steps=2), digits).metrics["grad_sample_mode"] == LINEAR_EXACT
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_record_epsilon_equals_fresh_accountants(digits: DatasetSplits, mode: str) -> None:
+    result = train_candidate(config(noise_multiplier=0.9, epochs=2, grad_sample_mode=mode), digits)
     record = result.record
     assert result.accountant_history == ((0.9, record.sample_rate, record.steps),)
     bound = candidate_bound(record, DELTA)
@@ -106,20 +121,27 @@ def test_max_steps_stops_early_and_the_record_counts_the_steps_run(digits: Datas
 
 
 def record_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, ...]]]:
-    """Patch the dataset to log the rows of every batch; one list per training run."""
+    """Patch both engines' batch sources to log the rows of every batch; one list per run."""
     runs: list[list[tuple[int, ...]]] = []
-    original = RowDataset.__getitems__
+    original_getitems, original_sample = RowDataset.__getitems__, PoissonSubsetSampler.sample
 
-    def logged(self: RowDataset, indices: list[int]) -> list:
+    def logged_getitems(self: RowDataset, indices: list[int]) -> list:
         runs[-1].append(tuple(indices))
-        return original(self, indices)
+        return original_getitems(self, indices)
 
-    monkeypatch.setattr(RowDataset, "__getitems__", logged)
+    def logged_sample(self: PoissonSubsetSampler) -> np.ndarray:
+        rows = original_sample(self)
+        runs[-1].append(tuple(rows.tolist()))
+        return rows
+
+    monkeypatch.setattr(RowDataset, "__getitems__", logged_getitems)
+    monkeypatch.setattr(PoissonSubsetSampler, "sample", logged_sample)
     return runs
 
 
+@pytest.mark.parametrize("mode", ENGINES)
 def test_shared_batch_seed_draws_identical_batches(
-    digits: DatasetSplits, monkeypatch: pytest.MonkeyPatch
+    digits: DatasetSplits, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     runs = record_batches(monkeypatch)
     settings = [
@@ -133,7 +155,9 @@ def test_shared_batch_seed_draws_identical_batches(
     records = []
     for overrides in settings:
         runs.append([])
-        records.append(train_candidate(config(epochs=2, **overrides), digits).record)
+        records.append(
+            train_candidate(config(epochs=2, grad_sample_mode=mode, **overrides), digits).record
+        )
     assert runs[0] == runs[1] and len(runs[0]) == records[0].steps
     assert runs[0] != runs[2] and runs[3] != runs[4] and runs[0] != runs[5]
     lineages = [r.batch_lineage for r in records]
@@ -150,15 +174,17 @@ def test_fresh_noise_seed_gives_a_fresh_lineage(digits: DatasetSplits) -> None:
     assert not weights_equal(a.weights, b.weights)
 
 
+@pytest.mark.parametrize(("mode", "accounted_rate"), [("ghost", 1 / 92), (LINEAR_EXACT, 1 / 93)])
 def test_same_seeds_reproduce_and_resume_continues_both_streams(
-    digits: DatasetSplits, tmp_path: Path
+    digits: DatasetSplits, tmp_path: Path, mode: str, accounted_rate: float
 ) -> None:
     # batch size 14: q = 1/93 but Opacus' loader pass is int(1/q) = 92 steps long, so the run
     # crosses pass boundaries at steps 92 and 184; it is interrupted mid-pass and on a boundary.
-    base = config(batch_size=14, epochs=2, batch_seed=3)
+    # Opacus' accountant logs its pessimistic 1/92, the linear engine its sampler's q.
+    base = config(batch_size=14, epochs=2, batch_seed=3, grad_sample_mode=mode)
     whole = train_candidate(base, digits)
     assert whole.record.steps == 186 and whole.record.sample_rate == 1 / 93
-    assert whole.accountant_history == ((1.0, 1 / 92, 186),)  # Opacus' own, pessimistic q
+    assert whole.accountant_history == ((1.0, accounted_rate, 186),)
     assert weights_equal(whole.weights, train_candidate(base, digits).weights)
 
     checkpoint = tmp_path / "run.pt"
@@ -175,6 +201,9 @@ def test_same_seeds_reproduce_and_resume_continues_both_streams(
 
     with pytest.raises(TrainingConfigError, match="differs in noise_multiplier"):
         train_candidate(replace(resumable, noise_multiplier=2.0), digits)
+    other_engine = "hooks" if mode == LINEAR_EXACT else LINEAR_EXACT
+    with pytest.raises(TrainingConfigError, match="differs in engine"):
+        train_candidate(replace(resumable, grad_sample_mode=other_engine), digits)
     with pytest.raises(TrainingConfigError, match="past this run's 10 steps"):
         train_candidate(replace(resumable, max_steps=10), digits)
 
@@ -183,7 +212,7 @@ def test_same_seeds_reproduce_and_resume_continues_both_streams(
 def test_grad_sample_modes_agree(digits: DatasetSplits, model: str) -> None:
     results = [
         train_candidate(config(model=model, batch_seed=1, max_steps=5, grad_sample_mode=m), digits)
-        for m in ("hooks", "functorch", "ew", "ghost")
+        for m in OPACUS_MODES
     ]
     for other in results[1:]:
         for key, value in results[0].weights.items():
@@ -241,6 +270,8 @@ def test_bad_configurations_are_refused(digits: DatasetSplits) -> None:
         config(model="mlp")
     with pytest.raises(TrainingConfigError, match="grad_sample_mode"):
         config(grad_sample_mode="fast")
+    with pytest.raises(TrainingConfigError, match="runs only logreg, not 'cnn'"):
+        config(model="cnn", grad_sample_mode=LINEAR_EXACT)
     with pytest.raises(TrainingConfigError, match="data is 'digits'"):
         train_candidate(config(dataset="mnist"), digits)
     if not torch.cuda.is_available():

@@ -30,7 +30,7 @@ DEFAULT_THREADS = 1
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train",
-        help="train one DP-SGD candidate (Opacus, Poisson sampling, plain SGD)",
+        help="train one DP-SGD candidate (Poisson sampling, plain SGD)",
         description=__doc__,
     )
     parser.add_argument("--dataset", required=True, help=f"one of {', '.join(DATASET_NAMES)}")
