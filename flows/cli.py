@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from dpmerge.cli import main as library_main
 
-WORKFLOW_COMMANDS: tuple[str, ...] = ()
+WORKFLOW_COMMANDS: tuple[str, ...] = ("flows.commands.policy", "flows.commands.demo")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,8 +15,15 @@ vectorised, bracketed Newton iteration, and hand the values to the library's pub
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
+import os
+import tempfile
 from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from dp_accounting.pld import pld_pmf
@@ -41,7 +48,14 @@ _CONTINUATION_STRIDE = 64
 def subsampled_gaussian_pld(
     noise_multiplier: float, sample_rate: float, steps: int, discretisation: float
 ) -> PLD:
-    """PLD of ``steps`` compositions of the Poisson-subsampled Gaussian (add-or-remove-one)."""
+    """PLD of ``steps`` compositions of the Poisson-subsampled Gaussian (add-or-remove-one).
+
+    With :func:`set_disk_cache` the result is also kept as a file and read back by later
+    processes (a policy merge runs in a fresh process each time)."""
+    key = (float(noise_multiplier), float(sample_rate), int(steps), float(discretisation))
+    cached = _read_cached(key)
+    if cached is not None:
+        return cached
     one_step = pld_lib.from_gaussian_mechanism(
         standard_deviation=noise_multiplier,
         sensitivity=1.0,
@@ -50,7 +64,80 @@ def subsampled_gaussian_pld(
         pessimistic_estimate=True,
         use_connect_dots=True,
     )
-    return one_step.self_compose(steps)
+    result = one_step.self_compose(steps)
+    _write_cached(key, result)
+    return result
+
+
+# --- optional file cache of subsampled-Gaussian PLDs --------------------------------------
+# Off unless set_disk_cache() is called (the merge flow does). Files hold the dense pmf arrays
+# exactly (np.savez, no pickle) and are keyed by every input and the dp-accounting version, so a
+# cached PLD is bit-identical to a rebuilt one; an unreadable file is rebuilt.
+
+_DISK_CACHE: Path | None = None
+_CACHE_FORMAT = 1
+
+
+def set_disk_cache(directory: str | Path | None) -> None:
+    """Keep subsampled-Gaussian PLDs as files in ``directory`` (``None``: memory only)."""
+    global _DISK_CACHE
+    _DISK_CACHE = None if directory is None else Path(directory)
+
+
+def _cache_path(key: tuple[float, float, int, float]) -> Path | None:
+    if _DISK_CACHE is None:
+        return None
+    identity = repr((_CACHE_FORMAT, metadata.version("dp-accounting"), *key)).encode()
+    return _DISK_CACHE / f"sg-{hashlib.sha256(identity).hexdigest()[:40]}.npz"
+
+
+def _read_cached(key: tuple[float, float, int, float]) -> PLD | None:
+    path = _cache_path(key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            pmfs = [
+                pld_pmf.DensePLDPmf(
+                    float(stored["discretization"]),
+                    int(stored[f"{side}_lower_loss"]),
+                    stored[f"{side}_probs"].copy(),
+                    float(stored[f"{side}_infinity_mass"]),
+                    bool(stored["pessimistic"]),
+                )
+                for side in ("remove", "add")
+            ]
+            symmetric = bool(stored["symmetric"])
+    except (OSError, KeyError, ValueError):
+        return None
+    return PLD(pmfs[0], None if symmetric else pmfs[1])
+
+
+def _write_cached(key: tuple[float, float, int, float], pld: PLD) -> None:
+    path = _cache_path(key)
+    sides = {"remove": pld._pmf_remove, "add": pld._pmf_add}
+    if path is None or not all(isinstance(p, pld_pmf.DensePLDPmf) for p in sides.values()):
+        return
+    arrays: dict[str, Any] = {
+        "discretization": np.float64(sides["remove"]._discretization),
+        "pessimistic": np.bool_(sides["remove"]._pessimistic_estimate),
+        "symmetric": np.bool_(pld._symmetric),
+    }
+    for side, pmf in sides.items():
+        arrays[f"{side}_lower_loss"] = np.int64(pmf._lower_loss)
+        arrays[f"{side}_probs"] = np.asarray(pmf._probs, dtype=np.float64)
+        arrays[f"{side}_infinity_mass"] = np.float64(pmf._infinity_mass)
+    staging = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz", delete=False) as handle:
+            staging = handle.name
+            np.savez(handle, **arrays)
+        os.replace(staging, path)
+    except OSError:  # a cache only: the PLD is returned either way
+        if staging is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(staging)
 
 
 @lru_cache(maxsize=512)

@@ -1,0 +1,207 @@
+"""``dpmerge demo``: the whole job on one machine, embedded, in a few minutes.
+
+Trains a handful of DP-SGD candidates (logistic regression on Fashion-MNIST; scikit-learn's
+digits where Fashion-MNIST is not installed) with the ``train-candidates`` flow, registers them
+in MLflow, applies an example policy with the ``merge-on-policy`` flow (calibrate → merge →
+evaluate → register → promote), and prints the candidates, the privacy card, the accuracies and
+the promotion. Everything lives under ``--home`` (default ``./.dpmerge``): the MLflow sqlite
+database and artifacts, ``PREFECT_HOME``, the release ledger and the RS audit records. Running it
+again reuses the registered candidates (``--retrain`` trains new ones) and the merged release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from flows.commands.policy import default_dataset, print_outcome
+
+POLICY_FILE = Path(__file__).resolve().parents[2] / "deployments" / "policies.yaml"
+DEMO_POLICY = "eu"
+PLANS: dict[str, dict[str, Any]] = {
+    # σ levels spanning ε ≈ 0.13 … 2.1 at δ = 1e-5 with 3 epochs (the defaults of the
+    # train-candidates deployment), so ε* = 2 is reachable by several merges.
+    "fashion-mnist": {
+        "noise_multipliers": [0.7, 0.9, 1.2, 1.8, 3.0],
+        "epochs": 3,
+        "batch_size": 256,
+    },
+    "digits": {
+        "noise_multipliers": [1.2, 1.6, 2.0, 3.0, 5.0],
+        "epochs": 15,
+        "batch_size": 64,
+        "learning_rate": 1.0,
+    },
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="train candidates, register them, apply a policy, promote (embedded, minutes)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--home", default=".dpmerge", help="state directory (default .dpmerge)")
+    parser.add_argument(
+        "--dataset",
+        default=None,
+        help="fashion-mnist or digits (default: fashion-mnist if installed, else digits)",
+    )
+    parser.add_argument(
+        "--noise-multipliers",
+        default=None,
+        help="comma-separated σ levels (default: five levels per dataset)",
+    )
+    parser.add_argument("--epochs", type=int, default=None, help="epochs per candidate")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first rows")
+    parser.add_argument(
+        "--target-epsilon", type=float, default=None, help="override the example policy's ε*"
+    )
+    parser.add_argument("--retrain", action="store_true", help="train new candidates anyway")
+    parser.set_defaults(handler=handle)
+
+
+def _example_policy(dataset: str, target_epsilon: float | None) -> Any:
+    from dpmerge.policies import load_policies, policy_from_dict
+
+    fields: dict[str, Any] = {
+        "name": DEMO_POLICY,
+        "target_epsilon": 2.0,
+        "target_delta": 1e-5,
+        "dataset": dataset,
+        "model": "logreg",
+        "min_accuracy": 0.8,
+    }
+    if POLICY_FILE.is_file():
+        example = {p.name: p for p in load_policies(POLICY_FILE)}.get(DEMO_POLICY)
+        if example is not None:
+            fields = example.model_dump()
+    fields["dataset"] = dataset
+    fields["model"] = "logreg"
+    if dataset == "digits":
+        fields["min_accuracy"] = min(float(fields.get("min_accuracy") or 0.0), 0.8)
+    if target_epsilon is not None:
+        fields["target_epsilon"] = target_epsilon
+    return policy_from_dict(fields)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def handle(args: argparse.Namespace) -> int:
+    import warnings
+
+    from flows import runtime
+
+    # known third-party noise (Opacus: secure RNG off, full backward hooks; the library draws
+    # its own noise seeds from the OS)
+    warnings.filterwarnings("ignore", module=r"opacus\.")
+    warnings.filterwarnings("ignore", message=r".*Full backward hook.*")
+    home = Path(args.home).absolute()
+    runtime.configure_embedded(home, force=True)
+    dataset = args.dataset or default_dataset()
+    plan = dict(PLANS.get(dataset, PLANS["digits"]))
+    if args.noise_multipliers:
+        plan["noise_multipliers"] = [float(v) for v in args.noise_multipliers.split(",")]
+    if args.epochs:
+        plan["epochs"] = args.epochs
+    policy = _example_policy(dataset, args.target_epsilon)
+    print(f"dpmerge demo — state in {home} (MLflow sqlite + artifacts, PREFECT_HOME, ledger)")
+    print(
+        f"dataset {dataset}, logistic regression; policy {policy.name!r}: "
+        f"(ε*, δ*) = ({policy.target_epsilon:g}, {policy.target_delta:g}), "
+        f"method {policy.method}, min accuracy {policy.min_accuracy:g}\n"
+    )
+
+    from dpmerge import policy_merge as pm
+    from dpmerge.registry import RegistryError
+    from flows.merge import merge_on_policy
+    from flows.training import train_candidates
+
+    workspace = pm.Workspace.from_env()
+    start = time.perf_counter()
+    existing: tuple[str, ...] = ()
+    with contextlib.suppress(RegistryError):
+        existing = pm.find_candidates(workspace.registry(), dataset, "logreg").versions
+    if existing and not args.retrain:
+        print(f"[1/3] reusing {len(existing)} registered candidates (--retrain to train new)")
+    else:
+        print(
+            f"[1/3] training {len(plan['noise_multipliers'])} DP-SGD candidates "
+            f"(σ = {', '.join(f'{s:g}' for s in plan['noise_multipliers'])}, "
+            f"{plan['epochs']} epochs each) and registering them …"
+        )
+        train_candidates(dataset=dataset, model="logreg", limit=args.limit, **plan)
+    _print_candidates(workspace, dataset, policy.target_delta)
+    print(
+        f"\n[2/3] applying policy {policy.name!r} (calibrate → merge → evaluate → register → "
+        "promote) …"
+    )
+    state = merge_on_policy(**policy.event_payload(), return_state=True)
+    if state.is_completed():
+        outcome = state.result()
+    else:
+        error = state.result(raise_on_failure=False)
+        outcome = getattr(error, "outcome", None) or {}
+        if not outcome:
+            raise error if isinstance(error, Exception) else RuntimeError(str(state.message))
+    print()
+    print_outcome(outcome)
+    if outcome.get("version"):
+        card = (
+            workspace.registry()
+            .client.get_model_version(outcome["merged_model"], outcome["version"])
+            .description
+        )
+        print("\n[3/3] privacy card of the release\n")
+        print(card)
+    print(f"\ndone in {time.perf_counter() - start:.0f} s.\n")
+    print(_next_steps(home))
+    return 0 if outcome.get("status") in ("promoted", "unchanged") else 1
+
+
+def _print_candidates(workspace: Any, dataset: str, delta: float) -> None:
+    from dpmerge import policy_merge as pm
+    from dpmerge.privacy_card import eps_text
+
+    registry = workspace.registry()
+    pool = pm.find_candidates(registry, dataset, "logreg")
+    rows = [["version", "candidate", "σ", "ε (accountant, δ)", "test accuracy"]]
+    for version in pool.versions:
+        tags = registry.client.get_model_version(pool.registered_model, version).tags
+        rows.append(
+            [
+                f"v{version}",
+                tags.get("dp.candidate", "?"),
+                f"{float(tags.get('dp.noise_multiplier', 'nan')):.3g}",
+                f"{eps_text(_number(tags.get('dp.epsilon')))} "
+                f"({tags.get('dp.accountant')}, {float(tags.get('dp.delta', delta)):g})",
+                f"{float(tags.get('dp.accuracy', 'nan')):.4f}",
+            ]
+        )
+    print(f"\ncandidates in {pool.registered_model} (internal):")
+    print(_table(rows))
+
+
+def _number(value: str | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _next_steps(home: Path) -> str:
+    return f"""Look at it:
+  MLflow UI:  mlflow ui --backend-store-uri sqlite:///{home}/mlflow.db --port 5000
+              then http://127.0.0.1:5000 → Models (candidates and -merged releases, alias,
+              privacy card in each version's description and run artifacts)
+  Prefect UI: PREFECT_HOME={home}/prefect prefect server start --port 4200
+              then http://127.0.0.1:4200 → Runs (train-candidates, merge-on-policy, artifacts)
+  Registry:   MLFLOW_TRACKING_URI=sqlite:///{home}/mlflow.db dpmerge registry ls
+  Policies:   dpmerge policy set --name eu --target-epsilon 3 --delta 1e-5   (runs here)"""

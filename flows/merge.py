@@ -1,0 +1,213 @@
+"""``merge-on-policy``: a policy changed → load candidates, calibrate, merge, evaluate,
+register, promote (or revoke per ``on_infeasible``). No training.
+
+Triggered by the event ``dpmerge.policy.updated`` (deployments/prefect.yaml: one parameter per
+``Policy.event_payload()`` key, plus the event's resource id, id and time), or called in-process
+by ``dpmerge policy set|apply`` when no Prefect server is configured.
+
+Outcomes. ``promoted`` / ``unchanged`` (the alias already named this release): the run
+completes. ``superseded`` (a later policy event already set the alias): completes, touching
+nothing. ``not_promoted`` (a gate failed: ε, δ, accuracy, ledger cap): the version stays
+registered without the alias and the run **fails** with the reasons. ``infeasible``: nothing is
+registered, the alias is revoked (or kept, ``on_infeasible: keep``) and the run **fails** with
+the reachable ε range. A bad policy (e.g. a negative target) fails before anything is read.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from dpmerge import policy_merge as pm
+from dpmerge.errors import InfeasibleTargetError
+from dpmerge.policies import Policy, PolicyError, policy_from_dict
+from tasks import policy as steps
+
+FLOW_NAME = "merge-on-policy"
+DEPLOYMENT = f"{FLOW_NAME}/cpu"
+
+
+def _policy(fields: dict[str, Any], resource_id: str | None) -> Policy:
+    policy = policy_from_dict(fields)
+    if resource_id and resource_id != policy.resource_id:
+        raise PolicyError(
+            f"event resource {resource_id!r} does not match policy {policy.name!r} "
+            f"(expected {policy.resource_id!r})"
+        )
+    return policy
+
+
+def _summary(outcome: pm.PolicyOutcome, card: str) -> str:
+    lines = [
+        f"# Policy `{outcome.policy}`: {outcome.status}",
+        "",
+        f"Target (ε*, δ*) = ({outcome.target_epsilon:g}, {outcome.target_delta:g}); "
+        f"alias `{outcome.alias}`.",
+        "",
+    ]
+    if outcome.version:
+        lines += [
+            f"Release: `{outcome.merged_model}` v{outcome.version} "
+            f"({'reused' if outcome.reused else 'new'}), method {outcome.method}, "
+            f"ε = {outcome.epsilon} ({outcome.accountant}, {outcome.bound} bound), "
+            f"test accuracy {outcome.test_accuracy}.",
+            "",
+        ]
+    if outcome.reasons:
+        lines += ["Reasons:", "", *(f"- {r}" for r in outcome.reasons), ""]
+    if card:
+        lines += ["---", "", card]
+    return "\n".join(lines)
+
+
+def _artifact(outcome: pm.PolicyOutcome, card: str) -> None:
+    key = re.sub(r"[^a-z0-9-]", "-", f"policy-{outcome.policy}".lower())
+    create_markdown_artifact(
+        markdown=_summary(outcome, card),
+        key=key,
+        description=f"dpmerge policy {outcome.policy}: {outcome.status}",
+    )
+
+
+@flow(name=FLOW_NAME, flow_run_name="policy-{name}", persist_result=False)
+def merge_on_policy(
+    name: str,
+    target_epsilon: float,
+    target_delta: float,
+    dataset: str,
+    model: str,
+    method: str = "auto",
+    gating_bound: str = "generic",
+    min_accuracy: float = 0.0,
+    alias: str | None = None,
+    on_infeasible: str = "revoke",
+    cumulative_epsilon_cap: float | None = None,
+    resource_id: str | None = None,
+    event_id: str | None = None,
+    occurred: str | None = None,
+) -> dict[str, Any]:
+    """Apply one policy (the fields of :class:`dpmerge.policies.Policy`). ``resource_id``,
+    ``event_id`` and ``occurred`` come from the triggering event: the resource must name this
+    policy, and ``occurred`` orders events (an older one never moves the alias back)."""
+    logger = get_run_logger()
+    policy = _policy(
+        {
+            "name": name,
+            "target_epsilon": target_epsilon,
+            "target_delta": target_delta,
+            "dataset": dataset,
+            "model": model,
+            "method": method,
+            "gating_bound": gating_bound,
+            "min_accuracy": min_accuracy,
+            "alias": alias,
+            "on_infeasible": on_infeasible,
+            "cumulative_epsilon_cap": cumulative_epsilon_cap,
+        },
+        resource_id,
+    )
+    when = pm.parse_time(occurred)
+    workspace = pm.Workspace.from_env()
+    workspace.use_caches()
+    logger.info(
+        "policy %s (event %s at %s): target (%g, %g), method %s, gate %s; registry %s",
+        policy.name,
+        event_id or "-",
+        when.isoformat(),
+        policy.target_epsilon,
+        policy.target_delta,
+        policy.method,
+        policy.gating_bound,
+        workspace.tracking_uri,
+    )
+    workdir = workspace.scratch()
+    try:
+        outcome, card = _apply(policy, workspace, str(workdir), when)
+    finally:
+        pm.remove_tree(workdir)
+    _artifact(outcome, card)
+    result = outcome.to_dict()
+    if outcome.status == "infeasible":
+        raise pm.PolicyInfeasibleError(
+            f"policy {policy.name!r}: " + "; ".join(outcome.reasons), result
+        )
+    if outcome.status == "not_promoted":
+        raise pm.PolicyNotMetError(
+            f"policy {policy.name!r}: {outcome.merged_model} v{outcome.version} registered but "
+            "not promoted: " + "; ".join(outcome.reasons),
+            result,
+        )
+    return result
+
+
+def _apply(
+    policy: Policy, workspace: pm.Workspace, workdir: str, when: Any
+) -> tuple[pm.PolicyOutcome, str]:
+    # the first torch.export in a process costs seconds (the registry stores pt2 models):
+    # warm it up while the candidates and the split are fetched (I/O, no torch.export there),
+    # and finish before the CPU-bound calibration and the registration
+    warmup = pm.start_export_warmup()
+    try:
+        prepared = steps.prepare(workspace, policy, when, workdir)
+    finally:
+        warmup.join()
+    pool = prepared.pool
+    if prepared.superseded_by is not None or prepared.data is None:
+        outcome = pm.PolicyOutcome(
+            policy=policy.name,
+            status="superseded",
+            alias=str(policy.alias),
+            target_epsilon=policy.target_epsilon,
+            target_delta=policy.target_delta,
+            merged_model=pool.merged_model,
+            reasons=(
+                f"a later policy event ({prepared.superseded_by}) already set {policy.alias!r}",
+            ),
+        )
+        return outcome, ""
+    candidates, data = prepared.candidates, prepared.data
+    try:
+        plan = steps.calibrate(policy, candidates, data)
+    except InfeasibleTargetError as error:
+        return steps.handle_infeasible(workspace, policy, pool, error, when), ""
+    request = pm.merge_request(policy, pool, candidates, plan)
+    entry = pm.ledger_release(request, candidates, plan)
+    registered, ledger = steps.plan_release(workspace, request, entry, policy)
+    metrics: dict[str, Any] = {}
+    if registered is None:
+        release = steps.merge(workspace, request, candidates, plan, data, workdir)
+        metrics = release.metrics
+        if release.audit_file is not None:  # RS: the draw goes to its restricted place
+            steps.store_audit(workspace, release)
+        registered = steps.register(workspace, request, release, ledger)
+    status, previous, reasons, cumulative = steps.promote(
+        workspace, policy, registered, entry, when
+    )
+    report = plan.calibration.report
+    outcome = pm.PolicyOutcome(
+        policy=policy.name,
+        status=status,  # type: ignore[arg-type]
+        alias=str(policy.alias),
+        target_epsilon=policy.target_epsilon,
+        target_delta=policy.target_delta,
+        merged_model=registered.name,
+        version=registered.version,
+        previous_version=previous,
+        reused=registered.reused,
+        method=plan.method,
+        weights=tuple(report.weights),
+        epsilon=report.epsilon,
+        accountant=report.gating.accountant,
+        bound=report.gating.kind,
+        test_accuracy=registered.accuracy,
+        validation_accuracy=metrics.get("validation_accuracy"),
+        cumulative_epsilon=cumulative,
+        candidates=tuple(report.names),
+        reachable_epsilon_range=tuple(plan.calibration.reachable_epsilon_range),  # type: ignore[arg-type]
+        reasons=tuple(reasons),
+        compared=plan.compared,
+    )
+    return outcome, steps.read_card(workspace, registered.name, registered.version)

@@ -1,0 +1,148 @@
+"""Where flows run: the embedded default or a configured Prefect server, and policy events.
+
+Embedded (no ``PREFECT_API_URL``): flows run in this process on Prefect's temporary API,
+with ``PREFECT_HOME`` under the state directory (default ``./.dpmerge/prefect``, so a later
+``PREFECT_HOME=.dpmerge/prefect prefect server start`` shows the runs) and MLflow on
+``.dpmerge/mlflow.db`` with artifacts in ``.dpmerge/mlartifacts``. The environment must be set
+before Prefect is imported: call :func:`configure_embedded` first, import flows after.
+
+With a server (``PREFECT_API_URL`` set, e.g. ``eval "$(dpmerge stack env)"``), a policy change
+is an event, ``dpmerge.policy.updated`` on resource ``dpmerge.policy.<name>`` with
+``Policy.event_payload()`` as payload; the ``merge-on-policy`` deployment's trigger turns it into
+a flow run (deployments/prefect.yaml).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from dpmerge.errors import DPMergeError
+from dpmerge.policy_merge import embedded_tracking_uri, resolve_home
+
+EVENT = "dpmerge.policy.updated"
+TELEMETRY_OFF = {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+QUIET = {
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+
+
+class ServerError(DPMergeError):
+    """The configured Prefect server cannot be reached."""
+
+
+def server_url() -> str | None:
+    return os.environ.get("PREFECT_API_URL") or None
+
+
+def configure_embedded(home: str | Path | None = None, *, force: bool = False) -> dict[str, str]:
+    """Set the embedded defaults in ``os.environ`` (before Prefect or MLflow are imported) and
+    return what was set. Existing settings win unless ``force`` (the demo: everything under
+    ``home``, whatever the shell says)."""
+    home_path = resolve_home(home)
+    home_path.mkdir(parents=True, exist_ok=True)
+    wanted = {
+        "DPMERGE_HOME": str(home_path),
+        "MLFLOW_TRACKING_URI": embedded_tracking_uri(home_path),
+        "PREFECT_HOME": str(home_path / "prefect"),
+        **TELEMETRY_OFF,
+        **QUIET,
+    }
+    if force:
+        for key in ("PREFECT_API_URL", "DPMERGE_S3_ENDPOINT_URL", "DPMERGE_S3_BUCKET"):
+            os.environ.pop(key, None)
+    applied = {}
+    for key, value in wanted.items():
+        if force or key not in os.environ:
+            os.environ[key] = value
+            applied[key] = value
+    return applied
+
+
+def check_server(url: str, timeout_s: float = 5.0) -> None:
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
+            healthy = json.loads(response.read() or b"null")
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        raise ServerError(
+            f"Prefect server {url} unreachable ({error}); start it (`dpmerge stack up`) or unset "
+            "PREFECT_API_URL to run in-process"
+        ) from None
+    if healthy is not True:
+        raise ServerError(f"Prefect server {url} is not healthy (health: {healthy!r})")
+
+
+def emit_policy_event(
+    payload: dict[str, Any], resource_id: str, name: str, *, url: str | None = None
+) -> str:
+    """Send ``dpmerge.policy.updated`` for one policy to the server at ``url`` (default
+    ``$PREFECT_API_URL``) and wait for the server's acknowledgement; returns the event id."""
+    from prefect.events import Event
+    from prefect.events.clients import PrefectEventsClient
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    url = url or server_url()
+    if url is None:
+        raise ServerError("PREFECT_API_URL is not set: no server to send the event to")
+    check_server(url)
+    event = Event(
+        event=EVENT,
+        resource={"prefect.resource.id": resource_id, "prefect.resource.name": name},
+        payload=payload,
+    )
+
+    async def send() -> None:
+        async with PrefectEventsClient(api_url=url, checkpoint_every=1) as client:
+            await client.emit(event)
+
+    try:
+        run_coro_as_sync(send())
+    except Exception as error:
+        raise ServerError(f"sending {EVENT} to {url} failed: {error}") from None
+    return str(event.id)
+
+
+def find_policy_run(event_id: str, client: Any) -> Any | None:
+    """The ``merge-on-policy`` flow run created for ``event_id`` (its ``event_id`` parameter),
+    or ``None`` while the trigger has not created it."""
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from flows.merge import FLOW_NAME
+
+    runs = client.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
+        sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+        limit=50,
+    )
+    for run in runs:
+        if str(run.parameters.get("event_id")) == event_id:
+            return run
+    return None
+
+
+def wait_for_policy_run(
+    event_id: str, timeout_s: float, poll_s: float = 0.5, *, url: str | None = None
+) -> Any:
+    """Wait until the run for ``event_id`` reaches a final state; returns it (or the last
+    seen run, ``None`` if none was created in time). ``url`` defaults to ``$PREFECT_API_URL``."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    url = url or server_url()
+    if url is None:
+        raise ServerError("PREFECT_API_URL is not set: no server to ask")
+    deadline = time.monotonic() + timeout_s
+    run = None
+    with SyncPrefectClient(url) as client:
+        while time.monotonic() < deadline:
+            run = find_policy_run(event_id, client)
+            if run is not None and run.state is not None and run.state.is_final():
+                return run
+            time.sleep(poll_s)
+    return run

@@ -1,0 +1,212 @@
+"""Tasks of the policy merge: one per step of ``dpmerge.policy_merge``.
+
+Nothing here logs or returns the RS draw: :func:`merge` hands on a
+:class:`~dpmerge.policy_merge.Release` (public facts and the path of the 0600 audit file), and
+:func:`store_audit` moves that file to its access-restricted place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from dpmerge import policy_merge as pm
+from dpmerge.accounting.ledger import Release as LedgerRelease
+from dpmerge.errors import InfeasibleTargetError
+from dpmerge.policies import Policy
+from dpmerge.registry import RegisteredCandidate
+from tasks.common import LOCAL, REMOTE
+
+
+@task(name="find-candidates", **REMOTE)
+def find_candidates(workspace: pm.Workspace, dataset: str, model: str) -> pm.CandidatePool:
+    pool = pm.find_candidates(workspace.registry(), dataset, model)
+    get_run_logger().info(
+        "%d ready candidates in %s (versions %s)",
+        len(pool.versions),
+        pool.registered_model,
+        ", ".join(pool.versions),
+    )
+    return pool
+
+
+@task(name="prepare", **REMOTE)
+def prepare(workspace: pm.Workspace, policy: Policy, occurred: datetime, dest: str) -> pm.Prepared:
+    """Find and load the candidates and the evaluation split (or stop: superseded)."""
+    prepared = pm.prepare(workspace, policy, occurred, Path(dest) / "candidates")
+    logger = get_run_logger()
+    pool = prepared.pool
+    if prepared.superseded_by is not None:
+        logger.warning(
+            "a later policy event (%s) already set %r: this one changes nothing",
+            prepared.superseded_by,
+            policy.alias,
+        )
+    else:
+        logger.info(
+            "%d ready candidates in %s (versions %s); %d validation and %d test rows",
+            len(pool.versions),
+            pool.registered_model,
+            ", ".join(pool.versions),
+            len(prepared.data.validation) if prepared.data else 0,
+            len(prepared.data.test) if prepared.data else 0,
+        )
+    return prepared
+
+
+@task(name="plan-release", **REMOTE)
+def plan_release(
+    workspace: pm.Workspace, request: pm.MergeRequest, entry: LedgerRelease, policy: Policy
+) -> tuple[pm.Registered | None, dict[str, Any] | None]:
+    """An existing release of this request (reused, no new merge or draw), else the ledger
+    bound for the new release's card."""
+    found, ledger = pm.plan_release(workspace, request, entry, policy)
+    if found is not None:
+        get_run_logger().info(
+            "merge request %s already registered as %s v%s: reusing it (no new merge)",
+            request.content_hash[:12],
+            found.name,
+            found.version,
+        )
+    return found, ledger
+
+
+@task(name="load-candidates", **REMOTE)
+def load_candidates(
+    workspace: pm.Workspace, pool: pm.CandidatePool, dest: str
+) -> list[RegisteredCandidate]:
+    return pm.load_candidates(
+        workspace.registry(),
+        pool,
+        Path(dest) / "candidates",
+        cache_dir=workspace.cache_dir / "candidates",
+    )
+
+
+@task(name="load-evaluation-data", **LOCAL)
+def load_evaluation_data(
+    workspace: pm.Workspace, fingerprint: str, train_rows: int | None
+) -> pm.EvaluationData:
+    data = pm.load_evaluation_data(fingerprint, train_rows, cache_dir=workspace.cache_dir)
+    get_run_logger().info(
+        "data %s: %d validation and %d test rows",
+        data.name,
+        len(data.validation),
+        len(data.test),
+    )
+    return data
+
+
+@task(name="calibrate", **LOCAL)
+def calibrate(
+    policy: Policy, candidates: Sequence[RegisteredCandidate], data: pm.EvaluationData
+) -> pm.PolicyPlan:
+    plan = pm.calibrate_policy(policy, candidates, data)
+    report = plan.calibration.report
+    get_run_logger().info(
+        "calibrated %s: ε = %.4f (%s, %s bound) ≤ target %g at δ = %g; compared %s",
+        plan.method,
+        report.epsilon,
+        report.gating.accountant,
+        report.gating.kind,
+        policy.target_epsilon,
+        policy.target_delta,
+        {m: round(c["expected_validation_accuracy"] or 0.0, 4) for m, c in plan.compared.items()},
+    )
+    return plan
+
+
+@task(name="merge", **LOCAL)
+def merge(
+    workspace: pm.Workspace,
+    request: pm.MergeRequest,
+    candidates: Sequence[RegisteredCandidate],
+    plan: pm.PolicyPlan,
+    data: pm.EvaluationData,
+    workdir: str,
+) -> pm.Release:
+    audit_dir = workspace.private_dir("audit") if workspace.s3 is None else Path(workdir)
+    release = pm.merge_release(request, candidates, plan, data, workdir, audit_dir=audit_dir)
+    get_run_logger().info(
+        "merged by %s: test accuracy %.4f, validation accuracy %.4f",
+        release.method,
+        release.metrics["test_accuracy"],
+        release.metrics["validation_accuracy"],
+    )
+    return release
+
+
+@task(name="store-audit-record", **REMOTE)
+def store_audit(workspace: pm.Workspace, release: pm.Release) -> str | None:
+    location = pm.store_audit(workspace, release)
+    if location is not None:
+        get_run_logger().info("RS audit record stored (access-restricted): %s", location)
+    return location
+
+
+@task(name="register-merged", **REMOTE)
+def register(
+    workspace: pm.Workspace,
+    request: pm.MergeRequest,
+    release: pm.Release,
+    ledger: dict[str, Any] | None,
+) -> pm.Registered:
+    registered = pm.register_release(workspace.registry(), request, release, ledger)
+    get_run_logger().info(
+        "registered %s v%s (%s)",
+        registered.name,
+        registered.version,
+        "reused" if registered.reused else "new",
+    )
+    return registered
+
+
+@task(name="promote", **REMOTE)
+def promote(
+    workspace: pm.Workspace,
+    policy: Policy,
+    registered: pm.Registered,
+    entry: LedgerRelease,
+    occurred: datetime,
+) -> tuple[str, str | None, tuple[str, ...], float | None]:
+    result = pm.promote_release(
+        workspace, workspace.registry(), policy, registered, entry, occurred
+    )
+    status, previous, reasons, _ = result
+    logger = get_run_logger()
+    if status in ("promoted", "unchanged"):
+        logger.info(
+            "alias %r -> %s v%s (%s; was %s)",
+            policy.alias,
+            registered.name,
+            registered.version,
+            status,
+            previous,
+        )
+    else:
+        logger.warning("%s v%s %s: %s", registered.name, registered.version, status, reasons)
+    return result
+
+
+@task(name="handle-infeasible", **REMOTE)
+def handle_infeasible(
+    workspace: pm.Workspace,
+    policy: Policy,
+    pool: pm.CandidatePool,
+    error: InfeasibleTargetError,
+    occurred: datetime,
+) -> pm.PolicyOutcome:
+    outcome = pm.handle_infeasible(workspace.registry(), policy, pool, error, occurred)
+    get_run_logger().warning("policy %s %s: %s", policy.name, outcome.status, outcome.reasons)
+    return outcome
+
+
+@task(name="read-card", **REMOTE)
+def read_card(workspace: pm.Workspace, name: str, version: str) -> str:
+    """The version's privacy card (its description, the card's Markdown)."""
+    registry = workspace.registry()
+    return registry.client.get_model_version(name, version).description or ""

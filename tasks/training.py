@@ -1,0 +1,201 @@
+"""Training tasks: one candidate per task (never one step), then its registration."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from dpmerge import policy_merge as pm
+from dpmerge.data import DatasetSplits
+from tasks.common import LOCAL, REMOTE
+
+_EXPORT_LOCK = threading.Lock()
+"""Registration saves a ``torch.export`` (pt2) model, which is not thread-safe ("ProxyTorch-
+DispatchMode slot already occupied"): candidates train concurrently, register one at a time."""
+
+
+@dataclass(frozen=True)
+class CandidateSpec:
+    """One candidate to train: the ``dpmerge.training.TrainConfig`` fields that vary, and the
+    data options (the split is dpmerge's default, so merges find the same validation rows)."""
+
+    name: str
+    dataset: str
+    model: str
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    epochs: int = 1
+    batch_size: int = 256
+    learning_rate: float | None = None
+    limit: int | None = None
+    data_root: str | None = None
+    device: str = "cpu"
+    torch_threads: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@lru_cache(maxsize=4)
+def _data(name: str, root: str | None, limit: int | None) -> DatasetSplits:
+    from dpmerge.data import load_dataset
+
+    root = root or os.environ.get(pm.DATA_ROOT_ENV) or None
+    return load_dataset(
+        name,
+        root,
+        seed=pm.SPLIT_SEED,
+        validation_fraction=pm.VALIDATION_FRACTION,
+        limit=limit,
+    )
+
+
+def _device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@task(name="train-candidate", task_run_name="train-{spec.name}", **LOCAL)
+def train(spec: CandidateSpec, out_root: str) -> str:
+    """Train one DP-SGD candidate and write its model directory; returns the path."""
+    import torch
+
+    from dpmerge.training import TrainConfig, save_candidate, train_candidate
+
+    torch.set_num_threads(max(1, spec.torch_threads))
+    data = _data(spec.dataset, spec.data_root, spec.limit)
+    config = TrainConfig(
+        dataset=spec.dataset,
+        model=spec.model,
+        noise_multiplier=spec.noise_multiplier,
+        target_epsilon=spec.target_epsilon,
+        delta=spec.delta,
+        epochs=spec.epochs,
+        batch_size=spec.batch_size,
+        learning_rate=spec.learning_rate,
+        device=_device(spec.device),
+        name=spec.name,
+    )
+    start = time.perf_counter()
+    result = train_candidate(config, data)
+    path = save_candidate(result, Path(out_root) / spec.name, spec.delta)
+    get_run_logger().info(
+        "trained %s: σ = %.4g, q = %.5g, T = %d in %.1f s; validation accuracy %.4f",
+        spec.name,
+        result.record.noise_multiplier,
+        result.record.sample_rate,
+        result.record.steps,
+        time.perf_counter() - start,
+        result.metrics["validation_accuracy"],
+    )
+    return str(path)
+
+
+@task(name="register-candidate", **REMOTE)
+def register(workspace: pm.Workspace, path: str) -> dict[str, Any]:
+    """Register a trained candidate directory (idempotent on its content hash)."""
+    from dpmerge.artifacts import load_model_dir
+
+    with _EXPORT_LOCK:
+        registered = workspace.registry().register_candidate(path)
+    loaded = load_model_dir(path)
+    privacy = loaded.candidate_privacy or {}
+    info = {
+        "name": loaded.record.name if loaded.record else Path(path).name,
+        "registered_model": registered.name,
+        "version": registered.version,
+        "reused": registered.reused,
+        "epsilon": privacy.get("epsilon"),
+        "accountant": privacy.get("accountant"),
+        "delta": privacy.get("delta"),
+        "noise_multiplier": getattr(loaded.record, "noise_multiplier", None),
+        "validation_accuracy": loaded.metrics.get("validation_accuracy"),
+        "test_accuracy": loaded.metrics.get("test_accuracy"),
+    }
+    get_run_logger().info(
+        "registered %s as %s v%s (ε = %.4f)",
+        info["name"],
+        registered.name,
+        registered.version,
+        info["epsilon"] or float("nan"),
+    )
+    return info
+
+
+@task(name="prime-merge-caches", **REMOTE)
+def prime_caches(workspace: pm.Workspace, dataset: str, model: str) -> None:
+    """Candidates, evaluation split and PLDs cached for the next policy merge on this host."""
+    start = time.perf_counter()
+    pool = pm.prime_caches(workspace, dataset, model)
+    get_run_logger().info(
+        "merge caches primed for %d candidates of %s in %.1f s",
+        len(pool.versions),
+        pool.registered_model,
+        time.perf_counter() - start,
+    )
+
+
+@task(name="find-registered-candidate", **REMOTE)
+def find_registered(workspace: pm.Workspace, name: str) -> dict[str, Any]:
+    """The registry entry of a candidate another process trained (by its record name)."""
+    from mlflow.exceptions import MlflowException
+
+    from dpmerge.registry import RegistryError
+
+    registry = workspace.registry()
+    query = f"tags.`dp.role` = 'candidate' and tags.`dp.candidate` = '{name}'"
+    try:
+        found = [
+            v
+            for v in registry.client.search_model_versions(query)
+            if v.tags.get("dp.status") == "ready"
+        ]
+    except MlflowException as error:
+        raise RegistryError(f"searching candidate {name}: {error.message}") from None
+    if not found:
+        raise RegistryError(f"candidate {name!r} is not registered (ready)")
+    mv = max(found, key=lambda v: int(v.version))
+    return {
+        "name": name,
+        "registered_model": mv.name,
+        "version": str(mv.version),
+        "reused": False,
+        "epsilon": pm._float(mv.tags.get("dp.epsilon")),
+        "accountant": mv.tags.get("dp.accountant"),
+        "delta": pm._float(mv.tags.get("dp.delta")),
+        "noise_multiplier": pm._float(mv.tags.get("dp.noise_multiplier")),
+        "validation_accuracy": None,
+        "test_accuracy": pm._float(mv.tags.get("dp.accuracy")),
+    }
+
+
+@task(name="run-training-deployment", task_run_name="deploy-{spec.name}", **LOCAL)
+def run_training_deployment(deployment: str, spec: CandidateSpec, timeout_s: float | None) -> str:
+    """Run one candidate as a deployment run (e.g. on the ``gpu`` pool) and wait for it."""
+    from prefect.deployments import run_deployment
+
+    flow_run = run_deployment(
+        deployment,
+        parameters=spec.to_dict(),
+        timeout=timeout_s,
+        poll_interval=2,
+        flow_run_name=f"train-{spec.name}",
+    )
+    state = flow_run.state
+    if state is None or not state.is_completed():
+        raise RuntimeError(
+            f"deployment run {flow_run.name} for candidate {spec.name} ended "
+            f"{state.name if state else 'without a state'}: {state.message if state else ''}"
+        )
+    return spec.name

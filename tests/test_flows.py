@@ -1,0 +1,382 @@
+"""The Prefect flows in-process (Prefect's test harness, embedded sqlite MLflow) on digits:
+train-candidates → merge-on-policy (promote, reuse, refusals), pareto-report, the CLI's
+in-process path, the deployment file's trigger templates, and ``dpmerge demo`` end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from dpmerge import policy_merge as pm
+from dpmerge.policies import Policy, PolicyError, policy_from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
+EVENT_FIELDS = {"resource_id", "event_id", "occurred"}
+DELTA = 1e-5
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Embedded MLflow and state directory for this module, and one Prefect test server."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    home = tmp_path_factory.mktemp("home")
+    uri = f"sqlite:///{home / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        patch.setenv("DPMERGE_HOME", str(home))
+        patch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        for key in ("PREFECT_API_URL", "DPMERGE_S3_ENDPOINT_URL", "DPMERGE_S3_BUCKET"):
+            patch.delenv(key, raising=False)
+        torch.set_num_threads(1)
+        try:
+            with prefect_test_harness(server_startup_timeout=120):
+                yield {"home": home, "uri": uri}
+        finally:
+            from dpmerge.accounting import pld
+
+            pld.set_disk_cache(None)  # the flows turned the file cache on for this process
+
+
+@pytest.fixture(scope="module")
+def trained(env: dict[str, Any]) -> list[dict[str, Any]]:
+    from flows.training import train_candidates
+
+    return train_candidates(
+        dataset="digits",
+        model="logreg",
+        noise_multipliers=[1.0, 1.6, 3.0],
+        epochs=3,
+        batch_size=64,
+        learning_rate=1.0,
+    )
+
+
+def _policy(**fields: Any) -> Policy:
+    base = {"name": "p", "target_epsilon": 5.0, "target_delta": DELTA, "dataset": "digits"}
+    return policy_from_dict({"model": "logreg", **base, **fields})
+
+
+def _registry(env: dict[str, Any]) -> Any:
+    return pm.Workspace(env["uri"], env["home"]).registry()
+
+
+def _versions(env: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(v.name, v.version) for v in _registry(env).list_versions()]
+
+
+def _alias(env: dict[str, Any], model: str, alias: str) -> str | None:
+    aliases = _registry(env).client.get_registered_model(model).aliases
+    return str(aliases[alias]) if alias in aliases else None
+
+
+def _eps(trained: list[dict[str, Any]]) -> list[float]:
+    return sorted(c["epsilon"] for c in trained)
+
+
+# --- deployments/prefect.yaml -------------------------------------------------------------
+
+
+def _deployments() -> dict[str, dict[str, Any]]:
+    document = yaml.safe_load(PREFECT_YAML.read_text())
+    return {d["entrypoint"].split(":")[1]: d for d in document["deployments"]}
+
+
+def test_prefect_yaml_pools_schedule_and_concurrency() -> None:
+    document = yaml.safe_load(PREFECT_YAML.read_text())
+    found = _deployments()
+    assert set(found) == {"merge_on_policy", "train_candidate", "train_candidates", "pareto_report"}
+    assert found["merge_on_policy"]["work_pool"]["name"] == "cpu"
+    assert found["train_candidate"]["work_pool"]["name"] == "gpu"
+    assert found["train_candidates"]["parameters"]["deployment"] == "train-candidate/gpu"
+    assert found["merge_on_policy"]["concurrency_limit"] == {
+        "limit": 1,
+        "collision_strategy": "ENQUEUE",
+    }
+    assert found["pareto_report"]["schedules"][0]["cron"] == "0 2 * * *"
+    (pull,) = document["pull"]
+    assert "set_working_directory" in next(iter(pull))
+    gpu = document["definitions"]["kubernetes_gpu_job_template"]
+    container = gpu["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" in container["containers"][0]["resources"]["limits"]
+    # each entrypoint names the flow its deployment is for
+    from flows.merge import merge_on_policy
+    from flows.report import pareto_report
+    from flows.training import train_candidate, train_candidates
+
+    flows = [merge_on_policy, train_candidate, train_candidates, pareto_report]
+    for flow in flows:
+        name = flow.fn.__name__
+        module = found[name]["entrypoint"].split(":")[0]
+        assert (
+            Path(REPO / module).is_file() and flow.fn.__module__.replace(".", "/") + ".py" == module
+        )
+
+
+def test_trigger_templates_take_every_parameter_from_the_payload() -> None:
+    from flows.merge import merge_on_policy
+
+    (trigger,) = _deployments()["merge_on_policy"]["triggers"]
+    assert trigger["expect"] == ["dpmerge.policy.updated"]
+    assert trigger["match"] == {"prefect.resource.id": "dpmerge.policy.*"}
+    assert trigger["for_each"] == ["prefect.resource.id"]
+    parameters = trigger["parameters"]
+    payload_keys = set(_policy().event_payload())
+    assert payload_keys == set(Policy.model_fields)
+    assert set(parameters) == payload_keys | EVENT_FIELDS
+    assert set(parameters) == set(merge_on_policy.parameters.properties)
+    for key in payload_keys:
+        assert parameters[key] == f"{{{{ event.payload.{key} }}}}"
+
+
+def _render(payload: dict[str, Any], resource_id: str) -> dict[str, Any]:
+    """Render the trigger's parameters the way the Prefect server does."""
+    from prefect.server.events.actions import RunDeployment
+    from prefect.server.events.schemas.events import ReceivedEvent
+    from prefect.utilities.schema_tools.hydration import HydrationContext, hydrate
+
+    (trigger,) = _deployments()["merge_on_policy"]["triggers"]
+    parameters = copy.deepcopy(trigger["parameters"])
+    RunDeployment._upgrade_v1_templates(parameters)
+    event = ReceivedEvent(
+        occurred=datetime.now(UTC),
+        event="dpmerge.policy.updated",
+        resource={"prefect.resource.id": resource_id},
+        payload=payload,
+        id=uuid.uuid4(),
+    )
+    context = HydrationContext(
+        raise_on_error=True, render_jinja=True, jinja_context={"event": event}
+    )
+    return hydrate(parameters, context)
+
+
+def test_rendered_payload_gives_native_parameters_and_missing_keys_no_run() -> None:
+    from prefect.utilities.schema_tools.hydration import InvalidJinja
+
+    policy = _policy(name="eu", min_accuracy=0.8, cumulative_epsilon_cap=3.0)
+    rendered = _render(policy.event_payload(), policy.resource_id)
+    assert rendered["target_epsilon"] == 5.0 and isinstance(rendered["target_delta"], float)
+    assert rendered["cumulative_epsilon_cap"] == 3.0 and rendered["alias"] == "policy-eu"
+    assert rendered["resource_id"] == "dpmerge.policy.eu"
+    assert pm.parse_time(rendered["occurred"]) <= datetime.now(UTC)
+    uuid.UUID(rendered["event_id"])
+    fields = {k: v for k, v in rendered.items() if k not in EVENT_FIELDS}
+    assert policy_from_dict(fields) == policy
+    none_cap = _render(_policy().event_payload(), "dpmerge.policy.p")
+    assert none_cap["cumulative_epsilon_cap"] is None
+    # why every key must be sent: a missing one makes the server create no run at all
+    partial = policy.event_payload()
+    del partial["min_accuracy"]
+    logging.disable(logging.CRITICAL)
+    try:
+        with pytest.raises(InvalidJinja):
+            _render(partial, policy.resource_id)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+# --- flows in-process ---------------------------------------------------------------------
+
+
+def test_train_candidates_registers_each_level(env, trained) -> None:
+    assert len(trained) == 3
+    assert sorted(c["noise_multiplier"] for c in trained) == [1.0, 1.6, 3.0]
+    assert len({c["version"] for c in trained}) == 3
+    names = {c["registered_model"] for c in trained}
+    assert names == {pm.find_candidates(_registry(env), "digits", "logreg").registered_model}
+    eps = _eps(trained)
+    assert eps == sorted(eps) and eps[0] < eps[-1]
+    from dpmerge.training import TrainingConfigError
+    from flows.training import plan_candidates
+
+    with pytest.raises(TrainingConfigError, match="exactly one"):
+        plan_candidates("digits", "logreg", [1.0], [2.0])
+    specs = plan_candidates("digits", "logreg", None, [1.0, 2.0], epochs=2)
+    assert [s.target_epsilon for s in specs] == [1.0, 2.0] and specs[0].epochs == 2
+
+
+def test_merge_on_policy_promotes_then_reuses(env, trained) -> None:
+    from flows.merge import merge_on_policy
+
+    policy = _policy(name="flow-lc", target_epsilon=_eps(trained)[1] * 1.2, method="lc")
+    result = merge_on_policy(**policy.event_payload())
+    assert result["status"] == "promoted" and result["method"] == "lc"
+    assert result["epsilon"] <= policy.target_epsilon and not result["reused"]
+    assert _alias(env, result["merged_model"], "policy-flow-lc") == result["version"]
+    card = _registry(env).client.get_model_version(result["merged_model"], result["version"])
+    assert card.description.startswith("# Privacy card")
+    again = merge_on_policy(**policy.event_payload())
+    assert again["status"] == "unchanged" and again["reused"]
+    assert again["version"] == result["version"]
+
+
+def test_rs_flow_keeps_the_draw_out_of_its_result(env, trained) -> None:
+    from flows.merge import merge_on_policy
+
+    policy = _policy(name="flow-rs", target_epsilon=_eps(trained)[1] * 1.05, method="rs")
+    result = merge_on_policy(**policy.event_payload())
+    assert result["status"] == "promoted" and result["method"] == "rs"
+    text = json.dumps(result)
+    assert "drawn" not in text and "audit" not in text
+    records = [json.loads(p.read_text()) for p in (env["home"] / "audit").glob("*.json")]
+    assert any(r["notes"]["policy"] == "flow-rs" for r in records)
+
+
+def test_bad_policy_changes_nothing(env, trained) -> None:
+    from flows.merge import merge_on_policy
+
+    before = _versions(env)
+    fields = _policy(name="bad").event_payload() | {"target_epsilon": -1.0}
+    with pytest.raises(PolicyError, match="target_epsilon"):
+        merge_on_policy(**fields)
+    good = _policy(name="bad").event_payload()
+    with pytest.raises(PolicyError, match="does not match"):
+        merge_on_policy(**good, resource_id="dpmerge.policy.other")
+    assert _versions(env) == before
+
+
+def test_infeasible_and_failed_gate_fail_the_run(env, trained) -> None:
+    from flows.merge import merge_on_policy
+
+    policy = _policy(name="flow-gate", target_epsilon=_eps(trained)[2] * 1.5)
+    first = merge_on_policy(**policy.event_payload())
+    assert first["status"] == "promoted"
+    before = _versions(env)
+    below = _policy(name="flow-gate", target_epsilon=_eps(trained)[0] / 2)
+    with pytest.raises(pm.PolicyInfeasibleError, match="below the most private") as infeasible:
+        merge_on_policy(**below.event_payload())
+    assert infeasible.value.outcome["revoked_version"] == first["version"]
+    assert _alias(env, first["merged_model"], "policy-flow-gate") is None
+    assert _versions(env) == before  # nothing registered
+    strict = _policy(name="flow-gate", target_epsilon=_eps(trained)[2] * 1.4, min_accuracy=0.999)
+    with pytest.raises(pm.PolicyNotMetError, match="not promoted") as gate:
+        merge_on_policy(**strict.event_payload())
+    assert gate.value.outcome["status"] == "not_promoted"
+    assert len(_versions(env)) == len(before) + 1  # registered, but no alias
+    assert _alias(env, first["merged_model"], "policy-flow-gate") is None
+
+
+def test_pareto_report_logs_the_frontier_to_mlflow(env, trained) -> None:
+    from flows.report import default_targets, pareto_report
+
+    eps = _eps(trained)
+    result = pareto_report(dataset="digits", model="logreg", targets=[eps[1] * 1.1])
+    assert result["artifacts"] == ["frontier.png", "frontier.csv", "frontier.md"]
+    client = _registry(env).client
+    stored = {f.path for f in client.list_artifacts(result["run_id"])}
+    assert stored == {"frontier.png", "frontier.csv", "frontier.md"}
+    csv = client.download_artifacts(result["run_id"], "frontier.csv", str(env["home"]))
+    kinds = Path(csv).read_text()
+    assert "candidate" in kinds and "rs" in kinds and "lc-generic" in kinds
+    grid = default_targets([0.5, 2.0])
+    assert grid[0] > 0.5 and grid[-1] == pytest.approx(4.0, rel=1e-2)
+    assert grid == sorted(grid)
+
+
+# --- the CLI without a server: in-process ---------------------------------------------------
+
+
+def test_cli_policy_set_and_apply_run_in_process(
+    env, trained, tmp_path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.cli import main
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))  # leave the process as it was
+    target = f"{_eps(trained)[2] * 1.3:.4f}"
+    with pytest.raises(SystemExit):  # --delta is required
+        main(["policy", "set", "--name", "cli", "--target-epsilon", target])
+    capsys.readouterr()
+    code = main(
+        [
+            *("policy", "set", "--name", "cli", "--target-epsilon", target, "--delta", "1e-5"),
+            *("--dataset", "digits", "--json"),
+        ]
+    )
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    outcome = json.loads(lines[-1])
+    assert code == 0 and outcome["status"] == "promoted" and outcome["policy"] == "cli"
+
+    before = _versions(env)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "policies": [
+                    {"name": "file-ok", "target_epsilon": 4.0, "target_delta": DELTA}
+                    | {"dataset": "digits", "model": "logreg"},
+                    {"name": "file-bad", "target_epsilon": -2.0, "target_delta": DELTA}
+                    | {"dataset": "digits", "model": "logreg"},
+                ]
+            }
+        )
+    )
+    assert main(["policy", "apply", str(bad)]) == 2
+    assert "file-bad" in capsys.readouterr().err
+    assert _versions(env) == before  # the whole file was rejected: nothing applied
+
+    good = tmp_path / "good.yaml"
+    good.write_text(bad.read_text().replace("-2.0", "3.0"))
+    assert main(["policy", "apply", str(good), "--json"]) == 0
+    statuses = [
+        json.loads(x)["status"] for x in capsys.readouterr().out.splitlines() if x[:1] == "{"
+    ]
+    assert statuses == ["promoted", "promoted"]
+
+
+def test_emit_needs_a_reachable_server(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from flows import runtime
+    from flows.cli import main
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with pytest.raises(runtime.ServerError, match="not set"):
+        runtime.emit_policy_event({}, "dpmerge.policy.x", "x")
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    code = main(["policy", "set", "--name", "x", "--target-epsilon", "1", "--delta", "1e-5"])
+    assert code == 2 and "unreachable" in capsys.readouterr().err
+
+
+# --- dpmerge demo ----------------------------------------------------------------------------
+
+
+def test_demo_trains_registers_applies_and_promotes(tmp_path: Path) -> None:
+    """The README's main job, as a fresh process (its own temporary Prefect API)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PREFECT_", "MLFLOW_TRACKING", "DPMERGE_"))
+    }
+    env |= {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    command = [sys.executable, "-m", "flows.cli", "demo", "--dataset", "digits", "--epochs", "6"]
+    done = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env=env | {"PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "training 5 DP-SGD candidates" in out
+    assert "policy eu: promoted" in out and "alias 'policy-eu' -> v1" in out
+    assert "# Privacy card" in out and "test accuracy" in out
+    assert "mlflow ui --backend-store-uri sqlite:///" in out and "prefect server start" in out
+    home = tmp_path / ".dpmerge"
+    assert (home / "mlflow.db").is_file() and (home / "mlartifacts").is_dir()
+    assert (home / "prefect" / "prefect.db").is_file()  # the runs, for `prefect server start`
+    assert (home / "ledger.json").is_file()
