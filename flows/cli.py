@@ -7,11 +7,14 @@ from collections.abc import Sequence
 
 from dpmerge.cli import main as library_main
 
-WORKFLOW_COMMANDS: tuple[str, ...] = ("flows.commands.policy", "flows.commands.demo")
+WORKFLOW_COMMANDS: dict[str, tuple[str, str]] = {
+    "policy": ("flows.commands.policy", "set or apply privacy policies (emits the policy event)"),
+    "demo": ("flows.commands.demo", "the main job on embedded defaults"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return library_main(argv, extra_modules=WORKFLOW_COMMANDS)
+    return library_main(argv, extra_commands=WORKFLOW_COMMANDS)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@ Each subcommand lives in its own module exposing ``register(subparsers)``; the m
 handler returns the process exit code. Errors dpmerge raises on purpose print one line on
 stderr: exit 2 for bad input or a refused analysis, 3 for an infeasible target.
 
-The library's commands live here and import no Prefect. The workflow commands (``policy``,
-``demo``) live in ``flows.cli``, which adds them to this parser: the console script enters
-there, so the dependency direction stays flows → tasks → dpmerge.
+Only the module of the command being run is imported (torch, MLflow and dp_accounting take
+seconds to import), so ``dpmerge --help`` and every command start fast. The library's commands
+live here and import no Prefect; the workflow commands (``policy``, ``demo``) live in
+``flows.cli``, which adds them to this table: the console script enters there, so the
+dependency direction stays flows → tasks → dpmerge.
 """
 
 from __future__ import annotations
@@ -14,31 +16,56 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from dpmerge.errors import DPMergeError, InfeasibleTargetError
 
-SUBCOMMAND_MODULES = tuple(
-    f"dpmerge.cli.{name}" for name in ("account", "study", "train", "models", "registry", "stack")
-)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "account": (
+        "dpmerge.cli.account",
+        "privacy of a merge (given weights) or the best merge for a target ε",
+    ),
+    "study": ("dpmerge.cli.study", "reproduce an experiment of SPEC §8"),
+    "train": ("dpmerge.cli.train", "train one DP-SGD candidate"),
+    "merge": ("dpmerge.cli.models", "merge candidate directories (RS or LC)"),
+    "evaluate": ("dpmerge.cli.models", "evaluate a model directory on a split"),
+    "candidates": ("dpmerge.cli.models", "print the candidates file of candidate directories"),
+    "registry": ("dpmerge.cli.registry", "the MLflow model registry"),
+    "stack": ("dpmerge.cli.stack", "the local stack (S3, MLflow, Prefect)"),
+}
+"""Command name → (module defining it, one-line help)."""
 
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
 
 
-def build_parser(extra_modules: Sequence[str] = ()) -> argparse.ArgumentParser:
+def build_parser(
+    extra_commands: Mapping[str, tuple[str, str]] | None = None, command: str | None = None
+) -> argparse.ArgumentParser:
+    """The parser with ``command``'s module registered; the others appear by name and help."""
+    table = {**COMMANDS, **(extra_commands or {})}
     parser = argparse.ArgumentParser(
         prog="dpmerge",
         description="Differentially private model merging: account, calibrate, train, merge.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (*SUBCOMMAND_MODULES, *extra_modules):
-        importlib.import_module(module).register(subparsers)
+    if command in table:
+        importlib.import_module(table[command][0]).register(subparsers)
+    else:
+        for name, (_, text) in table.items():
+            subparsers.add_parser(name, help=text)
     return parser
 
 
-def main(argv: Sequence[str] | None = None, extra_modules: Sequence[str] = ()) -> int:
-    args = build_parser(extra_modules).parse_args(argv)
+def _command(argv: Sequence[str]) -> str | None:
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def main(
+    argv: Sequence[str] | None = None, extra_commands: Mapping[str, tuple[str, str]] | None = None
+) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(extra_commands, _command(argv)).parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except InfeasibleTargetError as error:

@@ -198,3 +198,23 @@ def test_study_mean_estimation_json(capsys):
         "rs_mse_rdp",
     }
     assert doc["rows"][0]["lc_mse_rdp"] is None  # RDP cannot reach ε = 1 with σ ≤ 4
+
+
+def test_help_imports_no_heavy_library():
+    """``dpmerge --help`` lists every command without importing torch, MLflow, Prefect or
+    dp_accounting (each takes seconds); a command imports only its own module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "import flows.cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    flows.cli.main(['--help'])\n"
+        "heavy = [m for m in ('torch', 'mlflow', 'prefect', 'dp_accounting') if m in sys.modules]\n"
+        "print(heavy, 'policy' in out.getvalue(), 'account' in out.getvalue())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[] True True"
