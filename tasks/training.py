@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -15,10 +14,6 @@ from prefect import get_run_logger, task
 from dpmerge import policy_merge as pm
 from dpmerge.data import DatasetSplits
 from tasks.common import LOCAL, REMOTE
-
-_EXPORT_LOCK = threading.Lock()
-"""Registration saves a ``torch.export`` (pt2) model, which is not thread-safe ("ProxyTorch-
-DispatchMode slot already occupied"): candidates train concurrently, register one at a time."""
 
 
 @dataclass(frozen=True)
@@ -107,8 +102,7 @@ def register(workspace: pm.Workspace, path: str) -> dict[str, Any]:
     """Register a trained candidate directory (idempotent on its content hash)."""
     from dpmerge.artifacts import load_model_dir
 
-    with _EXPORT_LOCK:
-        registered = workspace.registry().register_candidate(path)
+    registered = workspace.registry().register_candidate(path)
     loaded = load_model_dir(path)
     privacy = loaded.candidate_privacy or {}
     info = {
@@ -151,7 +145,7 @@ def find_registered(workspace: pm.Workspace, name: str) -> dict[str, Any]:
     """The registry entry of a candidate another process trained (by its record name)."""
     from mlflow.exceptions import MlflowException
 
-    from dpmerge.registry import RegistryError
+    from dpmerge.registry import RegistryError, tag_float
 
     registry = workspace.registry()
     query = f"tags.`dp.role` = 'candidate' and tags.`dp.candidate` = '{name}'"
@@ -171,12 +165,12 @@ def find_registered(workspace: pm.Workspace, name: str) -> dict[str, Any]:
         "registered_model": mv.name,
         "version": str(mv.version),
         "reused": False,
-        "epsilon": pm._float(mv.tags.get("dp.epsilon")),
+        "epsilon": tag_float(mv.tags.get("dp.epsilon")),
         "accountant": mv.tags.get("dp.accountant"),
-        "delta": pm._float(mv.tags.get("dp.delta")),
-        "noise_multiplier": pm._float(mv.tags.get("dp.noise_multiplier")),
+        "delta": tag_float(mv.tags.get("dp.delta")),
+        "noise_multiplier": tag_float(mv.tags.get("dp.noise_multiplier")),
         "validation_accuracy": None,
-        "test_accuracy": pm._float(mv.tags.get("dp.accuracy")),
+        "test_accuracy": tag_float(mv.tags.get("dp.accuracy")),
     }
 
 

@@ -19,6 +19,7 @@ from dpmerge.accounting.ledger import ReleaseLedger
 from dpmerge.data import load_dataset
 from dpmerge.errors import DatasetError, InfeasibleTargetError
 from dpmerge.policies import Policy, policy_from_dict
+from dpmerge.policy_merge.evaluation_data import _limits_for
 from dpmerge.registry import GateError, Registry, RegistryError
 from dpmerge.storage import ObjectNotFoundError, StorageError
 from dpmerge.training import TrainConfig, save_candidate, train_candidate
@@ -113,9 +114,9 @@ def _aliases(workspace: pm.Workspace, name: str) -> dict[str, str]:
 
 
 def test_limits_for_recovers_the_row_limit() -> None:
-    assert pm._limits_for(54_000) == [60_000]
+    assert _limits_for(54_000) == [60_000]
     for limit in (600, 601, 1437, 59_999):
-        assert limit in pm._limits_for(limit - round(limit * 0.1))
+        assert limit in _limits_for(limit - round(limit * 0.1))
 
 
 def test_find_candidates_and_refusals(workspace: pm.Workspace, registry_home, tmp_path) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -335,6 +337,24 @@ def test_embedded_registry_and_ls_cli(
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded]) == 0
     table = capsys.readouterr().out
     assert "production" in table and "pld" in table.lower()
+
+
+def test_registrations_from_threads(
+    mlflow_embedded: str, candidate_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Candidates register concurrently (a flow's threads, each with its own registry): the
+    registry serialises the pt2 export, which is not thread-safe."""
+    start = threading.Barrier(len(candidate_dirs))
+
+    def register(path: Path) -> str:
+        start.wait()
+        return Registry(mlflow_embedded).register_candidate(path).version
+
+    with ThreadPoolExecutor(len(candidate_dirs)) as pool:
+        versions = list(pool.map(register, candidate_dirs))
+    assert sorted(versions) == ["1", "2", "3"]
+    loaded = Registry(mlflow_embedded).load_candidates(CANDIDATES, dest=tmp_path / "dl")
+    assert sorted(c.model_dir.record.name for c in loaded) == sorted(SIGMAS)
 
 
 def test_unreachable_server_is_a_clear_error() -> None:

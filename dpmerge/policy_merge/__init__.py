@@ -1,0 +1,122 @@
+"""Apply a privacy policy to the registered candidates: calibrate, merge, evaluate, register,
+promote (SPEC §4–§7). Library code, no Prefect: ``flows/merge.py`` runs these steps as tasks.
+
+The steps, in order:
+
+1. :func:`find_candidates` — the ready candidate versions of the policy's dataset and model.
+2. :func:`load_evaluation_data` — the splits the candidates were trained with (found by their
+   fingerprint), for validation utilities (SPEC §4: disjoint from training) and test accuracy.
+3. :func:`calibrate_policy` — ``method: auto`` calibrates RS (utilities: the candidates'
+   validation accuracies) and LC (utility: the merged weights' validation accuracy) and keeps
+   the better expected validation accuracy; ties go to LC (no secret draw). Infeasible targets
+   raise :class:`~dpmerge.errors.InfeasibleTargetError` with the reachable range.
+4. :func:`merge_request` — the merge request's content hash; :func:`find_release` reuses a ready
+   version of the same request (a re-run never draws again).
+5. :func:`merge_release` — merge and evaluate; for RS the drawn index goes to a 0600 audit file,
+   which :func:`store_audit` keeps under ``<home>/audit`` (embedded) or moves to the audit bucket.
+   :class:`Release` carries only public facts (never the draw).
+6. :func:`register_release` — the merged version with its privacy card and the cumulative
+   ledger bound (SPEC §7).
+7. :func:`promote_release` — the ledger cap, then the registry's gates (ε ≤ target, δ, accuracy ≥
+   ``min_accuracy``, card consistent), then the alias; the release enters the ledger only once
+   promoted (if that write fails the alias is put back).
+
+A policy event can arrive late (two events back to back may run in either order): every alias
+change records the event time on the merged registered model (tag ``dp.alias_time.<alias>``)
+and an older event never moves or removes the alias again (status ``superseded``).
+
+Modules: :mod:`~dpmerge.policy_merge.workspace` (where things live),
+:mod:`~dpmerge.policy_merge.candidates` (step 1), :mod:`~dpmerge.policy_merge.evaluation_data`
+(step 2), :mod:`~dpmerge.policy_merge.preparation` (steps 1–2 for one event, cache priming),
+:mod:`~dpmerge.policy_merge.calibration` (step 3), :mod:`~dpmerge.policy_merge.release`
+(steps 4–5), :mod:`~dpmerge.policy_merge.release_ledger`,
+:mod:`~dpmerge.policy_merge.promotion` (steps 6–7, revocation),
+:mod:`~dpmerge.policy_merge.outcome`.
+"""
+
+from dpmerge.policy_merge.calibration import PolicyPlan, calibrate_policy
+from dpmerge.policy_merge.candidates import CandidatePool, find_candidates, load_candidates
+from dpmerge.policy_merge.evaluation_data import (
+    DATA_ROOT_ENV,
+    SPLIT_SEED,
+    VALIDATION_FRACTION,
+    EvaluationData,
+    load_evaluation_data,
+)
+from dpmerge.policy_merge.outcome import (
+    PolicyInfeasibleError,
+    PolicyNotMetError,
+    PolicyOutcome,
+    Status,
+)
+from dpmerge.policy_merge.preparation import (
+    Prepared,
+    plan_release,
+    prepare,
+    prime_caches,
+    start_export_warmup,
+)
+from dpmerge.policy_merge.promotion import (
+    Registered,
+    find_release,
+    handle_infeasible,
+    parse_time,
+    promote_release,
+    register_release,
+)
+from dpmerge.policy_merge.release import (
+    MergeRequest,
+    Release,
+    merge_release,
+    merge_request,
+    store_audit,
+)
+from dpmerge.policy_merge.release_ledger import ledger_release, ledger_summary, open_ledger
+from dpmerge.policy_merge.workspace import (
+    Workspace,
+    embedded_tracking_uri,
+    is_transient,
+    remove_tree,
+    resolve_home,
+)
+
+__all__ = [
+    "DATA_ROOT_ENV",
+    "SPLIT_SEED",
+    "VALIDATION_FRACTION",
+    "CandidatePool",
+    "EvaluationData",
+    "MergeRequest",
+    "PolicyInfeasibleError",
+    "PolicyNotMetError",
+    "PolicyOutcome",
+    "PolicyPlan",
+    "Prepared",
+    "Registered",
+    "Release",
+    "Status",
+    "Workspace",
+    "calibrate_policy",
+    "embedded_tracking_uri",
+    "find_candidates",
+    "find_release",
+    "handle_infeasible",
+    "is_transient",
+    "ledger_release",
+    "ledger_summary",
+    "load_candidates",
+    "load_evaluation_data",
+    "merge_release",
+    "merge_request",
+    "open_ledger",
+    "parse_time",
+    "plan_release",
+    "prepare",
+    "prime_caches",
+    "promote_release",
+    "register_release",
+    "remove_tree",
+    "resolve_home",
+    "start_export_warmup",
+    "store_audit",
+]

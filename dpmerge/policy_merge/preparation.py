@@ -1,0 +1,108 @@
+"""Before a policy merge: the caches primed once candidates are registered, the candidates and
+evaluation split loaded for a policy event (steps 1–2), an existing release found or the
+ledger bound for a new one, and the ``torch.export`` warm-up."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpmerge.accounting.ledger import Release as LedgerRelease
+from dpmerge.policies import Policy
+from dpmerge.policy_merge.candidates import CandidatePool, find_candidates, load_candidates
+from dpmerge.policy_merge.evaluation_data import EvaluationData, load_evaluation_data
+from dpmerge.policy_merge.promotion import Registered, find_release, superseded_by
+from dpmerge.policy_merge.release import MergeRequest
+from dpmerge.policy_merge.release_ledger import ledger_summary
+from dpmerge.policy_merge.workspace import Workspace, remove_tree
+from dpmerge.registry import RegisteredCandidate
+
+
+def start_export_warmup() -> threading.Thread:
+    """Warm up ``torch.export`` (the registry saves pt2 models; the first export in a process
+    costs seconds, mostly imports and first tracing) in a background thread, to overlap it with
+    waiting on MLflow and the disk. Join it before anything CPU-bound and before registering
+    (``torch.export`` is not thread-safe)."""
+
+    def warm() -> None:
+        with suppress(Exception):  # only a warm-up: the real export reports its own errors
+            module = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2)).eval()
+            torch.export.export(module, (torch.zeros((2, 1, 2, 2)),))
+
+    thread = threading.Thread(target=warm, name="dpmerge-export-warmup", daemon=True)
+    thread.start()
+    return thread
+
+
+def prime_caches(workspace: Workspace, dataset: str, model: str) -> CandidatePool:
+    """Fill this host's caches for the next policy merge of ``dataset``/``model``: the candidate
+    directories, the evaluation split and the candidates' PLDs (fine and coarse). The training
+    flow calls it once its candidates are registered, so the first policy event after new
+    candidates is as quick as the later ones."""
+    from dpmerge.accounting import pld as pld_mod
+
+    workspace.use_caches()
+    registry = workspace.registry()
+    pool = find_candidates(registry, dataset, model)
+    scratch = workspace.scratch()
+    try:
+        candidates = load_candidates(
+            registry, pool, scratch, cache_dir=workspace.cache_dir / "candidates"
+        )
+        records = [c.model_dir.record for c in candidates]
+        load_evaluation_data(
+            pool.dataset, getattr(records[0], "dataset_size", None), cache_dir=workspace.cache_dir
+        )
+        for record in records:
+            for discretisation in (pld_mod.FINE_DISCRETISATION, pld_mod.COARSE_DISCRETISATION):
+                with suppress(ValueError):  # an RDP-only label has no PLD
+                    pld_mod.candidate_pld(record, discretisation)
+    finally:
+        remove_tree(scratch)
+    return pool
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a policy merge works on: the pool, and unless a later event already set the
+    alias (``superseded_by``), the loaded candidates and the evaluation split."""
+
+    pool: CandidatePool
+    superseded_by: str | None = None
+    candidates: tuple[RegisteredCandidate, ...] = ()
+    data: EvaluationData | None = None
+
+
+def prepare(workspace: Workspace, policy: Policy, occurred: datetime, dest: str | Path) -> Prepared:
+    """Steps 1–2 for ``policy``: find the candidates, stop if a later event already set the
+    alias, else load the candidates (cached by content hash) and the evaluation split."""
+    registry = workspace.registry()
+    pool = find_candidates(registry, policy.dataset, policy.model)
+    later = superseded_by(registry, pool.merged_model, str(policy.alias), occurred)
+    if later is not None:
+        return Prepared(pool, superseded_by=later)
+    candidates = load_candidates(registry, pool, dest, cache_dir=workspace.cache_dir / "candidates")
+    first = candidates[0].model_dir.record
+    data = load_evaluation_data(
+        pool.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
+    )
+    return Prepared(pool, None, tuple(candidates), data)
+
+
+def plan_release(
+    workspace: Workspace, request: MergeRequest, entry: LedgerRelease, policy: Policy
+) -> tuple[Registered | None, dict[str, Any] | None]:
+    """The ready version of this request if one exists (then nothing is merged), else the
+    cumulative ledger bound the new release's card will show."""
+    found = find_release(workspace.registry(), request)
+    if found is not None:
+        return found, None
+    return None, ledger_summary(
+        workspace, entry, policy.target_delta, policy.cumulative_epsilon_cap
+    )

@@ -1,0 +1,119 @@
+"""Where a policy merge reads and writes: the local home, the tracking URI, S3; scratch
+directories; which errors from those places are worth retrying."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dpmerge.registry import GateError, Registry, RegistryError
+from dpmerge.storage import S3Config, S3Store, StorageError
+
+HOME_ENV = "DPMERGE_HOME"
+DEFAULT_HOME = ".dpmerge"
+
+
+def resolve_home(home: str | Path | None = None) -> Path:
+    """The local state directory: ``home``, else ``$DPMERGE_HOME``, else ``./.dpmerge``."""
+    return Path(home or os.environ.get(HOME_ENV) or Path.cwd() / DEFAULT_HOME).absolute()
+
+
+def embedded_tracking_uri(home: str | Path | None = None) -> str:
+    return f"sqlite:///{resolve_home(home) / 'mlflow.db'}"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Where a policy merge reads and writes.
+
+    ``tracking_uri``: ``$MLFLOW_TRACKING_URI``, else the embedded ``<home>/mlflow.db`` (artifacts
+    in ``<home>/mlartifacts``). ``s3``: set when ``DPMERGE_S3_ENDPOINT_URL`` or
+    ``DPMERGE_S3_BUCKET`` is (the local stack sets both): audit records then go to the audit
+    bucket and the release ledger to ``s3://<bucket>/ledger/releases.json``; otherwise both stay
+    under ``home`` (audit records 0600 in a 0700 directory).
+    """
+
+    tracking_uri: str
+    home: Path
+    s3: S3Config | None = None
+
+    @classmethod
+    def from_env(cls, home: str | Path | None = None) -> Workspace:
+        home_path = resolve_home(home)
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or embedded_tracking_uri(home_path)
+        use_s3 = os.environ.get("DPMERGE_S3_ENDPOINT_URL") or os.environ.get("DPMERGE_S3_BUCKET")
+        return cls(uri, home_path, S3Config.from_env() if use_s3 else None)
+
+    def registry(self) -> Registry:
+        if self.tracking_uri.startswith("sqlite:///"):
+            self.home.mkdir(parents=True, exist_ok=True)
+        return Registry(self.tracking_uri)
+
+    def store(self) -> S3Store | None:
+        return S3Store(self.s3) if self.s3 is not None else None
+
+    def private_dir(self, name: str) -> Path:
+        path = self.home / name
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.chmod(0o700)
+        return path
+
+    @property
+    def cache_dir(self) -> Path:
+        """Derived, rebuildable data (evaluation splits)."""
+        return self.home / "cache"
+
+    def use_caches(self) -> None:
+        """Keep candidates' PLDs under ``cache_dir`` across processes (each flow run is a new
+        process; rebuilding five fine PLDs costs seconds of every time-to-policy). The directory
+        is private (0700): certified ε values are computed from what it holds."""
+        from dpmerge.accounting import pld
+
+        self.private_dir("cache")
+        pld.set_disk_cache(self.cache_dir / "pld")
+
+    def scratch(self) -> Path:
+        """A new private (0700) working directory the caller removes."""
+        return Path(tempfile.mkdtemp(prefix="dpmerge-policy-", dir=self.private_dir("work")))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tracking_uri": self.tracking_uri,
+            "home": str(self.home),
+            "s3_endpoint": self.s3.endpoint_url if self.s3 else None,
+            "s3_bucket": self.s3.bucket if self.s3 else None,
+        }
+
+
+def remove_tree(path: str | Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Worth retrying: network and server trouble, not a refusal or a bad input."""
+    if isinstance(error, ConnectionError | TimeoutError):
+        return True
+    if isinstance(error, StorageError):
+        return "unreachable" in str(error) or "S3 error" in str(error)
+    if isinstance(error, RegistryError) and not isinstance(error, GateError):
+        text = str(error).lower()
+        return any(
+            marker in text
+            for marker in (
+                "unreachable",
+                "connection",
+                "timed out",
+                "timeout",
+                "max retries",
+                "temporarily",
+                " 502",
+                " 503",
+                " 504",
+                "database is locked",
+            )
+        )
+    return False

@@ -1,0 +1,77 @@
+"""A thin adapter over ``MlflowClient``: candidates and merged models with their privacy records.
+
+Layout. Candidates of one dataset and architecture form one registered model
+(``dpmerge-<dataset>-<model>``); the merges released from them form another
+(``dpmerge-<dataset>-<model>-merged``), which carries the serving alias. Keeping them apart
+lets access rules differ: candidate weights are internal (publishing them voids every
+guarantee, and for RS comparing weights would reveal the secret draw).
+
+A version holds an MLflow ``pytorch`` model in the ``pt2`` format and, in its ``extra_files/``,
+the dpmerge model directory from which :meth:`Registry.load_candidates` rebuilds exact weights
+(:mod:`~dpmerge.registry.connection`). Metrics go to the run; the privacy record to version
+tags (``dp.*``, key scalars only) and JSON artifacts.
+
+Safety rules. A version is written fully, verified, and only then tagged
+``dp.status=ready``; a failure after creation tags it ``dp.status=failed``. Promotion moves an
+alias only to a ready merged version whose gates pass, so an alias never points at a failed or
+half-registered version. ``dp.content_hash`` makes registration idempotent: for a merge it
+hashes the merge *request* (parent versions, method, weights, δ, policy), never the weights
+(an RS output equals one candidate's weights, so a weight hash would leak the drawn index).
+The merge record is reduced to its public keys before logging, and no tag, description or
+artifact receives the RS draw.
+
+The same code serves an MLflow server (``http://127.0.0.1:5000``, artifacts proxied to S3) and
+the embedded default (a ``sqlite:///`` file with local artifacts).
+
+Modules: :mod:`~dpmerge.registry.adapter` (the :class:`Registry`),
+:mod:`~dpmerge.registry.connection` (the MLflow calls and the pt2 upload),
+:mod:`~dpmerge.registry.merged` (a merged version's card, tags and params),
+:mod:`~dpmerge.registry.names` (names and content hashes), :mod:`~dpmerge.registry.tags`,
+:mod:`~dpmerge.registry.versions` (what the registry returns), :mod:`~dpmerge.registry.errors`.
+"""
+
+from dpmerge.registry.adapter import Registry
+from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
+from dpmerge.registry.errors import GateError, RegistryError
+from dpmerge.registry.names import (
+    candidate_content_hash,
+    candidate_model_name,
+    merge_request_hash,
+    merged_model_name,
+)
+from dpmerge.registry.tags import (
+    ROLE_CANDIDATE,
+    ROLE_MERGED,
+    STATUS_FAILED,
+    STATUS_READY,
+    STATUS_REGISTERING,
+    tag_float,
+)
+from dpmerge.registry.versions import (
+    Promotion,
+    RegisteredCandidate,
+    RegisteredVersion,
+    VersionSummary,
+)
+
+__all__ = [
+    "CARD_JSON",
+    "CARD_MARKDOWN",
+    "ROLE_CANDIDATE",
+    "ROLE_MERGED",
+    "STATUS_FAILED",
+    "STATUS_READY",
+    "STATUS_REGISTERING",
+    "GateError",
+    "Promotion",
+    "RegisteredCandidate",
+    "RegisteredVersion",
+    "Registry",
+    "RegistryError",
+    "VersionSummary",
+    "candidate_content_hash",
+    "candidate_model_name",
+    "merge_request_hash",
+    "merged_model_name",
+    "tag_float",
+]

@@ -1,0 +1,279 @@
+"""The MLflow side of the registry: one ``MlflowClient`` and the calls the registry makes
+through it, with MLflow's errors turned into :class:`RegistryError`. Goes through this client
+only (no fluent API, so no global tracking URI is read or changed).
+
+A version holds an MLflow ``pytorch`` model in the ``pt2`` format (``torch.export``: no pickle,
+loadable without dpmerge, dynamic batch dimension from a batch-4 input example) and, in its
+``extra_files/``, the dpmerge model directory (``weights.safetensors``, ``model.json``,
+``record.json``, ``metrics.json``, ``privacy.json``; merges also their privacy card).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import mlflow.pytorch
+import numpy as np
+import torch
+from mlflow import MlflowClient
+from mlflow.entities import LoggedModelStatus
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.models import Model
+from torch import nn
+
+from dpmerge.artifacts import (
+    METRICS_FILE,
+    MODEL_FILE,
+    PRIVACY_FILE,
+    RECORD_FILE,
+    WEIGHTS_FILE,
+    ModelDir,
+)
+from dpmerge.privacy_card import PrivacyCard
+from dpmerge.registry.errors import RegistryError
+from dpmerge.registry.tags import ROLE_CANDIDATE, STATUS_FAILED, tag_float
+
+MODEL_ARTIFACT = "model"
+EXTRA_DIR = "extra_files"  # where mlflow.pytorch.log_model puts extra_files
+CARD_MARKDOWN, CARD_JSON = "privacy_card.md", "privacy_card.json"
+INPUT_EXAMPLE_BATCH = 4  # > 1 so that pt2 export keeps the batch dimension dynamic
+
+_PT2_EXPORT_LOCK = threading.Lock()
+"""Saving a pt2 model runs ``torch.export``, which is not thread-safe: two registrations from
+threads (a flow registers its candidates concurrently) fail with "ProxyTorchDispatchMode slot
+already occupied". Process-wide, as each thread may hold its own registry; only the save is
+serialised, MLflow calls and uploads still overlap."""
+
+
+class MlflowConnection:
+    """The client for ``tracking_uri`` and the registry's experiment (created on first use,
+    with ``artifact_location``)."""
+
+    def __init__(
+        self, tracking_uri: str | None, experiment: str, artifact_location: str | None
+    ) -> None:
+        self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+        self.client = MlflowClient(self.tracking_uri, self.tracking_uri)
+        self.experiment = experiment
+        self.artifact_location = artifact_location or _default_artifact_location(self.tracking_uri)
+        self._experiment_id: str | None = None
+        if self.tracking_uri.startswith(("http://", "https://")):
+            _check_server(self.tracking_uri)
+
+    @contextmanager
+    def _errors(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except MlflowException as error:
+            raise RegistryError(f"{action} at {self.tracking_uri}: {error.message}") from None
+
+    def _experiment(self) -> str:
+        if self._experiment_id is None:
+            with self._errors(f"opening experiment {self.experiment!r}"):
+                found = self.client.get_experiment_by_name(self.experiment)
+                if found is None:
+                    try:
+                        self._experiment_id = self.client.create_experiment(
+                            self.experiment, artifact_location=self.artifact_location
+                        )
+                    except MlflowException as error:
+                        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                            raise
+                        found = self.client.get_experiment_by_name(self.experiment)
+                if found is not None:
+                    self._experiment_id = found.experiment_id
+        assert self._experiment_id is not None
+        return self._experiment_id
+
+    def _ensure_registered_model(self, name: str, role: str) -> None:
+        try:
+            self.client.create_registered_model(
+                name,
+                tags={"dp.kind": "candidates" if role == ROLE_CANDIDATE else "releases"},
+                description=(
+                    "dpmerge candidates (internal)"
+                    if role == ROLE_CANDIDATE
+                    else "dpmerge merged releases; see each version's privacy card"
+                ),
+            )
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise RegistryError(f"creating registered model {name}: {error.message}") from None
+
+    def _version(self, name: str, version: str) -> ModelVersion:
+        try:
+            return self.client.get_model_version(name, version)
+        except MlflowException as error:
+            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+                raise RegistryError(f"{name} v{version} does not exist") from None
+            raise RegistryError(f"reading {name} v{version}: {error.message}") from None
+
+    def _aliases(self, name: str) -> dict[str, str]:
+        with self._errors(f"reading aliases of {name}"):
+            return {k: str(v) for k, v in self.client.get_registered_model(name).aliases.items()}
+
+    def _search(self, filter_string: str) -> list[ModelVersion]:
+        found: list[ModelVersion] = []
+        token = None
+        with self._errors(f"searching versions ({filter_string})"):
+            while True:
+                page = self.client.search_model_versions(filter_string, page_token=token)
+                found.extend(page)
+                token = page.token
+                if not token:
+                    return found
+
+    def _wait_ready(self, name: str, version: str, timeout_s: float) -> ModelVersion:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            mv = self._version(name, version)
+            if mv.status == "READY":
+                return mv
+            if mv.status == "FAILED_REGISTRATION":
+                raise RegistryError(f"{name} v{version} failed registration: {mv.status_message}")
+            if time.monotonic() > deadline:
+                raise RegistryError(f"{name} v{version} not READY after {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def _run_json(self, run_id: str, path: str) -> dict[str, Any]:
+        with (
+            self._errors(f"reading {path} of run {run_id}"),
+            tempfile.TemporaryDirectory(prefix="dpmerge-read-") as scratch,
+        ):
+            return json.loads(
+                Path(self.client.download_artifacts(run_id, path, scratch)).read_text()
+            )
+
+    def _mark_failed(self, name: str, version: str) -> None:
+        # best effort: without dp.status=ready the version is never promoted anyway
+        with suppress(MlflowException):
+            self.client.set_model_version_tag(name, version, "dp.status", STATUS_FAILED)
+
+    def _end_run(self, run_id: str, status: str) -> None:
+        with suppress(MlflowException):
+            self.client.set_terminated(run_id, status)
+
+    def _log_model(
+        self,
+        run_id: str,
+        module: nn.Module,
+        loaded: ModelDir,
+        record_bytes: bytes,
+        card: PrivacyCard | None,
+        role: str,
+    ) -> tuple[str, str, list[str]]:
+        """Save ``module`` as a pt2 model with the dpmerge files as extra files and upload it
+        as a logged model of the run. Returns model id, artifact location, files."""
+        example = np.zeros((INPUT_EXAMPLE_BATCH, *loaded.spec.input_shape), np.float32)
+        with self._errors("creating the logged model"):
+            logged = self.client.create_logged_model(
+                self._experiment(),
+                name=MODEL_ARTIFACT,
+                source_run_id=run_id,
+                tags={"dp.role": role},
+            )
+        try:
+            with tempfile.TemporaryDirectory(prefix="dpmerge-register-") as staging:
+                files = _stage_files(Path(staging) / "files", loaded, record_bytes, card)
+                model_path = Path(staging) / MODEL_ARTIFACT
+                with _PT2_EXPORT_LOCK:
+                    mlflow.pytorch.save_model(
+                        module,
+                        str(model_path),
+                        mlflow_model=Model(
+                            artifact_path=MODEL_ARTIFACT, run_id=run_id, model_id=logged.model_id
+                        ),
+                        input_example=example,
+                        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+                        extra_files=[str(f) for f in files],
+                        serialization_format="pt2",
+                    )
+                with self._errors("uploading the logged model"):
+                    self.client.log_model_artifacts(logged.model_id, str(model_path))
+        except BaseException:
+            with suppress(MlflowException):
+                self.client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
+            raise
+        with self._errors("finalising the logged model"):
+            self.client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+        return logged.model_id, logged.artifact_location, [f.name for f in files]
+
+    def _verify(
+        self,
+        name: str,
+        version: str,
+        *,
+        model_id: str,
+        files: Sequence[str],
+        card: PrivacyCard | None,
+    ) -> None:
+        """The version's model, dpmerge files and card are all stored and consistent."""
+        mv = self._version(name, version)
+        with self._errors(f"verifying {name} v{version}"):
+            stored = {
+                Path(f.path).name
+                for f in self.client.list_logged_model_artifacts(model_id, EXTRA_DIR)
+            }
+            top = {f.path for f in self.client.list_logged_model_artifacts(model_id)}
+        missing = sorted(set(files) - stored) + (["MLmodel"] if "MLmodel" not in top else [])
+        if missing:
+            raise RegistryError(f"{name} v{version}: artifacts missing after upload: {missing}")
+        if card is not None:
+            stored_card = self._run_json(mv.run_id, CARD_JSON)
+            epsilon = tag_float(mv.tags.get("dp.epsilon"))
+            if stored_card.get("guarantee", {}).get("epsilon") != epsilon:
+                raise RegistryError(f"{name} v{version}: the stored card disagrees with dp.epsilon")
+
+
+def _stage_files(
+    staging: Path, loaded: ModelDir, record_bytes: bytes, card: PrivacyCard | None
+) -> list[Path]:
+    """Copy a model directory's files to ``staging``, with ``record_bytes`` as its record."""
+    staging.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name in (WEIGHTS_FILE, MODEL_FILE, METRICS_FILE, PRIVACY_FILE):
+        source = loaded.path / name
+        if source.is_file():
+            (staging / name).write_bytes(source.read_bytes())
+            files.append(staging / name)
+    (staging / RECORD_FILE).write_bytes(record_bytes)
+    files.append(staging / RECORD_FILE)
+    if card is not None:
+        (staging / CARD_MARKDOWN).write_text(card.markdown)
+        (staging / CARD_JSON).write_text(card.to_json())
+        files += [staging / CARD_MARKDOWN, staging / CARD_JSON]
+    return files
+
+
+def quote(value: str) -> str:
+    """``value`` inside a quoted search-filter string."""
+    return value.replace("'", "''")
+
+
+def _default_artifact_location(tracking_uri: str) -> str | None:
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    database = Path(tracking_uri.removeprefix("sqlite:///")).resolve()
+    return (database.parent / "mlartifacts").as_uri()
+
+
+def _check_server(url: str) -> None:
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5) as response:
+            response.read()
+    except (urllib.error.URLError, OSError) as error:
+        raise RegistryError(
+            f"MLflow server {url} unreachable ({error}); start it (`dpmerge stack up`) "
+            "or point MLFLOW_TRACKING_URI elsewhere"
+        ) from None

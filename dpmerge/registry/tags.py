@@ -1,0 +1,48 @@
+"""The ``dp.*`` version tags: roles and statuses, tag values within every backend's limit,
+numbers read back from tags, and the scalar metrics a version records."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from dpmerge.registry.errors import RegistryError
+
+ROLE_CANDIDATE, ROLE_MERGED = "candidate", "merged"
+STATUS_REGISTERING, STATUS_READY, STATUS_FAILED = "registering", "ready", "failed"
+TAG_VALUE_LIMIT = 5000  # bytes every MLflow backend stores for a tag value
+
+
+def tag_value(value: Any) -> str:
+    text = repr(float(value)) if isinstance(value, float) else str(value)
+    if len(text.encode()) > TAG_VALUE_LIMIT:
+        raise RegistryError(f"tag value longer than {TAG_VALUE_LIMIT} bytes: {text[:60]}…")
+    return text
+
+
+def tag_values(values: Mapping[str, Any]) -> dict[str, str]:
+    """The tags of ``values`` that are set, as strings."""
+    return {k: tag_value(v) for k, v in values.items() if v is not None}
+
+
+def tag_float(value: Any) -> float | None:
+    """A tag's number; ``None`` when the tag is missing or not a number."""
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def scalar_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Finite numeric leaves of a (nested) metrics dict, keys joined with dots."""
+    flat: dict[str, float] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(scalar_metrics(value, f"{name}."))
+        elif (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        ):
+            flat[name] = float(value)
+    return flat

@@ -1,0 +1,79 @@
+"""What the registry hands back: registered versions, loaded candidates, promotions and the
+rows of ``dpmerge registry ls``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mlflow.entities.model_registry import ModelVersion
+
+from dpmerge.artifacts import ModelDir
+from dpmerge.registry.tags import tag_float
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    name: str
+    version: str
+    content_hash: str
+    run_id: str | None
+    reused: bool
+
+
+@dataclass(frozen=True)
+class RegisteredCandidate:
+    """A ready candidate version and its model directory, downloaded and checked."""
+
+    name: str
+    version: str
+    model_dir: ModelDir
+
+
+@dataclass(frozen=True)
+class Promotion:
+    name: str
+    alias: str
+    version: str
+    previous: str | None
+    changed: bool
+
+
+@dataclass(frozen=True)
+class VersionSummary:
+    """One row of ``dpmerge registry ls``."""
+
+    name: str
+    version: str
+    role: str
+    status: str | None
+    epsilon: float | None
+    delta: float | None
+    accountant: str | None
+    bound: str | None
+    accuracy: float | None
+    method: str | None
+    parents: str | None
+    aliases: tuple[str, ...]
+
+    @classmethod
+    def of(cls, mv: ModelVersion, aliases: Sequence[str]) -> VersionSummary:
+        """The row of version ``mv``, which ``aliases`` name."""
+        return cls(
+            name=mv.name,
+            version=str(mv.version),
+            role=mv.tags.get("dp.role", ""),
+            status=mv.tags.get("dp.status"),
+            epsilon=tag_float(mv.tags.get("dp.epsilon")),
+            delta=tag_float(mv.tags.get("dp.delta")),
+            accountant=mv.tags.get("dp.accountant"),
+            bound=mv.tags.get("dp.gating_bound"),
+            accuracy=tag_float(mv.tags.get("dp.accuracy")),
+            method=mv.tags.get("dp.method"),
+            parents=mv.tags.get("dp.parents"),
+            aliases=tuple(sorted(aliases)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "aliases": list(self.aliases)}
