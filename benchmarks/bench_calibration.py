@@ -153,7 +153,8 @@ def main() -> None:
     # Middle targets: at the ends of the range the coarse grid's ε of a single candidate can
     # exceed the target, and the plain procedure's coarse bracket does not exist.
     middle = targets[1:-1]
-    for target in middle[:: max(1, len(middle) // args.plain_targets)][: args.plain_targets]:
+    step = max(1, len(middle) // max(1, args.plain_targets))
+    for target in middle[::step][: args.plain_targets]:
         above = [i for i, e in enumerate(eps) if e > target]
         below = [i for i, e in enumerate(eps) if e <= target]
         a = min(above, key=lambda i: eps[i])

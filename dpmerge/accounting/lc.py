@@ -218,7 +218,7 @@ def _segment_pld(segment: StepMixture, discretisation: float) -> pld_mod.PLD:
     one_step = pld_mod.mixture_of_gaussians_pld(
         segment.sensitivities, segment.probabilities, discretisation
     )
-    return one_step.self_compose(segment.steps)
+    return pld_mod.self_compose(one_step, segment.steps)
 
 
 @lru_cache(maxsize=4096)

@@ -30,6 +30,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld.common import DifferentialPrivacyParameters
 from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, MixtureGaussianPrivacyLoss
+from scipy import fft
 
 from dpmerge.accounting.records import MechanismRecord, PrivacyLabel
 
@@ -64,7 +65,7 @@ def subsampled_gaussian_pld(
         pessimistic_estimate=True,
         use_connect_dots=True,
     )
-    result = one_step.self_compose(steps)
+    result = self_compose(one_step, steps)
     _write_cached(key, result)
     return result
 
@@ -156,6 +157,67 @@ def candidate_pld(candidate: MechanismRecord | PrivacyLabel, discretisation: flo
         DifferentialPrivacyParameters(epsilon=candidate.epsilon, delta=candidate.delta),
         value_discretization_interval=discretisation,
     )
+
+
+def _self_convolve_bounds(
+    probs: np.ndarray, times: int, tail_mass_truncation: float
+) -> tuple[int, int]:
+    """dp_accounting's ``compute_self_convolve_bounds``: Chernoff bounds at the same 40 orders,
+    each log moment-generating function by plain numpy over the positive entries (the library's
+    40 ``logsumexp`` calls take longer than the FFT itself)."""
+    size = probs.size
+    upper, lower = (size - 1) * times, 0
+    if tail_mass_truncation == 0:
+        return lower, upper
+    positive = probs > 0
+    support = np.flatnonzero(positive).astype(float)
+    log_probs = np.log(probs[positive])
+    slack = math.log(2 / tail_mass_truncation)
+    for order in (np.concatenate((np.arange(-20, 0), np.arange(1, 21))) / size).tolist():
+        exponents = order * support + log_probs
+        top = exponents.max()
+        log_mgf = top + math.log(np.exp(exponents - top).sum())
+        bound = (times * log_mgf + slack) / order
+        if not math.isfinite(bound):
+            continue
+        if order > 0:
+            upper = min(upper, math.ceil(bound))
+        else:
+            lower = max(lower, math.floor(bound))
+    return lower, upper
+
+
+def _self_compose_pmf(
+    pmf: pld_pmf.PLDPmf, times: int, tail_mass_truncation: float
+) -> pld_pmf.PLDPmf:
+    """``DensePLDPmf.self_compose``: FFT power within the truncation bounds, the truncated tail
+    mass moved to +∞ (pessimistic)."""
+    dense = pmf.to_dense_pmf()
+    probs = np.asarray(dense._probs, float)
+    lower, upper = _self_convolve_bounds(probs, times, tail_mass_truncation)
+    length = upper - lower + 1
+    fast = fft.next_fast_len(max(length, probs.size))
+    powered = np.real(fft.ifft(fft.fft(probs, fast) ** times))
+    out = np.roll(powered, -lower)[:length]
+    infinity = tail_mass_truncation - math.expm1(times * math.log1p(-dense._infinity_mass))
+    return pld_pmf.DensePLDPmf(
+        dense._discretization,
+        dense._lower_loss * times + lower,
+        out,
+        infinity,
+        dense._pessimistic_estimate,
+    )
+
+
+def self_compose(pld: PLD, times: int, tail_mass_truncation: float = 1e-15) -> PLD:
+    """``pld.self_compose(times)``, faster (see :func:`_self_convolve_bounds`); tested equal to
+    the library's result."""
+    if times == 1:
+        return pld
+    remove = _self_compose_pmf(pld._pmf_remove, times, tail_mass_truncation)
+    if pld._symmetric:
+        return PLD(remove)
+    return PLD(remove, _self_compose_pmf(pld._pmf_add, times, tail_mass_truncation))
 
 
 # --------------------------------------------------------------------------------------------

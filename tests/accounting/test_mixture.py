@@ -119,3 +119,24 @@ def test_quadrature_stays_finite_where_naive_integration_overflows():
     library = rdp_mod.subsampled_gaussian_rdp(sigma, Q, 1)[rdp_mod.ORDERS.index(1024.0)]
     assert math.isfinite(value) and (1024 - 1) * value > 709
     assert value == pytest.approx(library, rel=2e-6)
+
+
+@pytest.mark.parametrize("steps", [2, 300, 2350])
+@pytest.mark.parametrize("discretisation", [1e-3, 1e-4])
+def test_self_composition_is_the_librarys(steps, discretisation):
+    """``pld.self_compose`` (vectorised truncation bounds) returns the library's PMFs exactly."""
+    sensitivities, probabilities = _independent_pair(0.8, 1.0)
+    one = pld_mod.mixture_of_gaussians_pld(sensitivities, probabilities, discretisation)
+    ours, library = pld_mod.self_compose(one, steps), one.self_compose(steps)
+    for a, b in ((ours._pmf_remove, library._pmf_remove), (ours._pmf_add, library._pmf_add)):
+        a, b = a.to_dense_pmf(), b.to_dense_pmf()
+        assert a._lower_loss == b._lower_loss
+        assert a._infinity_mass == b._infinity_mass
+        np.testing.assert_array_equal(a._probs, b._probs)
+    gaussian = pld_lib.from_gaussian_mechanism(
+        1.1, sampling_prob=Q, value_discretization_interval=discretisation
+    )
+    np.testing.assert_array_equal(
+        pld_mod.self_compose(gaussian, steps)._pmf_remove.to_dense_pmf()._probs,
+        gaussian.self_compose(steps)._pmf_remove.to_dense_pmf()._probs,
+    )
