@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import make_record
 
 from dpmerge import cli
 from dpmerge.accounting.records import MechanismRecord, load_candidates
@@ -20,20 +21,8 @@ SPEC = ModelSpec("logreg", DIGITS.input_shape, DIGITS.num_classes)
 
 
 def record(name: str, sigma: float, dataset: str = DIGITS.fingerprint) -> MechanismRecord:
-    return MechanismRecord(
-        name=name,
-        noise_multiplier=sigma,
-        sample_rate=0.05,
-        steps=50,
-        clip_norm=1.0,
-        learning_rate=0.5,
-        expected_batch_size=64.0,
-        optimizer="sgd",
-        noise_lineage=f"noise-{name}",
-        batch_lineage=f"batch-{name}",
-        dataset=dataset,
-        neighbouring="add_or_remove_one",
-        sampling="poisson",
+    return make_record(
+        name, sigma, steps=50, sample_rate=0.05, learning_rate=0.5, batch=64.0, dataset=dataset
     )
 
 

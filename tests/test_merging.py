@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import make_record
 from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
@@ -26,20 +27,8 @@ DELTA = 1e-5
 
 
 def record(name: str, sigma: float = 1.0) -> MechanismRecord:
-    return MechanismRecord(
-        name=name,
-        noise_multiplier=sigma,
-        sample_rate=0.01,
-        steps=20,
-        clip_norm=1.0,
-        learning_rate=0.1,
-        expected_batch_size=10.0,
-        optimizer="sgd",
-        noise_lineage=f"noise-{name}",
-        batch_lineage=f"batch-{name}",
-        dataset="toy",
-        neighbouring="add_or_remove_one",
-        sampling="poisson",
+    return make_record(
+        name, sigma, steps=20, sample_rate=0.01, learning_rate=0.1, batch=10.0, dataset="toy"
     )
 
 

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from factories import make_record
 
 from dpmerge.accounting.account import account
 from dpmerge.accounting.candidate import candidate_bound
@@ -23,20 +24,14 @@ DELTA = 1e-5
 
 
 def record(name: str, sigma: float) -> MechanismRecord:
-    return MechanismRecord(
-        name=name,
-        noise_multiplier=sigma,
-        sample_rate=0.01,
+    return make_record(
+        name,
+        sigma,
         steps=100,
-        clip_norm=1.0,
+        sample_rate=0.01,
         learning_rate=0.5,
-        expected_batch_size=100.0,
-        optimizer="sgd",
-        noise_lineage=f"run-{name}",
-        batch_lineage=f"batches-{name}",
+        batch=100.0,
         dataset="toy-sha256:0123456789abcdef",
-        neighbouring="add_or_remove_one",
-        sampling="poisson",
         dataset_size=10_000,
         initialisation="zeros",
     )

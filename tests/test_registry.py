@@ -14,6 +14,7 @@ from typing import Any
 import mlflow
 import pytest
 import torch
+from factories import make_record
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
@@ -45,22 +46,8 @@ SIGMAS = {"cand-a": 1.0, "cand-b": 1.5, "cand-c": 2.0}
 
 
 def _record(name: str, sigma: float) -> MechanismRecord:
-    return MechanismRecord(
-        name=name,
-        noise_multiplier=sigma,
-        sample_rate=0.01,
-        steps=100,
-        clip_norm=1.0,
-        learning_rate=0.5,
-        expected_batch_size=100.0,
-        optimizer="sgd",
-        noise_lineage=f"run-{name}",
-        batch_lineage=f"batches-{name}",
-        dataset=DATASET,
-        neighbouring="add_or_remove_one",
-        sampling="poisson",
-        dataset_size=10_000,
-        initialisation="zeros",
+    return make_record(
+        name, sigma, steps=100, sample_rate=0.01, learning_rate=0.5, batch=100.0, dataset=DATASET
     )
 
 

@@ -1,4 +1,4 @@
-"""Mechanism records built without training, for the accounting tests."""
+"""Mechanism records built without training, shared by the tests."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def make_record(
     clip_norm: float = 1.0,
     batch: float = 255.0,
     initialisation: str | None = "seed-0",
+    dataset_size: int | None = 60000,
 ) -> MechanismRecord:
     return MechanismRecord(
         name=name,
@@ -37,6 +38,6 @@ def make_record(
         dataset=dataset,
         neighbouring="add_or_remove_one",
         sampling="poisson",
-        dataset_size=60000,
+        dataset_size=dataset_size,
         initialisation=initialisation,
     )
