@@ -31,6 +31,9 @@ QUIET = {
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
+EPHEMERAL_SERVER = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+"""Prefect's temporary API migrates a fresh database on start; its default 20 s limit is too
+short on a loaded two-core machine (seen in CI: "Timed out while attempting to connect")."""
 
 
 class ServerError(DPMergeError):
@@ -53,6 +56,7 @@ def configure_embedded(home: str | Path | None = None, *, force: bool = False) -
         "PREFECT_HOME": str(home_path / "prefect"),
         **TELEMETRY_OFF,
         **QUIET,
+        **EPHEMERAL_SERVER,
     }
     if force:
         for key in ("PREFECT_API_URL", "DPMERGE_S3_ENDPOINT_URL", "DPMERGE_S3_BUCKET"):
