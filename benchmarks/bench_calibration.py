@@ -27,8 +27,8 @@ from dpmerge.accounting import pld as pld_mod
 from dpmerge.accounting import profiles
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.accounting.lc import structured_segments
 from dpmerge.accounting.records import MechanismRecord
+from dpmerge.accounting.structured import structured_segments
 
 DELTA = 1e-5
 Q = 1 / 235

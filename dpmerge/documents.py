@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,49 @@ from pydantic import ValidationError
 
 from dpmerge.errors import RecordError
 
+MAX_SHOWN = 60
+"""Echoed input is cut to this many characters: an error line stays one short line."""
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` on one line, cut to ``limit`` characters with an ellipsis."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def shorten(value: Any, limit: int = MAX_SHOWN) -> str:
+    """``repr(value)``, cut to ``limit`` characters with an ellipsis."""
+    return cut(repr(value), limit)
+
+
+class _StrictYamlLoader(yaml.SafeLoader):
+    """YAML with two traps removed: a key given twice is an error (PyYAML keeps the last value
+    silently), and ``1e-5`` is a number as in YAML 1.2 (PyYAML's YAML 1.1 reads it as a
+    string)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {shorten(key)}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML strictly (see :class:`_StrictYamlLoader`)."""
+    return yaml.load(text, Loader=_StrictYamlLoader)
+
 
 def describe_validation_error(where: str, error: ValidationError) -> str:
     """``"<where>: missing field 'x'; field 'y': must be > 0 (got -1)"``."""
@@ -19,13 +63,15 @@ def describe_validation_error(where: str, error: ValidationError) -> str:
         field = ".".join(str(p) for p in item["loc"]) or "value"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "missing":
-            problems.append(f"missing field {field!r}")
+            problems.append(f"missing field {shorten(field)}")
         elif item["type"] == "extra_forbidden":
-            problems.append(f"unknown field {field!r}")
+            problems.append(f"unknown field {shorten(field)}")
         else:
             got = item.get("input")
-            shown = "" if isinstance(got, dict) or not item["loc"] else f" (got {got!r})"
-            problems.append(f"field {field!r}: {message}{shown}")
+            shown = "" if isinstance(got, dict) or not item["loc"] else f" (got {shorten(got)})"
+            problems.append(f"field {shorten(field)}: {message}{shown}")
+    if len(problems) > 5:
+        problems = [*problems[:5], f"and {len(problems) - 5} more"]
     return f"{where}: " + "; ".join(problems)
 
 
@@ -40,11 +86,19 @@ def read_item_list(
     """The non-empty list under ``key`` of a JSON/YAML document at ``path``."""
     path = Path(path)
     try:
-        document = parse(path.read_text())
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise error(f"{what} file not found: {path}") from None
+    except IsADirectoryError:
+        raise error(f"{what} file {path} is a directory, not a file") from None
+    except (OSError, UnicodeDecodeError) as problem:
+        raise error(f"{what} file {path} cannot be read: {cut(str(problem), 200)}") from None
+    try:
+        document = parse(text)
+    except RecursionError:
+        raise error(f"{what} file {path} is nested too deeply") from None
     except (ValueError, yaml.YAMLError) as problem:  # JSONDecodeError is a ValueError
-        raise error(f"{what} file {path} is not valid: {problem}") from None
+        raise error(f"{what} file {path} is not valid: {cut(str(problem), 200)}") from None
     if not isinstance(document, dict) or not isinstance(document.get(key), list):
         raise error(f"{path}: expected a mapping with a {key!r} list")
     if not document[key]:

@@ -15,6 +15,23 @@ class RefusalError(DPMergeError, ValueError):
     """The requested analysis is not valid for these candidates (SPEC §2, §5.2)."""
 
 
+class UnsupportedError(DPMergeError):
+    """An accountant cannot analyse this mechanism (dp_accounting's ``UnsupportedEventError``):
+    an RDP-only label has no PLD, an (ε, δ) label has no RDP curve, a PLD would exceed the
+    grid the accountant supports. The one channel for "not supported"; callers that can fall
+    back to the other accountant catch it, and ``accountant`` says which one refused."""
+
+    def __init__(self, accountant: str, message: str) -> None:
+        super().__init__(message)
+        self.accountant = accountant
+
+
+class BoundContradictionError(DPMergeError):
+    """Two bounds that must be ordered are not (e.g. a structured LC bound above the generic
+    bound over the same release units, docs/design.md#structured-bound). This is a bug in one
+    of them: it is raised, never clamped away."""
+
+
 class InfeasibleTargetError(DPMergeError):
     """No merge of the candidates meets the target (SPEC §6).
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dpmerge.accounting.account import GatingBound, Method, account
+from dpmerge.accounting.account import account
 from dpmerge.accounting.bounds import PrivacyReport
 from dpmerge.accounting.calibration import Calibration
 from dpmerge.accounting.records import Candidate, candidate_from_dict
@@ -40,6 +40,7 @@ from dpmerge.accounting.weights import simplex_weights
 from dpmerge.artifacts import MODEL_FILE, RECORD_FILE, WEIGHTS_FILE, ModelSpec, save_model_dir
 from dpmerge.errors import RecordError
 from dpmerge.models import check_weights_match
+from dpmerge.vocabulary import GatingBound, Method
 
 Metrics = Callable[[ModelSpec, Mapping[str, torch.Tensor]], Mapping[str, Any]]
 

@@ -2,7 +2,8 @@
 
 A policy names a dataset and model family, a target (ε*, δ*), how to merge (``auto`` tries RS
 and LC and keeps the better validation accuracy), which LC bound gates promotion (``generic``
-by default, SPEC §5.1; ``structured`` is the paper's analysis, opt-in, SPEC §5.2), the accuracy
+by default, docs/design.md#generic-bound; ``structured`` is the paper's analysis, opt-in,
+docs/design.md#structured-bound), the accuracy
 floor, the registry alias it owns, and what happens when the target is infeasible (``revoke``
 the alias by default: a model that violates the current policy is not left serving).
 
@@ -15,13 +16,22 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from dpmerge.documents import describe_validation_error, read_item_list
+from dpmerge.documents import describe_validation_error, load_yaml, read_item_list
 from dpmerge.errors import RecordError
+from dpmerge.vocabulary import GatingBound, OnInfeasible, PolicyMethod
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _ALIAS = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
@@ -36,17 +46,19 @@ class Policy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=True)
 
-    name: str
-    target_epsilon: float = Field(gt=0, allow_inf_nan=False)
-    target_delta: float = Field(gt=0, lt=1, allow_inf_nan=False)
-    dataset: str = Field(min_length=1)
-    model: str = Field(min_length=1)
-    method: Literal["auto", "rs", "lc"] = "auto"
-    gating_bound: Literal["generic", "structured"] = "generic"
-    min_accuracy: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
-    alias: str | None = None
-    on_infeasible: Literal["revoke", "keep"] = "revoke"
-    cumulative_epsilon_cap: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    name: StrictStr
+    target_epsilon: StrictFloat = Field(gt=0, le=1000, allow_inf_nan=False)
+    target_delta: StrictFloat = Field(gt=0, lt=1, allow_inf_nan=False)
+    dataset: StrictStr = Field(min_length=1, max_length=256)
+    model: StrictStr = Field(min_length=1, max_length=256)
+    method: PolicyMethod = PolicyMethod.AUTO
+    gating_bound: GatingBound = GatingBound.GENERIC
+    min_accuracy: StrictFloat = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
+    alias: StrictStr | None = None
+    on_infeasible: OnInfeasible = OnInfeasible.REVOKE
+    cumulative_epsilon_cap: StrictFloat | None = Field(
+        default=None, gt=0, le=1000, allow_inf_nan=False
+    )
 
     @field_validator("name")
     @classmethod
@@ -110,5 +122,5 @@ def policies_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Policy, ...
 def load_policies(path: str | Path) -> tuple[Policy, ...]:
     """Read ``{"policies": [...]}`` from a YAML file; every policy is validated first."""
     return policies_from_dicts(
-        read_item_list(path, "policies", what="policy", parse=yaml.safe_load, error=PolicyError)
+        read_item_list(path, "policies", what="policy", parse=load_yaml, error=PolicyError)
     )

@@ -23,6 +23,7 @@ def make_record(
     batch: float = 255.0,
     initialisation: str | None = "seed-0",
     dataset_size: int | None = 60000,
+    run_id: str | None = None,
 ) -> MechanismRecord:
     return MechanismRecord(
         name=name,
@@ -40,4 +41,5 @@ def make_record(
         sampling="poisson",
         dataset_size=dataset_size,
         initialisation=initialisation,
+        run_id=run_id,
     )

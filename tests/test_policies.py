@@ -81,3 +81,37 @@ def test_policy_files_are_checked_whole(tmp_path):
         load_policies(path)
     with pytest.raises(PolicyError, match="not found"):
         load_policies(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"target_epsilon": True}, "target_epsilon"),
+        ({"target_epsilon": "2"}, "target_epsilon"),
+        ({"target_delta": False}, "target_delta"),
+        ({"min_accuracy": "0.8"}, "min_accuracy"),
+        ({"cumulative_epsilon_cap": True}, "cumulative_epsilon_cap"),
+        ({"dataset": 7}, "dataset"),
+        ({"method": True}, "method"),
+    ],
+)
+def test_numbers_and_strings_are_strict(overrides, message):
+    """A boolean is not a number (`true` once read as ε* = 1.0), a string is not a number."""
+    with pytest.raises(PolicyError, match=message):
+        policy_from_dict(base(**overrides))
+
+
+def test_yaml_duplicate_keys_are_refused_and_exponents_are_numbers(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "policies:\n  - name: eu\n    target_epsilon: 0.5\n    target_epsilon: 50\n"
+        "    target_delta: 1e-5\n    dataset: d\n    model: m\n"
+    )
+    with pytest.raises(PolicyError, match="duplicate key 'target_epsilon'") as raised:
+        load_policies(path)
+    assert "\n" not in str(raised.value)
+    path.write_text(
+        "policies:\n  - {name: eu, target_epsilon: 2, target_delta: 1e-5, dataset: d, model: m}\n"
+    )
+    (policy,) = load_policies(path)
+    assert policy.target_delta == 1e-5 and policy.target_epsilon == 2.0

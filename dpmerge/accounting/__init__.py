@@ -1,4 +1,4 @@
-"""Privacy accounting for merging DP-SGD candidates (SPEC §2–§7).
+"""Privacy accounting for merging DP-SGD candidates (docs/design.md).
 
 Describing a mechanism (``records``) is kept apart from analysing it (``pld``, ``rdp``, and the
 RS/LC bounds built on them), as dp_accounting separates events from accountants.
@@ -13,7 +13,6 @@ from dpmerge.accounting.candidate import (
 from dpmerge.accounting.records import (
     Candidate,
     MechanismRecord,
-    Optimizer,
     PrivacyLabel,
     candidate_from_dict,
     candidates_to_document,
@@ -23,7 +22,6 @@ from dpmerge.accounting.records import (
 __all__ = [
     "Candidate",
     "MechanismRecord",
-    "Optimizer",
     "PairBound",
     "PrivacyLabel",
     "PrivacyReport",

@@ -1,65 +1,96 @@
-"""Evaluate the privacy of a given merge: RS with probabilities π or LC with weights λ."""
+"""Evaluate the privacy of a given merge: RS with probabilities π or LC with weights λ
+(docs/design.md#random-selection, docs/design.md#generic-bound,
+docs/design.md#structured-bound)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
-from typing import Literal
 
 from dpmerge.accounting import pld as pld_mod
-from dpmerge.accounting.bounds import PrivacyReport
-from dpmerge.accounting.lc import generic_bound, structured_bound
+from dpmerge.accounting.bounds import PairBound, PrivacyReport
+from dpmerge.accounting.generic import generic_bound
 from dpmerge.accounting.records import Candidate, require_same_dataset
 from dpmerge.accounting.rs import rs_bound
+from dpmerge.accounting.structured import check_ordering, structured_bound
 from dpmerge.accounting.weights import simplex_weights
 from dpmerge.errors import RecordError, RefusalError
+from dpmerge.vocabulary import GatingBound, Method, choose
 
-Method = Literal["rs", "lc"]
-GatingBound = Literal["generic", "structured"]
+MAX_CANDIDATES = 64
+"""Most candidates one accounting or calibration considers. Each needs its own PLD (up to
+~0.7 s at the fine grid) and generic calibration enumerates subsets; a larger file fails fast
+with this limit rather than running for hours."""
 
 
 def check_delta(delta: float) -> float:
-    if not 0 < delta < 1:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real):
+        raise RecordError(f"δ must be a number, got {type(delta).__name__}")
+    if not (math.isfinite(delta) and 0 < delta < 1):
         raise RecordError(f"δ must lie in (0, 1), got {delta}")
     return float(delta)
 
 
+def check_candidates(candidates: Sequence[Candidate]) -> str:
+    """A non-empty, single-dataset candidate list within :data:`MAX_CANDIDATES`; returns the
+    dataset fingerprint."""
+    if not candidates:
+        raise RecordError("no candidates")
+    if len(candidates) > MAX_CANDIDATES:
+        raise RecordError(
+            f"{len(candidates)} candidates: at most {MAX_CANDIDATES} are accounted or calibrated "
+            "at once; pass the subset to merge"
+        )
+    return require_same_dataset(candidates)
+
+
+def gating_of(generic: PairBound, structured: PairBound) -> tuple[PairBound, tuple[str, ...]]:
+    """The gate of an opt-in structured policy: the smaller of two valid bounds, labelled.
+
+    Both are upper bounds where the structured assumptions hold (the policy opted into them),
+    and the ordering has been checked, so the smaller one is a valid gate."""
+    if not structured.available:
+        raise RefusalError(f"structured bound refused: {structured.reason}")
+    if generic.epsilon < structured.epsilon:
+        return generic, (
+            "gated by the generic bound: smaller than the structured bound for this merge",
+        )
+    return structured, ()
+
+
 def account(
     candidates: Sequence[Candidate],
-    method: Method,
+    method: Method | str,
     weights: Sequence[float],
     delta: float,
     *,
-    gating_bound: GatingBound = "generic",
+    gating_bound: GatingBound | str = GatingBound.GENERIC,
     discretisation: float = pld_mod.FINE_DISCRETISATION,
 ) -> PrivacyReport:
-    """The privacy report of one merge (SPEC §4, §5).
+    """The privacy report of one merge.
 
     RS is gated by the selection bound. LC reports the generic bound always and the structured
     one beside it (or why it does not apply); ``gating_bound`` picks which one gates, and asking
-    for a structured gate where that bound does not apply raises ``RefusalError``.
+    for a structured gate where that bound does not apply raises ``RefusalError``. A structured
+    value above the generic one raises ``BoundContradictionError`` (never clamped).
     """
-    if not candidates:
-        raise RecordError("no candidates")
-    require_same_dataset(candidates)
+    check_candidates(candidates)
     delta = check_delta(delta)
-    what = "RS probabilities" if method == "rs" else "LC weights"
+    method = choose(Method, method, "method")
+    gating_bound = choose(GatingBound, gating_bound, "gating bound")
+    what = "RS probabilities" if method == Method.RS else "LC weights"
     weights = simplex_weights(weights, len(candidates), what=what)
     names = tuple(c.name for c in candidates)
-    if method == "rs":
+    if method == Method.RS:
         gating = rs_bound(candidates, weights, delta, discretisation)
-        return PrivacyReport("rs", names, weights, delta, gating)
-    if method != "lc":
-        raise RecordError(f"method must be 'rs' or 'lc', got {method!r}")
+        return PrivacyReport(Method.RS, names, weights, delta, gating)
     generic = generic_bound(candidates, weights, delta, discretisation)
-    structured = structured_bound(candidates, weights, delta, discretisation, generic=generic)
-    if gating_bound == "structured":
-        if not structured.available:
-            raise RefusalError(f"structured bound refused: {structured.reason}")
-        gating = structured
-    elif gating_bound == "generic":
-        gating = generic
+    structured = structured_bound(candidates, weights, delta, discretisation)
+    check_ordering(generic, structured)
+    notes: tuple[str, ...] = ()
+    if gating_bound == GatingBound.STRUCTURED:
+        gating, notes = gating_of(generic, structured)
     else:
-        raise RecordError(f"gating bound must be 'generic' or 'structured', got {gating_bound!r}")
-    return PrivacyReport(
-        "lc", names, weights, delta, gating, generic=generic, structured=structured
-    )
+        gating = generic
+    return PrivacyReport(Method.LC, names, weights, delta, gating, generic, structured, notes=notes)

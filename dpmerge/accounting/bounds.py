@@ -1,26 +1,38 @@
 """Values that state a privacy bound: which ε, under which accountant, at which δ, resting on
-what (SPEC §2 "every reported ε names its accountant, δ and the neighbouring relation")."""
+what (docs/design.md#mechanism-record: "every reported ε names its accountant, δ and the
+neighbouring relation").
+
+:func:`bound_from_curves` is the one place where an accountant's "not supported"
+(``UnsupportedError``) or an unbounded ε becomes a missing value with its reason.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from dpmerge.accounting.records import NEIGHBOURING_ADD_OR_REMOVE
+from dpmerge.accounting import rdp as rdp_mod
+from dpmerge.errors import UnsupportedError
+from dpmerge.vocabulary import Accountant, BoundKind, Method, Neighbouring
 
-Accountant = Literal["pld", "rdp"]
-BoundKind = Literal["candidate", "selection", "generic", "structured", "gaussian"]
-
-BOUND_DESCRIPTIONS: dict[str, str] = {
-    "candidate": "the candidate's own DP-SGD accounting",
-    "selection": "random selection: mixture of the candidates' privacy curves (SPEC §4)",
-    "generic": "generic LC bound: composition of the used candidates (SPEC §5.1), no assumption",
-    "structured": (
-        "structured (the DP model merging paper's analysis): per-step mixture-of-Gaussians "
-        "surrogate of the merged updates (SPEC §5.2); rests on the assumptions listed"
+BOUND_DESCRIPTIONS: dict[BoundKind, str] = {
+    BoundKind.CANDIDATE: "the candidate's own DP-SGD accounting",
+    BoundKind.SELECTION: (
+        "random selection: mixture of the candidates' privacy curves "
+        "(docs/design.md#random-selection)"
     ),
-    "gaussian": "exact Gaussian mechanism (mean estimation, SPEC §5.3)",
+    BoundKind.GENERIC: (
+        "generic LC bound: composition of the release units of the used candidates "
+        "(docs/design.md#generic-bound), no assumption"
+    ),
+    BoundKind.STRUCTURED: (
+        "structured (the DP model merging paper's analysis): per-step mixture-of-Gaussians "
+        "surrogate of the merged updates (docs/design.md#structured-bound); rests on the "
+        "assumptions listed"
+    ),
+    BoundKind.GAUSSIAN: "exact Gaussian mechanism (docs/design.md#mean-estimation)",
 }
 
 
@@ -28,8 +40,8 @@ BOUND_DESCRIPTIONS: dict[str, str] = {
 class PairBound:
     """ε under PLD and under RDP for one bound. ``None`` with ``reason`` where not available.
 
-    ``epsilon`` is the smaller of the two (both are valid upper bounds, SPEC §4) and
-    ``accountant`` says which one it is.
+    ``epsilon`` is the smaller of the two (both are valid upper bounds) and ``accountant`` says
+    which one it is; ``inf`` when neither is available.
     """
 
     kind: BoundKind
@@ -40,7 +52,7 @@ class PairBound:
     discretisation: float | None = None
     assumptions: tuple[str, ...] = ()
     reason: str | None = None
-    neighbouring: str = NEIGHBOURING_ADD_OR_REMOVE
+    neighbouring: Neighbouring = Neighbouring.ADD_OR_REMOVE_ONE
 
     @property
     def available(self) -> bool:
@@ -56,16 +68,18 @@ class PairBound:
         if not self.available:
             return None
         if self.epsilon_rdp is None:
-            return "pld"
+            return Accountant.PLD
         if self.epsilon_pld is None:
-            return "rdp"
-        return "pld" if self.epsilon_pld <= self.epsilon_rdp else "rdp"
+            return Accountant.RDP
+        return Accountant.PLD if self.epsilon_pld <= self.epsilon_rdp else Accountant.RDP
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["kind"] = str(self.kind)
+        data["neighbouring"] = str(self.neighbouring)
         data["assumptions"] = list(self.assumptions)
         data["epsilon"] = self.epsilon if self.available else None
-        data["accountant"] = self.accountant
+        data["accountant"] = None if self.accountant is None else str(self.accountant)
         data["description"] = BOUND_DESCRIPTIONS[self.kind]
         return data
 
@@ -74,16 +88,77 @@ def unavailable(kind: BoundKind, delta: float, reason: str) -> PairBound:
     return PairBound(kind=kind, delta=delta, epsilon_pld=None, epsilon_rdp=None, reason=reason)
 
 
+def bound_from_curves(
+    kind: BoundKind,
+    delta: float,
+    *,
+    pld: Callable[[], float] | None,
+    rdp: Callable[[], Sequence[float]] | None,
+    discretisation: float | None,
+    assumptions: tuple[str, ...] = (),
+    rdp_epsilon: Callable[[], tuple[float, float]] | None = None,
+) -> PairBound:
+    """Evaluate a bound under each accountant that supports it.
+
+    ``pld`` returns the PLD ε; ``rdp`` returns an RDP curve on ``rdp.ORDERS`` (or
+    ``rdp_epsilon`` returns (ε, order) directly). An accountant that raises
+    ``UnsupportedError``, or whose ε is unbounded at ``delta`` (a PLD's mass at +∞ above δ, an
+    RDP curve infinite at every order), leaves its value ``None`` and says why in ``reason``.
+    """
+    reasons = []
+    epsilon_pld = None
+    if pld is not None:
+        try:
+            epsilon_pld = pld()
+        except UnsupportedError as error:
+            reasons.append(f"PLD unavailable: {error}")
+        else:
+            if not math.isfinite(epsilon_pld):
+                epsilon_pld = None
+                reasons.append(
+                    f"PLD: no finite ε at δ = {delta:g} (the pessimistic PLD's mass at +∞ — a "
+                    "label's own δ or the truncated tail — exceeds δ)"
+                )
+    epsilon_rdp = order = None
+    if rdp is not None or rdp_epsilon is not None:
+        try:
+            if rdp_epsilon is not None:
+                epsilon_rdp, order = rdp_epsilon()
+            else:
+                epsilon_rdp, order = rdp_mod.epsilon_from_rdp(rdp(), delta)
+        except UnsupportedError as error:
+            reasons.append(f"RDP unavailable: {error}")
+        else:
+            if not math.isfinite(epsilon_rdp):
+                epsilon_rdp = order = None
+                reasons.append(f"RDP: ε unbounded at δ = {delta:g} (infinite at every order)")
+    return PairBound(
+        kind=kind,
+        delta=delta,
+        epsilon_pld=epsilon_pld,
+        epsilon_rdp=epsilon_rdp,
+        rdp_order=order,
+        discretisation=discretisation if epsilon_pld is not None else None,
+        assumptions=assumptions,
+        reason="; ".join(reasons) or None,
+    )
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """A value for JSON: infinite ε (unbounded) becomes ``null``, never ``Infinity``."""
+    return value if value is not None and math.isfinite(value) else None
+
+
 @dataclass(frozen=True)
 class PrivacyReport:
     """The privacy statement of one merge (RS or LC) at one δ.
 
-    ``gating`` is the bound that gates promotion (SPEC §5.1: generic by default for LC;
-    selection for RS). For LC the generic bound is always reported, and the structured one
-    beside it (or ``None`` with the reason it does not apply).
+    ``gating`` is the bound that gates promotion (docs/design.md#generic-bound: generic by
+    default for LC; selection for RS). For LC the generic bound is always reported, and the
+    structured one beside it (or ``None`` with the reason it does not apply).
     """
 
-    method: Literal["rs", "lc"]
+    method: Method
     names: tuple[str, ...]
     weights: tuple[float, ...]
     delta: float
@@ -100,21 +175,22 @@ class PrivacyReport:
     def to_dict(self) -> dict[str, Any]:
         """JSON shape of the CLI's ``account`` output (keys documented in the README)."""
         data: dict[str, Any] = {
-            "method": self.method,
+            "method": str(self.method),
             "candidates": list(self.names),
             "weights": list(self.weights),
             "delta": self.delta,
-            "bound": self.gating.kind,
+            "bound": str(self.gating.kind),
             "epsilon": self.epsilon if self.gating.available else None,
-            "accountant": self.gating.accountant,
+            "accountant": None if self.gating.accountant is None else str(self.gating.accountant),
             "epsilon_pld": self.gating.epsilon_pld,
             "epsilon_rdp": self.gating.epsilon_rdp,
-            "neighbouring": self.gating.neighbouring,
+            "neighbouring": str(self.gating.neighbouring),
             "assumptions": list(self.gating.assumptions),
+            "reason": self.gating.reason,
             "notes": list(self.notes),
             "bounds": {"gating": self.gating.to_dict()},
         }
-        if self.method == "lc":
+        if self.method == Method.LC:
             generic, structured = self.generic, self.structured
             data["generic_epsilon_pld"] = generic.epsilon_pld if generic else None
             data["generic_epsilon_rdp"] = generic.epsilon_rdp if generic else None

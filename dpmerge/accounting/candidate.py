@@ -1,4 +1,5 @@
-"""One candidate's ε, and the noise multiplier that meets a target (SPEC §3)."""
+"""One candidate's ε, and the noise multiplier that meets a target
+(docs/design.md#accounting-primitives)."""
 
 from __future__ import annotations
 
@@ -7,33 +8,30 @@ from functools import lru_cache
 from dpmerge.accounting import pld as pld_mod
 from dpmerge.accounting import profiles
 from dpmerge.accounting import rdp as rdp_mod
-from dpmerge.accounting.bounds import PairBound
+from dpmerge.accounting.bounds import PairBound, bound_from_curves
 from dpmerge.accounting.records import Candidate, MechanismRecord
+from dpmerge.errors import RecordError, RefusalError
+from dpmerge.vocabulary import BoundKind
+
+MAX_CALIBRATED_NOISE = 1e4
 
 
 @lru_cache(maxsize=2048)
 def candidate_bound(
     candidate: Candidate, delta: float, discretisation: float = pld_mod.FINE_DISCRETISATION
 ) -> PairBound:
-    """ε of one candidate under PLD and RDP at ``delta`` (kind ``"candidate"``)."""
-    try:
-        epsilon_pld = profiles.epsilon_for_delta(
-            pld_mod.candidate_pld(candidate, discretisation), delta
-        )
-    except ValueError:
-        epsilon_pld = None  # RDP-only label
-    curve = rdp_mod.candidate_rdp(candidate)
-    epsilon_rdp, order = (None, None) if curve is None else rdp_mod.epsilon_from_rdp(curve, delta)
+    """ε of one candidate under PLD and RDP at ``delta`` (kind ``candidate``)."""
     assumptions: tuple[str, ...] = ()
     if not isinstance(candidate, MechanismRecord):
         assumptions = (f"privacy label of {candidate.name!r} taken as given (training unknown)",)
-    return PairBound(
-        kind="candidate",
-        delta=delta,
-        epsilon_pld=epsilon_pld,
-        epsilon_rdp=epsilon_rdp,
-        rdp_order=order,
-        discretisation=discretisation if epsilon_pld is not None else None,
+    return bound_from_curves(
+        BoundKind.CANDIDATE,
+        delta,
+        pld=lambda: profiles.epsilon_for_delta(
+            pld_mod.candidate_pld(candidate, discretisation), delta
+        ),
+        rdp=lambda: rdp_mod.candidate_rdp(candidate),
+        discretisation=discretisation,
         assumptions=assumptions,
     )
 
@@ -60,8 +58,8 @@ def noise_multiplier_for_epsilon(
     Bisection steers at the coarse discretisation; the returned σ is certified at the fine one
     and moved up until it is (the answer errs toward more noise, never less).
     """
-    if target_epsilon <= 0:
-        raise ValueError(f"target ε must be positive, got {target_epsilon}")
+    if not target_epsilon > 0:
+        raise RecordError(f"target ε must be positive, got {target_epsilon}")
 
     def coarse(sigma: float) -> float:
         return dpsgd_epsilon_pld(sigma, sample_rate, steps, delta, pld_mod.COARSE_DISCRETISATION)
@@ -69,8 +67,11 @@ def noise_multiplier_for_epsilon(
     low, high = 0.3, 1.0
     while coarse(high) > target_epsilon:
         low, high = high, high * 2
-        if high > 1e4:
-            raise ValueError(f"no noise multiplier below 1e4 reaches ε = {target_epsilon}")
+        if high > MAX_CALIBRATED_NOISE:
+            raise RefusalError(
+                f"no noise multiplier below {MAX_CALIBRATED_NOISE:g} reaches ε = "
+                f"{target_epsilon} at δ = {delta:g} with q = {sample_rate:g} and {steps} steps"
+            )
     while low > 0.05 and coarse(low) <= target_epsilon:
         low, high = low / 2, low
     while high / low - 1 > rel_tol:

@@ -1,4 +1,4 @@
-"""The Gaussian mechanism with sensitivity 1 (mean estimation, SPEC §5.3).
+"""The Gaussian mechanism with sensitivity 1 (mean estimation, docs/design.md#mean-estimation).
 
 Candidate i releases μ̂ + N(0, σ_i²Δ²I); an LC with Σλ = 1 is exactly a Gaussian mechanism with
 noise multiplier σ_LC = sqrt(Σ λ_i²σ_i²). Its privacy profile is known in closed form (Balle &

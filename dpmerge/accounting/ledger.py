@@ -1,8 +1,10 @@
-"""Release ledger (SPEC §7): the cumulative privacy of every promoted model of a dataset.
+"""Release ledger (docs/design.md#release-ledger): the cumulative privacy of every promoted
+model of a dataset.
 
 Releases derived from the same candidates are correlated, so composing the releases' own ε
 values is not a valid bound. The valid cumulative bound is the joint release of the union of
-candidates that went into any released model: the generic bound (SPEC §5.1) over that union.
+candidates that went into any released model, grouped into release units
+(docs/design.md#release-units: runs that shared batches form one unit) and composed.
 For an RS release every candidate with π_i > 0 counts as used: the drawn index is secret, and a
 ledger that counted only the drawn candidate would publish it.
 
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dpmerge.accounting.bounds import PairBound
-from dpmerge.accounting.lc import generic_bound
+from dpmerge.accounting.generic import release_units, units_bound
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.errors import RecordError, RefusalError
 
@@ -63,7 +65,8 @@ def release_of(
 
 
 def cumulative_bound(releases: Sequence[Release], delta: float) -> PairBound:
-    """Generic bound of the joint release of the union of the releases' candidates."""
+    """Bound of the joint release of the union of the releases' candidates, over their release
+    units."""
     union: dict[str, Candidate] = {}
     for release in releases:
         for candidate in release.candidates:
@@ -72,8 +75,7 @@ def cumulative_bound(releases: Sequence[Release], delta: float) -> PairBound:
                 raise RecordError(
                     f"two different candidates are named {candidate.name!r} in the ledger"
                 )
-    members = list(union.values())
-    return generic_bound(members, [1.0 / len(members)] * len(members), delta)
+    return units_bound(release_units(list(union.values())), delta)
 
 
 class ReleaseLedger:

@@ -1,9 +1,11 @@
-"""Privacy loss distributions (SPEC §3): pessimistic, connect-the-dots, cached.
+"""Privacy loss distributions (docs/design.md#accounting-primitives): pessimistic,
+connect-the-dots, cached.
 
 Every PLD here is a pessimistic estimate: its δ(ε) upper-bounds the mechanism's hockey-stick
 divergence, so ε read from it never rounds toward less privacy loss.
 
-Mixture-of-Gaussians PLDs (the structured LC surrogate, SPEC §5.2) are built by our own
+Mixture-of-Gaussians PLDs (the structured LC surrogate, docs/design.md#structured-bound) are
+built by our own
 vectorised connect-the-dots construction, :func:`mixture_of_gaussians_pld`. dp_accounting 0.6.0
 inverts the mixture's privacy loss with a recursive scalar bisection in Python (1.5–14 s per
 PLD at discretisation 1e-4). We compute the same hockey-stick values δ(ε_j) on the same ε grid,
@@ -33,13 +35,19 @@ from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, MixtureGauss
 from scipy import fft
 
 from dpmerge.accounting.records import MechanismRecord, PrivacyLabel
+from dpmerge.errors import UnsupportedError
 
 PLD = pld_lib.PrivacyLossDistribution
 
 FINE_DISCRETISATION = 1e-4
-"""Value discretisation interval of every certified ε (SPEC §3, §6)."""
+"""Value discretisation interval of every certified ε (docs/design.md#accounting-primitives)."""
 COARSE_DISCRETISATION = 1e-3
-"""Discretisation used only to steer searches; never certifies (SPEC §6)."""
+"""Discretisation used only to steer searches; never certifies (docs/design.md#calibration)."""
+
+MAX_PLD_LENGTH = 2**24
+"""Largest composed PLD grid built (16.7 M points: ~0.5 GB with the FFT's work arrays). A larger
+grid means an ε far beyond any useful range; the PLD accountant refuses it
+(``UnsupportedError``) and the RDP bound stands alone."""
 
 _NEWTON_MAX_ITERATIONS = 300
 _CONTINUATION_SIZE = 4096
@@ -73,10 +81,12 @@ def subsampled_gaussian_pld(
 # --- optional file cache of subsampled-Gaussian PLDs --------------------------------------
 # Off unless set_disk_cache() is called (the merge flow does). Files hold the dense pmf arrays
 # exactly (np.savez, no pickle) and are keyed by every input and the dp-accounting version, so a
-# cached PLD is bit-identical to a rebuilt one; an unreadable file is rebuilt.
+# cached PLD is bit-identical to a rebuilt one. Each file also holds the SHA-256 of its arrays
+# and its key: a file that is unreadable, truncated, altered or stored under another key's name
+# is ignored and rebuilt (docs/design.md#sharp-edges).
 
 _DISK_CACHE: Path | None = None
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 def set_disk_cache(directory: str | Path | None) -> None:
@@ -85,11 +95,24 @@ def set_disk_cache(directory: str | Path | None) -> None:
     _DISK_CACHE = None if directory is None else Path(directory)
 
 
+def _identity(key: tuple[float, float, int, float]) -> bytes:
+    return repr((_CACHE_FORMAT, metadata.version("dp-accounting"), *key)).encode()
+
+
 def _cache_path(key: tuple[float, float, int, float]) -> Path | None:
     if _DISK_CACHE is None:
         return None
-    identity = repr((_CACHE_FORMAT, metadata.version("dp-accounting"), *key)).encode()
-    return _DISK_CACHE / f"sg-{hashlib.sha256(identity).hexdigest()[:40]}.npz"
+    return _DISK_CACHE / f"sg-{hashlib.sha256(_identity(key)).hexdigest()[:40]}.npz"
+
+
+def _digest(identity: bytes, arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 over the key and every array (name, dtype, shape, bytes), in name order."""
+    digest = hashlib.sha256(identity)
+    for name in sorted(arrays):
+        value = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}:{value.dtype.str}:{value.shape}".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
 
 
 def _read_cached(key: tuple[float, float, int, float]) -> PLD | None:
@@ -98,6 +121,9 @@ def _read_cached(key: tuple[float, float, int, float]) -> PLD | None:
         return None
     try:
         with np.load(path, allow_pickle=False) as stored:
+            arrays = {name: stored[name] for name in stored.files if name != "digest"}
+            if str(stored["digest"]) != _digest(_identity(key), arrays):
+                return None
             pmfs = [
                 pld_pmf.DensePLDPmf(
                     float(stored["discretization"]),
@@ -128,6 +154,7 @@ def _write_cached(key: tuple[float, float, int, float], pld: PLD) -> None:
         arrays[f"{side}_lower_loss"] = np.int64(pmf._lower_loss)
         arrays[f"{side}_probs"] = np.asarray(pmf._probs, dtype=np.float64)
         arrays[f"{side}_infinity_mass"] = np.float64(pmf._infinity_mass)
+    arrays["digest"] = np.str_(_digest(_identity(key), arrays))
     staging = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,16 +170,17 @@ def _write_cached(key: tuple[float, float, int, float], pld: PLD) -> None:
 
 @lru_cache(maxsize=512)
 def candidate_pld(candidate: MechanismRecord | PrivacyLabel, discretisation: float) -> PLD:
-    """The candidate's PLD: from its record, or the worst case of its (ε, δ) label (SPEC §2).
+    """The candidate's PLD: from its record, or the worst case of its (ε, δ) label
+    (docs/design.md#mechanism-record).
 
-    Raises ``ValueError`` for an RDP-only label, which has no PLD.
+    Raises ``UnsupportedError`` for an RDP-only label, which has no PLD.
     """
     if isinstance(candidate, MechanismRecord):
         return subsampled_gaussian_pld(
             candidate.noise_multiplier, candidate.sample_rate, candidate.steps, discretisation
         )
     if candidate.epsilon is None or candidate.delta is None:
-        raise ValueError(f"candidate {candidate.name!r} has only an RDP label: no PLD")
+        raise UnsupportedError("pld", f"candidate {candidate.name!r} has only an RDP label: no PLD")
     return pld_lib.from_privacy_parameters(
         DifferentialPrivacyParameters(epsilon=candidate.epsilon, delta=candidate.delta),
         value_discretization_interval=discretisation,
@@ -196,6 +224,12 @@ def _self_compose_pmf(
     probs = np.asarray(dense._probs, float)
     lower, upper = _self_convolve_bounds(probs, times, tail_mass_truncation)
     length = upper - lower + 1
+    if length > MAX_PLD_LENGTH:
+        raise UnsupportedError(
+            "pld",
+            f"the composed PLD would need {length:.3g} grid points (limit {MAX_PLD_LENGTH:.3g}): "
+            "ε is far beyond any useful range; only the RDP bound is computed",
+        )
     fast = fft.next_fast_len(max(length, probs.size))
     powered = np.real(fft.ifft(fft.fft(probs, fast) ** times))
     out = np.roll(powered, -lower)[:length]
@@ -221,7 +255,8 @@ def self_compose(pld: PLD, times: int, tail_mass_truncation: float = 1e-15) -> P
 
 
 # --------------------------------------------------------------------------------------------
-# Mixture of Gaussians: std 1 noise, sensitivity m_S with probability p_S (SPEC §5.2).
+# Mixture of Gaussians: std 1 noise, sensitivity m_S with probability p_S
+# (docs/design.md#structured-bound).
 
 
 def _merge_components(

@@ -1,4 +1,5 @@
-"""Privacy profiles δ(ε) read off pessimistic PLDs, vectorised (SPEC §3, §4).
+"""Privacy profiles δ(ε) read off pessimistic PLDs, vectorised
+(docs/design.md#accounting-primitives, docs/design.md#random-selection).
 
 For a discrete PLD with losses ℓ_j (multiples of the discretisation), probabilities p_j and
 mass p_∞ at +∞, the hockey-stick divergence is
@@ -9,7 +10,8 @@ exactly as dp_accounting computes it (``pld_pmf._get_delta_for_epsilon_vectorize
 suffix sums accumulated in the same order (from the largest loss down), so values agree with
 the library to the last bit. The library walks the PMF in a Python loop on every call; here the
 suffix sums are computed once per PLD and every query is a vector operation. This is what makes
-random selection fast: δ_RS(ε) = Σ_i π_i·δ_i(ε) per adjacency direction (SPEC §4), and its ε
+random selection fast: δ_RS(ε) = Σ_i π_i·δ_i(ε) per adjacency direction
+(docs/design.md#random-selection), and its ε
 at δ* has a closed form inside the grid segment where the mixture crosses δ*.
 
 Reads the dense PMF arrays of dp_accounting 0.6.0 (pinned); tests compare every value with the
@@ -84,7 +86,8 @@ def delta_for_epsilon(pld: PLD, epsilons: np.ndarray | float) -> np.ndarray:
 
 
 def mixture_epsilon(plds: Sequence[PLD], weights: Sequence[float], delta: float) -> float:
-    """Smallest ε with max_dir Σ_i w_i·δ_i^dir(ε) ≤ δ: the ε of random selection (SPEC §4).
+    """Smallest ε with max_dir Σ_i w_i·δ_i^dir(ε) ≤ δ: the ε of random selection
+    (docs/design.md#random-selection).
 
     All PLDs must share one discretisation. Exact for the pessimistic PLDs: inside the grid
     segment where the mixture crosses δ, δ(ε) = U − e^ε·L, so ε = log((U − δ)/L); then

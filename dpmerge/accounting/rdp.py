@@ -1,9 +1,10 @@
-"""Rényi DP curves (SPEC §3, §5.2): ε(α) on dp_accounting's default grid of orders.
+"""Rényi DP curves: ε(α) on dp_accounting's default grid of orders
+(docs/design.md#accounting-primitives, docs/design.md#structured-bound).
 
 * DP-SGD candidates and Gaussian mechanisms: dp_accounting's ``RdpAccountant``.
 * The structured-LC surrogate N(0,1) vs Σ_S p_S·N(m_S,1), which dp_accounting's RDP accountant
   does not support: :func:`mixture_of_gaussians_rdp`, by log-space trapezoid quadrature on a
-  grid that follows the integrand's peaks (SPEC §5.2). Plain adaptive quadrature overflows once
+  grid that follows the integrand's peaks. Plain adaptive quadrature overflows once
   (α−1)·RDP exceeds ~709 and a fixed window misses the far peak at large α; both failure modes
   are avoided by summing log-integrand values with logsumexp over a grid that spans
   [−40, α·m_max + 40] (the modes of E_Q[(P/Q)^α] lie in [0, α·m_max]).
@@ -21,6 +22,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy.special import logsumexp
 
 from dpmerge.accounting.records import MechanismRecord, PrivacyLabel
+from dpmerge.errors import UnsupportedError
 
 ORDERS: tuple[float, ...] = tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
 """dp_accounting's default orders: 1.1–10.9 in steps of 0.1, 11–63, 128, 256, 512, 1024."""
@@ -80,8 +82,9 @@ def gaussian_rdp(noise_multiplier: float) -> np.ndarray:
 
 
 @lru_cache(maxsize=512)
-def candidate_rdp(candidate: MechanismRecord | PrivacyLabel) -> tuple[float, ...] | None:
-    """The candidate's RDP curve on :data:`ORDERS`; ``None`` for an (ε, δ) label, which has none.
+def candidate_rdp(candidate: MechanismRecord | PrivacyLabel) -> tuple[float, ...]:
+    """The candidate's RDP curve on :data:`ORDERS`; ``UnsupportedError`` for an (ε, δ) label,
+    which has none.
 
     An RDP-curve label is interpolated onto the grid only where it is given exactly; orders the
     label does not list are set to +inf (no claim), never interpolated toward less privacy loss.
@@ -92,7 +95,9 @@ def candidate_rdp(candidate: MechanismRecord | PrivacyLabel) -> tuple[float, ...
         )
         return tuple(curve.tolist())
     if not candidate.has_rdp:
-        return None
+        raise UnsupportedError(
+            "rdp", f"candidate {candidate.name!r} has only an (ε, δ) label: no RDP curve"
+        )
     given = dict(zip(candidate.rdp_orders or (), candidate.rdp_epsilons or (), strict=True))
     return tuple(float(given.get(a, np.inf)) for a in ORDERS)
 
@@ -112,7 +117,8 @@ def mixture_of_gaussians_rdp_at(
     sensitivities: tuple[float, ...], probabilities: tuple[float, ...], alpha: float
 ) -> float:
     """Per-step RDP of order α of the surrogate pair Q = N(0,1), P = Σ_S p_S·N(m_S,1)
-    (SPEC §5.2): max(D_α(P‖Q), D_α(Q‖P)), inflated by :data:`QUADRATURE_SAFETY`."""
+    (docs/design.md#structured-bound): max(D_α(P‖Q), D_α(Q‖P)), inflated by
+    :data:`QUADRATURE_SAFETY`."""
     m = np.asarray(sensitivities, float)
     p = np.asarray(probabilities, float)
     keep = p > 0

@@ -1,89 +1,106 @@
-"""Mechanism records and privacy labels: the *description* of a candidate (SPEC §2).
+"""Mechanism records and privacy labels: the *description* of a candidate
+(docs/design.md#mechanism-record).
 
-A record describes what ran; it never holds an ε. Accountants (``curves``, ``rs``, ``lc``)
-analyse records, the way dp_accounting separates ``DpEvent`` values from accountants.
+A record describes what ran; it never holds an ε. Accountants (``pld``, ``rdp``, ``rs``, ``units``,
+``structured``) analyse records, the way dp_accounting separates ``DpEvent`` values from
+accountants.
 
 Records are frozen and hashable so the accountants can cache per-candidate curves on them.
-Validation names the offending field. There are no silent defaults for fields that the
-privacy analysis depends on: an assumed independence or sampling scheme would understate ε.
+Every number is strictly typed (a boolean or a string is not a number, ``500.0`` is not a step
+count) and bounded to the range the accountants support; validation names the offending field.
+There are no silent defaults for fields that the privacy analysis depends on: an assumed
+independence or sampling scheme would understate ε.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
 from dp_accounting import dp_event
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from dpmerge.documents import describe_validation_error, read_item_list
+from dpmerge.documents import describe_validation_error, read_item_list, shorten
 from dpmerge.errors import RecordError
+from dpmerge.vocabulary import Neighbouring, Optimizer, Sampling
 
-NEIGHBOURING_ADD_OR_REMOVE = "add_or_remove_one"
-SAMPLING_POISSON = "poisson"
+NEIGHBOURING_ADD_OR_REMOVE = Neighbouring.ADD_OR_REMOVE_ONE
+SAMPLING_POISSON = Sampling.POISSON
 
-
-class Optimizer(StrEnum):
-    """Update rule of a DP-SGD run. Only ``sgd`` (no momentum, no weight decay) makes the
-    update linear in the noisy gradient sum, which the structured LC bound needs (SPEC §5.2)."""
-
-    SGD = "sgd"
-    SGD_MOMENTUM = "sgd_momentum"
-    ADAM = "adam"
-    ADAMW = "adamw"
-    RMSPROP = "rmsprop"
-    ADAGRAD = "adagrad"
+MIN_NOISE_MULTIPLIER = 0.1
+"""Below this a single step already has ε in the tens, and the PLD grid at 1e-4 needs gigabytes
+(σ = 0.05: 1.4 GB, σ = 0.02: 5 GB); such runs are not analysed."""
+MAX_NOISE_MULTIPLIER = 1e3
+MAX_STEPS = 10**9
+MAX_LABEL_EPSILON = 100.0
+"""A label's PLD spans ±ε on the 1e-4 grid; beyond 100 the guarantee is void anyway."""
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=True)
 
 
+def _only_add_or_remove(value: Any) -> Any:
+    if value != Neighbouring.ADD_OR_REMOVE_ONE:
+        raise ValueError(
+            f"only {Neighbouring.ADD_OR_REMOVE_ONE.value!r} is supported (got "
+            f"{shorten(value)}); replace-one DP-SGD needs twice the sensitivity and is not "
+            "analysed here"
+        )
+    return value
+
+
 class MechanismRecord(_Frozen):
-    """What a DP-SGD candidate's training actually ran (SPEC §2).
+    """What a DP-SGD candidate's training actually ran (docs/design.md#mechanism-record).
 
     The analysed mechanism is the ``steps``-fold composition of the Poisson-subsampled
     Gaussian with rate ``sample_rate`` and noise multiplier ``noise_multiplier`` under
-    add-or-remove-one adjacency.
+    add-or-remove-one adjacency. ``run_id`` names the training run: checkpoints of one run
+    share it, and only records that share it are ever collapsed into one release unit.
     """
 
     kind: Literal["dpsgd"] = "dpsgd"
-    name: str = Field(min_length=1)
-    noise_multiplier: float = Field(gt=0, allow_inf_nan=False)
-    sample_rate: float = Field(gt=0, le=1, allow_inf_nan=False)
-    steps: int = Field(gt=0)
-    clip_norm: float = Field(gt=0, allow_inf_nan=False)
-    learning_rate: float = Field(gt=0, allow_inf_nan=False)
-    expected_batch_size: float = Field(gt=0, allow_inf_nan=False)
+    name: StrictStr = Field(min_length=1, max_length=256)
+    noise_multiplier: StrictFloat = Field(
+        ge=MIN_NOISE_MULTIPLIER, le=MAX_NOISE_MULTIPLIER, allow_inf_nan=False
+    )
+    sample_rate: StrictFloat = Field(gt=0, le=1, allow_inf_nan=False)
+    steps: StrictInt = Field(gt=0, le=MAX_STEPS)
+    clip_norm: StrictFloat = Field(gt=0, allow_inf_nan=False)
+    learning_rate: StrictFloat = Field(gt=0, allow_inf_nan=False)
+    expected_batch_size: StrictFloat = Field(gt=0, allow_inf_nan=False)
     optimizer: Optimizer
-    noise_lineage: str = Field(min_length=1)
-    batch_lineage: str = Field(min_length=1)
-    dataset: str = Field(min_length=1)
-    neighbouring: str
-    sampling: str
-    dataset_size: int | None = Field(default=None, gt=0)
-    initialisation: str | None = None
+    noise_lineage: StrictStr = Field(min_length=1)
+    batch_lineage: StrictStr = Field(min_length=1)
+    dataset: StrictStr = Field(min_length=1)
+    neighbouring: Neighbouring
+    sampling: Sampling
+    dataset_size: StrictInt | None = Field(default=None, gt=0)
+    initialisation: StrictStr | None = None
+    run_id: StrictStr | None = Field(default=None, min_length=1)
 
-    @field_validator("neighbouring")
-    @classmethod
-    def _only_add_or_remove(cls, value: str) -> str:
-        if value != NEIGHBOURING_ADD_OR_REMOVE:
-            raise ValueError(
-                f"only {NEIGHBOURING_ADD_OR_REMOVE!r} is supported (got {value!r}); "
-                "replace-one DP-SGD needs twice the sensitivity and is not analysed here"
-            )
-        return value
+    _neighbouring = field_validator("neighbouring", mode="before")(_only_add_or_remove)
 
-    @field_validator("sampling")
+    @field_validator("sampling", mode="before")
     @classmethod
-    def _only_poisson(cls, value: str) -> str:
-        if value != SAMPLING_POISSON:
+    def _only_poisson(cls, value: Any) -> Any:
+        if value != Sampling.POISSON:
             raise ValueError(
-                f"only {SAMPLING_POISSON!r} sampling has a claimed amplification (got {value!r}); "
-                "shuffled or fixed-size batches are not Poisson"
+                f"only {Sampling.POISSON.value!r} sampling has a claimed amplification (got "
+                f"{shorten(value)}); shuffled or fixed-size batches are not Poisson"
             )
         return value
 
@@ -98,15 +115,20 @@ class MechanismRecord(_Frozen):
 
     @property
     def contribution_scale(self) -> float:
-        """η·C/B: the scale of one record's clipped gradient in an update (SPEC §5.2 c_i/λ_i)."""
+        """η·C/B: the scale of one record's clipped gradient in an update
+        (docs/design.md#structured-bound, c_i/λ_i)."""
         return self.learning_rate * self.clip_norm / self.expected_batch_size
 
-    def is_checkpoint_of_same_run(self, other: MechanismRecord) -> bool:
-        """True when both records can be checkpoints of one run: same noise and batch streams,
-        same hyper-parameters, same data and initialisation; only the step count differs."""
+    def same_run_except_steps(self, other: MechanismRecord) -> bool:
+        """True when both records describe one run (same ``run_id``, streams, hyper-parameters,
+        data and initialisation); only the step count may differ. Records without a run id
+        are never the same run: equal seeds alone do not identify one."""
+        if self.run_id is None or other.run_id is None:
+            return False
         return all(
             getattr(self, f) == getattr(other, f)
             for f in (
+                "run_id",
                 "noise_lineage",
                 "batch_lineage",
                 "noise_multiplier",
@@ -122,25 +144,22 @@ class MechanismRecord(_Frozen):
 
 
 class PrivacyLabel(_Frozen):
-    """A candidate known only by its guarantee (SPEC §2): an (ε, δ) pair or an RDP curve.
-
-    Used for vendors' models or old runs whose training is unknown. RS accepts it; LC over it
-    can use only the generic bound.
-    """
+    """A candidate known only by its guarantee (docs/design.md#mechanism-record): an (ε, δ)
+    pair or an RDP curve. Used for vendors' models or old runs whose training is unknown. RS
+    accepts it; LC over it can use only the generic bound."""
 
     kind: Literal["label"] = "label"
-    name: str = Field(min_length=1)
-    dataset: str = Field(min_length=1)
-    epsilon: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    delta: float | None = Field(default=None, ge=0, lt=1, allow_inf_nan=False)
-    rdp_orders: tuple[float, ...] | None = None
-    rdp_epsilons: tuple[float, ...] | None = None
-    neighbouring: str = NEIGHBOURING_ADD_OR_REMOVE
+    name: StrictStr = Field(min_length=1, max_length=256)
+    dataset: StrictStr = Field(min_length=1)
+    epsilon: StrictFloat | None = Field(
+        default=None, ge=0, le=MAX_LABEL_EPSILON, allow_inf_nan=False
+    )
+    delta: StrictFloat | None = Field(default=None, ge=0, lt=1, allow_inf_nan=False)
+    rdp_orders: tuple[StrictFloat, ...] | None = Field(default=None, max_length=4096)
+    rdp_epsilons: tuple[StrictFloat, ...] | None = Field(default=None, max_length=4096)
+    neighbouring: Neighbouring = Neighbouring.ADD_OR_REMOVE_ONE
 
-    @field_validator("neighbouring")
-    @classmethod
-    def _only_add_or_remove(cls, value: str) -> str:
-        return MechanismRecord._only_add_or_remove(value)
+    _neighbouring = field_validator("neighbouring", mode="before")(_only_add_or_remove)
 
     @model_validator(mode="after")
     def _one_guarantee(self) -> PrivacyLabel:
@@ -158,8 +177,10 @@ class PrivacyLabel(_Frozen):
             orders, values = self.rdp_orders, self.rdp_epsilons
             if orders is None or values is None or len(orders) != len(values) or not orders:
                 raise ValueError("'rdp_orders' and 'rdp_epsilons' must be non-empty, same length")
-            if any(a <= 1 for a in orders) or any(v < 0 for v in values):
-                raise ValueError("RDP orders must be > 1 and RDP values >= 0")
+            if any(not 1 < a < 1e6 for a in orders) or any(not 0 <= v < 1e6 for v in values):
+                raise ValueError("RDP orders must lie in (1, 1e6) and RDP values in [0, 1e6)")
+            if len(set(orders)) != len(orders):
+                raise ValueError("RDP orders must be distinct")
         return self
 
     @property
@@ -176,29 +197,33 @@ def candidate_from_dict(data: Mapping[str, Any]) -> Candidate:
     """Parse one candidate: a DP-SGD record if it has ``noise_multiplier``, else a label."""
     if not isinstance(data, Mapping):
         raise RecordError(f"a candidate must be a JSON object, got {type(data).__name__}")
-    name = str(data.get("name", "<unnamed>"))
+    name = data.get("name", "<unnamed>")
+    where = f"candidate {shorten(name)}"
     is_record = "noise_multiplier" in data or data.get("kind") == "dpsgd"
     is_label = not is_record and (
         "epsilon" in data or "rdp_orders" in data or data.get("kind") == "label"
     )
     if not is_record and not is_label:
         raise RecordError(
-            f"candidate {name!r}: neither a DP-SGD record (needs {', '.join(_RECORD_FIELDS)}) "
+            f"{where}: neither a DP-SGD record (needs {', '.join(_RECORD_FIELDS)}) "
             "nor a privacy label (needs name, epsilon, delta, dataset)"
         )
     model = MechanismRecord if is_record else PrivacyLabel
     try:
         return model.model_validate(dict(data))
     except ValidationError as error:
-        raise RecordError(describe_validation_error(f"candidate {name!r}", error)) from None
+        raise RecordError(describe_validation_error(where, error)) from None
 
 
 def candidates_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Candidate, ...]:
+    """Parse every candidate; names must be unique (checked in linear time)."""
     candidates = tuple(candidate_from_dict(item) for item in items)
-    names = [c.name for c in candidates]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise RecordError(f"candidate names must be unique; repeated: {', '.join(duplicates)}")
+    counts = Counter(c.name for c in candidates)
+    repeated = sorted(n for n, count in counts.items() if count > 1)
+    if repeated:
+        shown = ", ".join(shorten(n) for n in repeated[:5])
+        more = f" and {len(repeated) - 5} more" if len(repeated) > 5 else ""
+        raise RecordError(f"candidate names must be unique; repeated: {shown}{more}")
     return candidates
 
 
@@ -215,11 +240,12 @@ def candidates_to_document(candidates: Sequence[Candidate]) -> dict[str, Any]:
 
 
 def require_same_dataset(candidates: Sequence[Candidate]) -> str:
-    """All candidates must come from one dataset (SPEC §2); returns its fingerprint."""
+    """All candidates must come from one dataset; returns its fingerprint."""
     datasets = sorted({c.dataset for c in candidates})
     if len(datasets) != 1:
+        shown = ", ".join(shorten(d) for d in datasets[:5])
         raise RecordError(
-            "candidates come from different datasets "
-            f"({', '.join(datasets)}); merging across datasets is not analysed"
+            f"candidates come from different datasets ({shown}); merging across datasets is "
+            "not analysed"
         )
     return datasets[0]

@@ -1,4 +1,5 @@
-"""LC calibration gated by the structured bound (opt-in, SPEC §5.2, §6).
+"""LC calibration gated by the structured bound (opt-in; docs/design.md#structured-bound,
+docs/design.md#calibration).
 
 The search space is a set of one-parameter *paths* through weight space:
 
@@ -7,7 +8,7 @@ The search space is a set of one-parameter *paths* through weight space:
 * groups of three and four candidates adjacent in ε: λ(t) = (1−t)·w_iv + t·e_safest, from the
   group's inverse-variance weights (the utility optimum) to its most private member.
 
-ε along a path is **not monotone** (SPEC §6): mixing in a little of the more private model can
+ε along a path is **not monotone**: mixing in a little of the more private model can
 raise ε above both ends. So each path is scanned on a fixed grid (coarse discretisation), every
 run of feasible grid points becomes a feasible segment, segment boundaries are refined by
 bisection, and a local maximum inside a run is searched so that a peak between grid points
@@ -27,16 +28,16 @@ from functools import lru_cache
 from dpmerge.accounting import pld as pld_mod
 from dpmerge.accounting.account import account
 from dpmerge.accounting.bounds import PrivacyReport
-from dpmerge.accounting.calibration import Calibration, MergeUtility
-from dpmerge.accounting.lc import (
-    inverse_variance_weights,
-    merged_noise_proxy,
+from dpmerge.accounting.calibrated import Calibration, MergeUtility
+from dpmerge.accounting.records import Candidate, MechanismRecord
+from dpmerge.accounting.structured import (
     structured_epsilon_pld,
     structured_refusal,
     structured_segments,
 )
-from dpmerge.accounting.records import Candidate, MechanismRecord
+from dpmerge.accounting.weights import inverse_variance_weights, merged_noise_proxy
 from dpmerge.errors import RefusalError
+from dpmerge.vocabulary import GatingBound, Method
 
 GRID = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
 T_TOLERANCE = 1e-3  # boundary refinement stops at this width in t
@@ -247,7 +248,11 @@ def _certify(
     for _ in range(6):
         search.fine_calls += 1
         report = account(
-            candidates, "lc", point.path.weights(t), search.delta, gating_bound="structured"
+            candidates,
+            Method.LC,
+            point.path.weights(t),
+            search.delta,
+            gating_bound=GatingBound.STRUCTURED,
         )
         if report.epsilon <= search.target:
             return _Point(
@@ -277,7 +282,11 @@ def _polish(
         t = inside_t + (search.target - inside_e) * (outside_t - inside_t) / (outside_e - inside_e)
         search.fine_calls += 1
         trial = account(
-            candidates, "lc", point.path.weights(t), search.delta, gating_bound="structured"
+            candidates,
+            Method.LC,
+            point.path.weights(t),
+            search.delta,
+            gating_bound=GatingBound.STRUCTURED,
         )
         if trial.epsilon <= search.target:
             inside_t, inside_e, report = t, trial.epsilon, trial
@@ -327,7 +336,7 @@ def calibrate_structured(
     if not paths and not singles:
         raise RefusalError("structured bound refused for every candidate")
     # Branch and bound on the utility optimum of each path (exact for the noise proxy).
-    # SPEC §6: no merge is more private than its most private member, so a path whose members
+    # No merge is more private than its most private member, so a path whose members
     # all exceed the target is skipped unevaluated.
     paths = [p for p in paths if min(epsilons[i] for i in p.members) <= target]
     ranked = sorted(paths, key=lambda p: -search.utility(p.weights(p.optimum)))
@@ -355,7 +364,7 @@ def calibrate_structured(
         assert certified is not None
     point, report = _polish(search, *certified, candidates)
     return Calibration(
-        method="lc",
+        method=Method.LC,
         target_epsilon=target,
         delta=delta,
         weights=point.path.weights(point.t),
@@ -365,7 +374,7 @@ def calibrate_structured(
         utility_kind=(
             "validation accuracy"
             if merge_utility is not None
-            else "noise proxy: −Σc²σ²/(Σc)² (SPEC §6)"
+            else "noise proxy: −Σc²σ²/(Σc)² (docs/design.md#calibration)"
         ),
         search={
             "path": [records[i].name for i in point.path.members],

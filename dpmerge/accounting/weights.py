@@ -1,10 +1,14 @@
-"""Validation of RS probabilities π and LC weights λ (SPEC §4, §5: both on the simplex)."""
+"""RS probabilities π and LC weights λ (docs/design.md#random-selection,
+docs/design.md#generic-bound: both lie on the simplex), and the LC noise proxy that ranks
+weights when no validation utility is known (docs/design.md#calibration)."""
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
+from dpmerge.accounting.records import MechanismRecord
 from dpmerge.errors import RecordError
 
 SUM_TOLERANCE = 1e-9
@@ -15,12 +19,18 @@ def simplex_weights(
 ) -> tuple[float, ...]:
     """Return ``weights`` as floats after checking they are a point of the simplex.
 
-    Refuses (naming the problem) a wrong count, NaN/inf, negative entries, or a sum off 1 by
-    more than 1e-9. Nothing is renormalised silently: the weights are part of the mechanism.
+    Refuses (naming the problem) a wrong count, a non-number (booleans included), NaN/inf,
+    negative entries, or a sum off 1 by more than 1e-9. Nothing is renormalised silently: the
+    weights are part of the mechanism.
     """
+    if len(weights) != count:
+        raise RecordError(
+            f"{what}: expected {count} values (one per candidate), got {len(weights)}"
+        )
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, numbers.Real):
+            raise RecordError(f"{what}[{i}] is {type(w).__name__}: weights must be numbers")
     values = tuple(float(w) for w in weights)
-    if len(values) != count:
-        raise RecordError(f"{what}: expected {count} values (one per candidate), got {len(values)}")
     for i, w in enumerate(values):
         if not math.isfinite(w):
             raise RecordError(f"{what}[{i}] is {w}: weights must be finite numbers")
@@ -30,3 +40,20 @@ def simplex_weights(
     if abs(total - 1.0) > SUM_TOLERANCE:
         raise RecordError(f"{what} sum to {total!r}, not 1: weights lie on the simplex")
     return values
+
+
+def merged_noise_proxy(records: Sequence[MechanismRecord], weights: Sequence[float]) -> float:
+    """Σ c_i²σ_i² / (Σ c_i)²: the merged update's noise variance relative to its signal scale
+    (the utility proxy of docs/design.md#calibration; smaller is better)."""
+    c = [w * r.contribution_scale for w, r in zip(weights, records, strict=True)]
+    signal = sum(c)
+    noise = sum((ci * r.noise_multiplier) ** 2 for ci, r in zip(c, records, strict=True))
+    return noise / signal**2
+
+
+def inverse_variance_weights(records: Sequence[MechanismRecord]) -> tuple[float, ...]:
+    """λ minimising :func:`merged_noise_proxy`: c_i ∝ σ_i⁻², i.e. λ_i ∝ σ_i⁻² / (η_i C_i / B_i)
+    (λ_i ∝ σ_i⁻² for equal learning rates, batches and clipping)."""
+    raw = [1.0 / (r.noise_multiplier**2 * r.contribution_scale) for r in records]
+    total = math.fsum(raw)
+    return tuple(v / total for v in raw)

@@ -17,6 +17,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 from dpmerge.errors import DPMergeError, InfeasibleTargetError
 
@@ -39,12 +40,20 @@ EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad options print one line (``dpmerge <command>: error: …``), exit 2; ``--help`` shows
+    the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(
     extra_commands: Mapping[str, tuple[str, str]] | None = None, command: str | None = None
 ) -> argparse.ArgumentParser:
     """The parser with ``command``'s module registered; the others appear by name and help."""
     table = {**COMMANDS, **(extra_commands or {})}
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dpmerge",
         description="Differentially private model merging: account, calibrate, train, merge.",
     )

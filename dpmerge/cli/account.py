@@ -1,17 +1,22 @@
-"""``dpmerge account``: evaluate given weights, or calibrate to a target (SPEC §4–§6)."""
+"""``dpmerge account``: evaluate given weights, or calibrate to a target
+(docs/design.md#random-selection, docs/design.md#generic-bound, docs/design.md#calibration)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from dpmerge.accounting.account import account
-from dpmerge.accounting.bounds import PrivacyReport
-from dpmerge.accounting.calibration import Calibration, calibrate, infeasible_document
+from dpmerge.accounting.account import account, check_candidates
+from dpmerge.accounting.bounds import PrivacyReport, finite_or_none
+from dpmerge.accounting.calibrated import Calibration, infeasible_document
+from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.records import load_candidates
-from dpmerge.cli.common import float_list, fmt, positive_float, print_json
+from dpmerge.cli.common import float_list, positive_float, print_json, probability
 from dpmerge.errors import InfeasibleTargetError, RecordError
+from dpmerge.formatting import epsilon_text, number_text
+from dpmerge.vocabulary import BoundKind, GatingBound, Method
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,20 +26,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Evaluate RS/LC weights, or calibrate a merge to --target-epsilon. Every ε is "
             "derived from the candidates' mechanism records (or labels) by PLD and RDP "
-            "accountants, add-or-remove-one adjacency."
+            "accountants, add-or-remove-one adjacency (docs/design.md)."
         ),
     )
     parser.add_argument("--candidates", required=True, help="candidates JSON file")
-    parser.add_argument("--method", required=True, choices=("rs", "lc"))
+    parser.add_argument("--method", required=True, choices=[m.value for m in Method])
     goal = parser.add_mutually_exclusive_group(required=True)
     goal.add_argument("--weights", type=float_list, help="RS probabilities or LC weights")
     goal.add_argument("--target-epsilon", type=positive_float, help="calibrate to this ε")
-    parser.add_argument("--delta", type=positive_float, required=True)
+    parser.add_argument("--delta", type=probability, required=True, help="δ in (0, 1)")
     parser.add_argument(
         "--bound",
-        choices=("generic", "structured"),
-        default="generic",
-        help="LC bound that gates (default generic: SPEC §5.1; structured is the paper's, opt-in)",
+        choices=[b.value for b in GatingBound],
+        default=GatingBound.GENERIC.value,
+        help=(
+            "LC bound that gates (default generic: docs/design.md#generic-bound; structured "
+            "is the DP model merging paper's analysis, opt-in)"
+        ),
     )
     parser.add_argument(
         "--utilities", type=float_list, help="RS: per-candidate validation accuracies"
@@ -50,15 +58,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     candidates = load_candidates(args.candidates)
-    if args.method == "rs" and args.bound == "structured":
+    check_candidates(candidates)
+    if args.method == Method.RS and args.bound == GatingBound.STRUCTURED:
         raise RecordError("--bound applies to LC only (RS is gated by the selection bound)")
-    if args.utilities is not None and args.method != "rs":
+    if args.utilities is not None and args.method != Method.RS:
         raise RecordError("--utilities applies to RS only")
     if args.weights is not None:
         report = account(candidates, args.method, args.weights, args.delta, gating_bound=args.bound)
         epsilons = [candidate_bound(c, args.delta).epsilon for c in candidates]
         document = report.to_dict()
-        document.update(feasible=True, reachable_epsilon_range=[min(epsilons), max(epsilons)])
+        document.update(
+            feasible=report.gating.available,
+            reachable_epsilon_range=[finite_or_none(min(epsilons)), finite_or_none(max(epsilons))],
+        )
         _emit(args, document, report, None)
         return 0
     try:
@@ -80,9 +92,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bound_line(title: str, pld: float | None, rdp: float | None) -> str:
+    return f"{title}: PLD {epsilon_text(pld)}, RDP {epsilon_text(rdp)}"
+
+
 def _emit(
     args: argparse.Namespace,
-    document: dict,
+    document: dict[str, Any],
     report: PrivacyReport,
     result: Calibration | None,
 ) -> None:
@@ -92,29 +108,38 @@ def _emit(
     names = ", ".join(f"{n}={w:.4f}" for n, w in zip(report.names, report.weights, strict=True))
     gating = report.gating
     print(f"method {report.method}, weights: {names}")
-    print(
-        f"{gating.kind} bound: ε = {fmt(gating.epsilon)} ({gating.accountant}) at δ = "
-        f"{report.delta:g}; PLD {fmt(gating.epsilon_pld)}, RDP {fmt(gating.epsilon_rdp)}"
-    )
-    if report.method == "lc":
-        generic, structured = report.generic, report.structured
+    if gating.available:
         print(
-            f"generic bound (composition): PLD {fmt(generic.epsilon_pld)}, "
-            f"RDP {fmt(generic.epsilon_rdp)}"
+            f"{gating.kind} bound (gates): ε = {epsilon_text(gating.epsilon)} "
+            f"({gating.accountant}) at δ = {report.delta:g}; "
+            + _bound_line("", gating.epsilon_pld, gating.epsilon_rdp).removeprefix(": ")
         )
-        if structured is not None and structured.available:
+    else:
+        print(f"{gating.kind} bound (gates): unavailable at δ = {report.delta:g} ({gating.reason})")
+    generic, structured = report.generic, report.structured
+    if generic is not None and gating.kind != BoundKind.GENERIC:
+        print(
+            _bound_line("generic bound (release units)", generic.epsilon_pld, generic.epsilon_rdp)
+        )
+    if structured is not None and gating.kind != BoundKind.STRUCTURED:
+        if structured.available:
             print(
-                f"structured bound (the paper's analysis): PLD {fmt(structured.epsilon_pld)}, "
-                f"RDP {fmt(structured.epsilon_rdp)}"
+                _bound_line(
+                    "structured bound (the paper's analysis)",
+                    structured.epsilon_pld,
+                    structured.epsilon_rdp,
+                )
             )
-        elif structured is not None:
+        else:
             print(f"structured bound: not applicable ({structured.reason})")
     for assumption in gating.assumptions:
         print(f"  assumes: {assumption}")
+    for note in report.notes:
+        print(f"  note: {note}")
     if result is not None:
         low, high = result.reachable_epsilon_range
         print(
-            f"target ε = {result.target_epsilon:g}: met with ε = {fmt(result.epsilon)}; "
-            f"utility {fmt(result.utility)} ({result.utility_kind}); "
-            f"reachable range [{low:.4f}, {high:.4f}]"
+            f"target ε = {result.target_epsilon:g}: met with ε = {epsilon_text(result.epsilon)}; "
+            f"utility {number_text(result.utility)} ({result.utility_kind}); "
+            f"reachable range [{epsilon_text(low)}, {epsilon_text(high)}]"
         )

@@ -8,6 +8,8 @@ import math
 import sys
 from typing import Any
 
+from dpmerge.formatting import number_text
+
 
 def float_list(text: str) -> list[float]:
     """Parse "0.5,1,2" into floats (argparse type); rejects empty items and non-numbers."""
@@ -32,10 +34,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    """A number strictly between 0 and 1 (argparse type), e.g. δ."""
+    value = positive_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    return value
+
+
 def print_json(document: Any) -> None:
     json.dump(document, sys.stdout, indent=2, allow_nan=False, ensure_ascii=False, default=str)
     sys.stdout.write("\n")
 
 
-def fmt(value: float | None, digits: int = 4) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
+fmt = number_text

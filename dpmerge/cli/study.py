@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dpmerge.cli.common import float_list, fmt, positive_float, print_json
+from dpmerge.cli.common import float_list, fmt, print_json, probability
 from dpmerge.studies.mean_estimation import mean_estimation_study, rows_to_document
 
 
@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     mean.add_argument("--sigmas", type=float_list, required=True, help="noise multipliers")
     mean.add_argument("--targets", type=float_list, required=True, help="target ε values")
-    mean.add_argument("--delta", type=positive_float, required=True)
+    mean.add_argument("--delta", type=probability, required=True, help="δ in (0, 1)")
     mean.add_argument("--json", action="store_true")
     mean.set_defaults(handler=run_mean_estimation)
 

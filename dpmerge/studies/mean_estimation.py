@@ -16,10 +16,16 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from dpmerge.accounting import rdp as rdp_mod
+from dpmerge.accounting.account import check_delta
 from dpmerge.accounting.bounds import Accountant
-from dpmerge.accounting.calibration import LP_SLACK, best_two_point_mixture, rs_programme_rdp
+from dpmerge.accounting.calibrated import LP_SLACK
 from dpmerge.accounting.gaussian import gaussian_delta, gaussian_noise_for_epsilon
+from dpmerge.accounting.rs_calibration import best_two_point_mixture, rs_programme_rdp
 from dpmerge.errors import RecordError
+
+MAX_SIGMA = 1e4
+"""Beyond this the Gaussian profile underflows; such noise releases nothing anyway."""
+MAX_TARGET = 1e3
 
 
 @dataclass(frozen=True)
@@ -56,10 +62,11 @@ def best_rs_mse(
 def mean_estimation_study(
     sigmas: Sequence[float], targets: Sequence[float], delta: float
 ) -> list[MeanEstimationRow]:
-    if not sigmas or any(not (math.isfinite(s) and s > 0) for s in sigmas):
-        raise RecordError(f"noise multipliers must be positive numbers, got {list(sigmas)}")
-    if any(not (math.isfinite(t) and t > 0) for t in targets):
-        raise RecordError(f"targets must be positive numbers, got {list(targets)}")
+    if not sigmas or any(not (math.isfinite(s) and 0 < s <= MAX_SIGMA) for s in sigmas):
+        raise RecordError(f"noise multipliers must lie in (0, {MAX_SIGMA:g}], got {list(sigmas)}")
+    if not targets or any(not (math.isfinite(t) and 0 < t <= MAX_TARGET) for t in targets):
+        raise RecordError(f"targets must lie in (0, {MAX_TARGET:g}], got {list(targets)}")
+    delta = check_delta(delta)
     return [
         MeanEstimationRow(
             target_epsilon=t,

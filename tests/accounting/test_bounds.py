@@ -11,13 +11,9 @@ from dpmerge.accounting import pld as pld_mod
 from dpmerge.accounting import profiles
 from dpmerge.accounting.account import account
 from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.accounting.lc import (
-    inverse_variance_weights,
-    merged_noise_proxy,
-    structured_epsilon_pld,
-    structured_segments,
-)
 from dpmerge.accounting.records import PrivacyLabel
+from dpmerge.accounting.structured import structured_epsilon_pld, structured_segments
+from dpmerge.accounting.weights import inverse_variance_weights, merged_noise_proxy
 from dpmerge.errors import RecordError, RefusalError
 
 DELTA = 1e-5
@@ -100,12 +96,12 @@ def test_shared_batches_collapse_to_one_subsampled_gaussian():
     expected = candidate_bound(make_record("eff", noise / sum(c)), DELTA).epsilon_pld
     raw = structured_epsilon_pld([segment], DELTA, 1e-4)
     assert raw == pytest.approx(expected, abs=1e-6)
-    # Shared batches leak more than independent sampling; here more than composition too,
-    # and the reported structured bound is capped by the generic one.
+    # The structured bound is reported as computed (never capped) and sits below the generic
+    # bound over the shared-batch release unit (Cauchy–Schwarz: s/Σc ≥ (Σσ⁻²)^(−1/2)).
     report = account([a, b], "lc", weights, DELTA)
-    assert raw > report.generic.epsilon_pld
-    assert report.structured.epsilon_pld == report.generic.epsilon_pld
-    assert any("capped by the generic bound" in n for n in report.structured.assumptions)
+    assert report.structured.epsilon_pld == pytest.approx(raw, abs=1e-12)
+    assert raw < report.generic.epsilon_pld
+    assert not any("capped" in n for n in report.structured.assumptions)
 
 
 def test_different_step_counts_are_split_into_segments():
@@ -121,12 +117,9 @@ def test_different_step_counts_are_split_into_segments():
 
 
 def test_checkpoints_of_one_run_count_once_in_the_generic_bound():
-    early = make_record(
-        "early", 1.0, steps=1000, noise_lineage="run-x/noise-1", batch_lineage="run-x/batch-1"
-    )
-    late = make_record(
-        "late", 1.0, steps=2500, noise_lineage="run-x/noise-1", batch_lineage="run-x/batch-1"
-    )
+    lineages = dict(noise_lineage="run-x/noise-1", batch_lineage="run-x/batch-1", run_id="x")
+    early = make_record("early", 1.0, steps=1000, **lineages)
+    late = make_record("late", 1.0, steps=2500, **lineages)
     report = account([early, late], "lc", [0.5, 0.5], DELTA)
     assert report.generic.epsilon_pld == pytest.approx(
         candidate_bound(late, DELTA).epsilon_pld, abs=1e-12
@@ -139,9 +132,9 @@ def test_checkpoints_of_one_run_count_once_in_the_generic_bound():
 
 
 def test_reused_noise_stream_is_refused_even_by_the_generic_bound():
-    a = make_record("a", 1.0, noise_lineage="seed-7")
-    b = make_record("b", 2.0, noise_lineage="seed-7")
-    with pytest.raises(RefusalError, match="reused noise stream"):
+    a = make_record("a", 1.0, noise_lineage="seed-7", run_id="run-a")
+    b = make_record("b", 2.0, noise_lineage="seed-7", run_id="run-b")
+    with pytest.raises(RefusalError, match="reusing a noise stream"):
         account([a, b], "lc", [0.5, 0.5], DELTA)
     assert account([a, b], "rs", [0.5, 0.5], DELTA).gating.available
 
@@ -164,7 +157,9 @@ def test_structured_refuses_non_sgd_and_labels(ladder):
 def test_shared_batch_lineage_with_different_rates_is_refused():
     a = make_record("a", 1.0, batch_lineage="b", sample_rate=0.01)
     b = make_record("b", 1.0, batch_lineage="b", sample_rate=0.02)
-    assert "sample rates" in account([a, b], "lc", [0.5, 0.5], DELTA).structured.reason
+    with pytest.raises(RefusalError, match="sample rates"):
+        account([a, b], "lc", [0.5, 0.5], DELTA)
+    assert account([a, b], "rs", [0.5, 0.5], DELTA).gating.available
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpmerge.accounting.account import account
-from dpmerge.accounting.calibration import calibrate, subset_weights
+from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.accounting.lc import merged_noise_proxy
+from dpmerge.accounting.generic_search import subset_weights
 from dpmerge.accounting.records import PrivacyLabel
+from dpmerge.accounting.weights import merged_noise_proxy
 from dpmerge.errors import InfeasibleTargetError
 
 DELTA = 1e-5
@@ -145,8 +146,9 @@ def test_lc_structured_never_exceeds_generic_along_a_pair(t):
     a = make_record("a", 0.9, steps=300, sample_rate=0.01, batch=600.0)
     b = make_record("b", 1.3, steps=300, sample_rate=0.01, batch=600.0)
     report = account([a, b], "lc", [t, 1 - t], DELTA)
-    assert report.structured.epsilon_pld <= report.generic.epsilon_pld
-    assert report.structured.epsilon_rdp <= report.generic.epsilon_rdp
+    # At t = 0 or 1 both analyse one candidate; σ = 1/(1/σ) may differ in the last bit.
+    assert report.structured.epsilon_pld <= report.generic.epsilon_pld + 1e-9
+    assert report.structured.epsilon_rdp <= report.generic.epsilon_rdp + 1e-9
 
 
 def test_structured_search_finds_both_segments_of_a_non_monotone_path():

@@ -7,8 +7,14 @@ import json
 import pytest
 from factories import make_record
 
-from dpmerge.accounting.records import candidates_to_document
+from dpmerge.accounting.records import PrivacyLabel, candidates_to_document
 from dpmerge.cli import main
+
+
+def record_dict(**overrides):
+    data = make_record("a", 1.0).model_dump(mode="json", exclude_none=True)
+    data.update(overrides)
+    return data
 
 
 @pytest.fixture
@@ -19,9 +25,91 @@ def candidates_file(tmp_path, short_ladder):
 
 
 def run(capsys, *argv):
-    code = main([str(a) for a in argv])
+    """Run the CLI in-process: any exception other than the parser's exit fails the test."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def test_inputs_the_audit_found_exit_with_one_line(capsys, tmp_path, candidates_file):
+    """Every input of the audit: non-zero exit, one line on stderr, no traceback."""
+    label = PrivacyLabel(name="vendor", dataset="fashion-mnist:test", epsilon=1.0, delta=1e-3)
+    with_label = tmp_path / "label.json"
+    with_label.write_text(json.dumps(candidates_to_document([make_record("a", 1.0), label])))
+    tiny = record_dict(noise_multiplier=1e-300)
+    tiny_file = tmp_path / "tiny.json"
+    tiny_file.write_text(json.dumps({"candidates": [tiny]}))
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"candidates": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    calls = [
+        ("account", "--candidates", tiny_file, "--method", "rs", "--weights", "1"),
+        ("account", "--candidates", nested, "--method", "rs", "--weights", "1"),
+        ("account", "--candidates", tmp_path, "--method", "rs", "--weights", "1"),
+        ("account", "--candidates", candidates_file, "--method", "rs", "--weights", "1"),
+        ("account", "--candidates", candidates_file, "--method", "rs", "--weights", "true"),
+        ("study", "mean-estimation", "--sigmas", "1,2", "--targets", "1", "--delta", "1.5"),
+        ("study", "mean-estimation", "--sigmas", "1,2", "--targets", "1", "--delta", "1"),
+        ("study", "mean-estimation", "--sigmas", "1e300,1", "--targets", "1,2"),
+    ]
+    for argv in calls:
+        argv = [*argv] if "--delta" in argv else [*argv, "--delta", "1e-5"]
+        code, out, err = run(capsys, *argv)
+        assert code == 2, argv
+        assert err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    # A label whose own δ exceeds the requested δ: its ε is unbounded there (null + reason in
+    # JSON), though a small share of it can still be mixed by RS.
+    code, out, _ = run(
+        capsys,
+        "account",
+        "--candidates",
+        with_label,
+        "--method",
+        "rs",
+        "--weights",
+        "0.5,0.5",
+        "--delta",
+        "1e-5",
+        "--json",
+    )
+    doc = json.loads(out)
+    assert code == 0 and doc["epsilon"] is None and "exceeds δ" in doc["reason"]
+    assert doc["reachable_epsilon_range"][1] is None
+    for method in ("rs", "lc"):
+        code, out, _ = run(
+            capsys,
+            "account",
+            "--candidates",
+            with_label,
+            "--method",
+            method,
+            "--target-epsilon",
+            "2",
+            "--delta",
+            "1e-5",
+            "--json",
+        )
+        doc = json.loads(out)
+        assert code == 0 and doc["epsilon"] <= 2
+    # δ far below the PLD's resolution: the PLD has no finite ε there, RDP still answers.
+    code, out, _ = run(
+        capsys,
+        "account",
+        "--candidates",
+        candidates_file,
+        "--method",
+        "lc",
+        "--weights",
+        "0.5,0.5,0,0",
+        "--delta",
+        "1e-20",
+        "--json",
+    )
+    doc = json.loads(out)
+    assert code == 0 and doc["epsilon_pld"] is None and doc["accountant"] == "rdp"
+    assert "no finite ε" in doc["reason"]
 
 
 def test_account_given_weights_json(capsys, candidates_file):
@@ -152,8 +240,8 @@ def test_bad_candidates_file_names_the_field(capsys, tmp_path):
 
 def test_structured_refusal_is_a_clear_error(capsys, tmp_path):
     shared = [
-        make_record("a", 1.0, noise_lineage="run-1"),
-        make_record("b", 1.0, steps=1000, noise_lineage="run-1"),
+        make_record("a", 1.0, noise_lineage="run-1", run_id="1"),
+        make_record("b", 1.0, steps=1000, noise_lineage="run-1", run_id="1"),
     ]
     path = tmp_path / "c.json"
     path.write_text(json.dumps(candidates_to_document(shared)))

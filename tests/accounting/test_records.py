@@ -54,7 +54,19 @@ def test_a_missing_field_is_named(field):
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("noise_multiplier", -1.0, "greater than 0"),
+        ("noise_multiplier", -1.0, "greater than or equal to 0.1"),
+        ("noise_multiplier", 1e-300, "greater than or equal to 0.1"),
+        ("noise_multiplier", True, "valid number"),
+        ("noise_multiplier", "1.0", "valid number"),
+        ("steps", True, "valid integer"),
+        ("steps", "500", "valid integer"),
+        ("steps", 500.0, "valid integer"),
+        ("steps", 10**12, "less than or equal to"),
+        ("sample_rate", False, "valid number"),
+        ("clip_norm", None, "valid number"),
+        ("dataset_size", 6e4, "valid integer"),
+        ("name", 7, "valid string"),
+        ("run_id", 12, "valid string"),
         ("sample_rate", 1.5, "less than or equal to 1"),
         ("steps", 0, "greater than 0"),
         ("neighbouring", "replace_one", "add_or_remove_one"),
@@ -87,6 +99,34 @@ def test_unknown_fields_and_shapes_are_refused(tmp_path):
     bad.write_text(json.dumps({"candidates": [record_dict(), record_dict()]}))
     with pytest.raises(RecordError, match="unique"):
         load_candidates(bad)
+    with pytest.raises(RecordError, match="is a directory"):
+        load_candidates(tmp_path)
+    bad.write_text('{"candidates": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(RecordError, match="nested too deeply"):
+        load_candidates(bad)
+
+
+def test_labels_are_strictly_typed():
+    base = {"name": "v", "dataset": "d", "epsilon": 1.0, "delta": 1e-6}
+    for field, value in (("epsilon", True), ("delta", "1e-6"), ("epsilon", 1e6)):
+        with pytest.raises(RecordError, match=field):
+            candidate_from_dict({**base, field: value})
+    with pytest.raises(RecordError, match="rdp_epsilons"):
+        candidate_from_dict(
+            {"name": "v", "dataset": "d", "rdp_orders": [2.0], "rdp_epsilons": [False]}
+        )
+
+
+def test_duplicate_names_are_found_in_linear_time(tmp_path):
+    """100 000 candidates with one repeated name: validation is linear (a quadratic check
+    spends minutes here) and the message names the repeat once."""
+    data = record_dict()
+    items = [{**data, "name": f"c{i}"} for i in range(100_000)]
+    items[-1]["name"] = "c7"
+    path = tmp_path / "many.json"
+    path.write_text(json.dumps({"candidates": items}))
+    with pytest.raises(RecordError, match=r"repeated: 'c7'$"):
+        load_candidates(path)
 
 
 def test_records_are_frozen_and_hashable():

@@ -1,0 +1,115 @@
+"""The closed vocabularies of dpmerge, in one place (docs/design.md#mechanism-record).
+
+Each is a ``StrEnum``: members compare equal to their string values, so documents, tags and
+CLI options carry plain strings while the code names the members.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TypeVar
+
+from dpmerge.documents import shorten
+from dpmerge.errors import RecordError
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def choose(enum: type[E], value: object, what: str) -> E:
+    """``enum(value)``, or ``RecordError`` naming ``what`` and the valid choices."""
+    if isinstance(value, enum):
+        return value
+    if isinstance(value, str):
+        try:
+            return enum(value)
+        except ValueError:
+            pass
+    choices = ", ".join(repr(m.value) for m in enum)
+    raise RecordError(f"{what} must be one of {choices}, got {shorten(value)}")
+
+
+class Neighbouring(StrEnum):
+    """Neighbouring relation of a guarantee. Only add-or-remove-one is analysed: replace-one
+    DP-SGD needs twice the sensitivity (docs/design.md#mechanism-record)."""
+
+    ADD_OR_REMOVE_ONE = "add_or_remove_one"
+
+
+class Sampling(StrEnum):
+    """Batch sampling scheme of a DP-SGD run. Only Poisson sampling has a claimed
+    amplification; shuffled or fixed-size batches are not Poisson (docs/design.md#sharp-edges)."""
+
+    POISSON = "poisson"
+
+
+class Optimizer(StrEnum):
+    """Update rule of a DP-SGD run. Only ``sgd`` (no momentum, no weight decay) makes the
+    update linear in the noisy gradient sum, which the structured LC bound needs
+    (docs/design.md#structured-bound)."""
+
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd_momentum"
+    ADAM = "adam"
+    ADAMW = "adamw"
+    RMSPROP = "rmsprop"
+    ADAGRAD = "adagrad"
+
+
+class Method(StrEnum):
+    """How candidates are merged: random selection or linear combination."""
+
+    RS = "rs"
+    LC = "lc"
+
+
+class GatingBound(StrEnum):
+    """Which LC bound gates a release: ``generic`` (composition over release units, no
+    assumption; the default) or ``structured`` (the DP model merging paper's analysis, opt-in)."""
+
+    GENERIC = "generic"
+    STRUCTURED = "structured"
+
+
+class PolicyMethod(StrEnum):
+    """A policy's merge method: ``auto`` calibrates RS and LC and keeps the better one."""
+
+    AUTO = "auto"
+    RS = "rs"
+    LC = "lc"
+
+
+class OnInfeasible(StrEnum):
+    """What a policy does with its alias when its target is infeasible (docs/design.md#policies):
+    ``revoke`` (default: a model that violates the current policy is not left serving) or
+    ``keep``."""
+
+    REVOKE = "revoke"
+    KEEP = "keep"
+
+
+class BoundKind(StrEnum):
+    """The analysis behind a reported ε."""
+
+    CANDIDATE = "candidate"
+    SELECTION = "selection"
+    GENERIC = "generic"
+    STRUCTURED = "structured"
+    GAUSSIAN = "gaussian"
+
+
+class Accountant(StrEnum):
+    """The accountant that produced an ε."""
+
+    PLD = "pld"
+    RDP = "rdp"
+
+
+class UnitKind(StrEnum):
+    """What a release unit of the generic bound is (docs/design.md#release-units)."""
+
+    RUN = "run"
+    """One DP-SGD run (checkpoints of it collapsed to the longest)."""
+    SHARED_BATCHES = "shared_batches"
+    """Runs that drew identical Poisson batches with independent noise."""
+    LABEL = "label"
+    """A candidate known only by its privacy label."""
