@@ -29,6 +29,8 @@ class MergeMixture:
     """Release one of two LC merges, drawn secretly (docs/design.md#calibration: RS between two
     subset merges under the generic gate). ``weights[j]`` is drawn with ``probabilities[j]``."""
 
+    names: tuple[str, ...]
+    """The candidates' names, in the order of each weight vector."""
     weights: tuple[tuple[float, ...], tuple[float, ...]]
     probabilities: tuple[float, float]
     utilities: tuple[float, float]
@@ -37,14 +39,14 @@ class MergeMixture:
     def expected_utility(self) -> float:
         return sum(p * u for p, u in zip(self.probabilities, self.utilities, strict=True))
 
-    def to_dict(self, names: tuple[str, ...]) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "merges": [
                 {
                     "probability": p,
                     "weights": list(w),
-                    "members": [n for n, x in zip(names, w, strict=True) if x > 0],
-                    "validation_accuracy": u,
+                    "members": [n for n, x in zip(self.names, w, strict=True) if x > 0],
+                    "utility": u,
                 }
                 for w, p, u in zip(self.weights, self.probabilities, self.utilities, strict=True)
             ]
@@ -86,7 +88,7 @@ class Calibration:
         )
         if self.mixture is not None:
             data["weights"] = None
-            data["mixture"] = self.mixture.to_dict(self.report.names)
+            data["mixture"] = self.mixture.to_dict()
         return data
 
 

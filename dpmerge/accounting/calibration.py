@@ -6,8 +6,14 @@
   optionally interpolated by RS between two subset merges.
 * LC gated by the structured bound (opt-in): the path search of ``structured_search``.
 
-Utility is validation accuracy when the caller knows it (``utilities`` per candidate for RS,
-``merge_utility(weights)`` for LC), otherwise a noise proxy. The returned ε is certified at the
+Every choice that could reach beyond the released candidates — which subset, RS or LC, the RS
+probabilities, a structured path — is made on data-independent utilities: the noise proxies
+of the records, or per-candidate ``utilities`` for RS that the caller vouches are independent
+of the training data (e.g. public benchmark figures). A choice that consulted the candidates'
+validation accuracy would depend on every candidate consulted, and no bound over the released
+ones covers it (docs/design.md#sharp-edges). Validation accuracy (``merge_utility``) may tune
+the LC weights *within* the subset the generic gate chose: any weights over that subset are
+post-processing of its joint release. The returned ε is certified at the
 fine discretisation and never exceeds the target; it may be below the target only where
 spending more would not improve the merge. Below the most private candidate's ε nothing is
 feasible: ``InfeasibleTargetError`` carries the reachable range.
@@ -53,15 +59,20 @@ def calibrate(
     """The best-utility merge whose gating ε meets ``target_epsilon`` at ``delta``.
 
     ``map_segments`` (structured LC only) also reports every feasible segment of the chosen
-    path. ``interpolate`` (generic LC with ``merge_utility`` only) lets the result be a secret
-    draw between two subset merges (``Calibration.mixture``) when that has the better expected
-    validation accuracy.
+    path. ``interpolate`` (generic LC only) lets the result be a secret draw between two subset
+    merges (``Calibration.mixture``) when the proxy's linear programme prefers it.
     """
     check_candidates(candidates)
     delta = check_delta(delta)
     target_epsilon = _check_target(target_epsilon)
     method = choose(Method, method, "method")
     gating_bound = choose(GatingBound, gating_bound, "gating bound")
+    if merge_utility is not None and (method == Method.RS or gating_bound != GatingBound.GENERIC):
+        raise RecordError(
+            "validation utilities can tune LC weights under the generic bound only: the "
+            "structured and RS bounds assume weights chosen independently of the data "
+            "(docs/design.md#calibration)"
+        )
     if utilities is not None and len(utilities) != len(candidates):
         raise RecordError(f"{len(utilities)} utilities for {len(candidates)} candidates")
     epsilons = [candidate_bound(c, delta).epsilon for c in candidates]

@@ -3,27 +3,34 @@ docs/design.md#calibration).
 
 The generic bound does not depend on λ, only on which candidates are used (through their
 release units), so the search is over *subsets*: each subset is one rung of a ladder of
-reachable ε values, weighted for utility (inverse-variance λ_i ∝ σ_i⁻² for records; equal
-weights where a member is label-only). Rungs are ranked by utility (validation accuracy when
-known, else the merged-noise proxy), steered by the coarse grid and certified at the fine one;
-the best certified rung is returned.
+reachable ε values. Which rung is chosen must not depend on the data (a choice that consults
+candidates outside the released subset is not covered by that subset's bound), so rungs are
+ranked by the data-independent noise proxy of their inverse-variance merge, steered by the
+coarse grid and certified at the fine one; the best certified rung is returned.
 
-With ``interpolate`` (and validation utilities) the calibrator may instead release one of two
-rungs, drawn secretly: RS between two subset merges, accounted by the RS bound over the two
-rungs' composed curves, lands between rungs. It is chosen only when its expected validation
-accuracy beats the best single rung.
+Within the chosen rung the weights are free: every λ over the rung is post-processing of the
+rung's joint release, so with ``merge_utility`` (validation accuracy) the weights are tuned
+among a fixed family without changing the bound.
+
+With ``interpolate`` the calibrator may instead release one of two rungs, drawn secretly: RS
+between two subset merges, accounted by the RS bound over the two rungs' composed curves, lands
+between rungs. The two rungs and their probabilities come from the same data-independent
+proxy (the linear programme of docs/design.md#random-selection over rungs); each rung's weights
+may then be tuned within it.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from dpmerge.accounting import pld as pld_mod
 from dpmerge.accounting import profiles
 from dpmerge.accounting.account import account
-from dpmerge.accounting.bounds import PrivacyReport
+from dpmerge.accounting.bounds import PrivacyReport, unavailable
 from dpmerge.accounting.calibrated import (
     COARSE_MARGIN,
     LP_SLACK,
@@ -37,20 +44,25 @@ from dpmerge.accounting.rs import mixture_bound
 from dpmerge.accounting.rs_calibration import best_two_point_mixture
 from dpmerge.accounting.weights import inverse_variance_weights, merged_noise_proxy
 from dpmerge.errors import RefusalError, UnsupportedError
-from dpmerge.vocabulary import Method
+from dpmerge.vocabulary import BoundKind, Method
 
 MAX_EXHAUSTIVE_SUBSETS = 10
 """Enumerate every subset up to this many candidates (1023 subsets); greedy beyond."""
 
+TUNING_POWERS = (0.0, 1.0, 2.0, 3.0, 4.0)
+"""The weight family tuned within a rung: λ_i ∝ σ_i^(−p)·B_i/(η_i·C_i); p = 2 is
+inverse-variance (the proxy's optimum), p = 0 equal contributions."""
+
 
 @dataclass(frozen=True)
 class Rung:
-    """One subset merge: its members (indices), release units, full-length weights, utility."""
+    """One subset merge: its members (indices), release units, full-length weights and
+    data-independent proxy utility (higher is better)."""
 
     members: tuple[int, ...]
     units: tuple[ReleaseUnit, ...]
     weights: tuple[float, ...]
-    utility: float
+    proxy: float
 
     def coarse_epsilon(self, delta: float) -> float:
         return profiles.epsilon_for_delta(
@@ -63,11 +75,19 @@ class Rung:
         )
 
 
-def subset_weights(members: Sequence[Candidate]) -> tuple[float, ...]:
-    """Inverse-variance weights over a subset; equal weights where a member is label-only."""
-    if all(isinstance(m, MechanismRecord) for m in members):
+def subset_weights(members: Sequence[Candidate], power: float = 2.0) -> tuple[float, ...]:
+    """λ_i ∝ σ_i^(−power) / (η_i·C_i/B_i) over a subset (``power`` 2: inverse-variance);
+    equal weights where a member is label-only."""
+    if not all(isinstance(m, MechanismRecord) for m in members):
+        return tuple(1.0 / len(members) for _ in members)
+    if power == 2.0:
         return inverse_variance_weights(members)  # type: ignore[arg-type]
-    return tuple(1.0 / len(members) for _ in members)
+    raw = [
+        m.noise_multiplier**-power / m.contribution_scale  # type: ignore[union-attr]
+        for m in members
+    ]
+    total = math.fsum(raw)
+    return tuple(v / total for v in raw)
 
 
 def _embed(k: int, members: Sequence[int], values: Sequence[float]) -> tuple[float, ...]:
@@ -88,31 +108,26 @@ def candidate_subsets(k: int, epsilons: Sequence[float], target: float) -> list[
     return [(i,) for i in allowed] + [tuple(order[:r]) for r in range(2, len(order) + 1)]
 
 
-def _utility_kind(merge_utility: MergeUtility | None, candidates: Sequence[Candidate]) -> str:
-    if merge_utility is not None:
-        return "validation accuracy"
-    if any(isinstance(c, MechanismRecord) for c in candidates):
-        return "noise proxy: −Σc²σ²/(Σc)² (docs/design.md#calibration)"
-    return "ε spent (label-only candidates, no utilities given)"
+TUNED_REASON = (
+    "weights tuned by validation accuracy: the structured bound assumes weights chosen "
+    "independently of the data (the generic bound covers any weights over the subset)"
+)
+PROXY_KIND = "noise proxy: −Σc²σ²/(Σc)² (docs/design.md#calibration)"
+LABEL_PROXY_KIND = "ε spent (label-only candidates)"
 
 
 def rungs(
-    candidates: Sequence[Candidate],
-    target: float,
-    epsilons: Sequence[float],
-    merge_utility: MergeUtility | None,
+    candidates: Sequence[Candidate], target: float, epsilons: Sequence[float]
 ) -> tuple[list[Rung], list[str]]:
-    """Every usable subset as a rung, best utility first, and why others were skipped."""
+    """Every usable subset as a rung, best proxy first, and why others were skipped. Records
+    are ranked by the noise proxy; label-only candidates (no proxy) join only a ladder of
+    labels, ranked by ε spent."""
     k = len(candidates)
     all_labels = not any(isinstance(c, MechanismRecord) for c in candidates)
-    usable = {
-        i
-        for i in range(k)
-        if merge_utility is not None or all_labels or isinstance(candidates[i], MechanismRecord)
-    }
+    usable = {i for i in range(k) if all_labels or isinstance(candidates[i], MechanismRecord)}
     skipped = [
-        f"{candidates[i].name!r} left out: a label-only candidate has no noise proxy "
-        "(pass utilities to merge it)"
+        f"{candidates[i].name!r} left out: a label-only candidate has no noise proxy to rank "
+        "merges by"
         for i in range(k)
         if i not in usable
     ]
@@ -126,16 +141,30 @@ def rungs(
         except RefusalError as refusal:
             skipped.append(str(refusal))
             continue
-        weights = _embed(k, members, subset_weights(chosen))
-        if merge_utility is not None:
-            utility = float(merge_utility(weights))
-        elif all(isinstance(c, MechanismRecord) for c in chosen):
-            utility = -merged_noise_proxy(chosen, subset_weights(chosen))  # type: ignore[arg-type]
-        else:  # every candidate is label-only: spending more is the only signal
-            utility = max(epsilons[i] for i in members)
-        found.append(Rung(members, units, weights, utility))
-    found.sort(key=lambda r: (-r.utility, len(r.members)))
+        weights = subset_weights(chosen)
+        if all_labels:
+            proxy = max(epsilons[i] for i in members)
+        else:
+            proxy = -merged_noise_proxy(chosen, weights)  # type: ignore[arg-type]
+        found.append(Rung(members, units, _embed(k, members, weights), proxy))
+    found.sort(key=lambda r: (-r.proxy, len(r.members)))
     return found, skipped
+
+
+def tune_within(
+    candidates: Sequence[Candidate], rung: Rung, merge_utility: MergeUtility
+) -> tuple[tuple[float, ...], float]:
+    """The best (weights, validation utility) of the fixed family over the rung's members:
+    every member of it has the rung's generic bound (docs/design.md#calibration)."""
+    members = [candidates[i] for i in rung.members]
+    family = {
+        _embed(len(candidates), rung.members, subset_weights(members, p)) for p in TUNING_POWERS
+    }
+    scored = sorted(
+        ((float(merge_utility(w)), w) for w in family), key=lambda x: (-x[0], x[1] != rung.weights)
+    )
+    utility, weights = scored[0]
+    return weights, utility
 
 
 def calibrate_lc_generic(
@@ -148,65 +177,80 @@ def calibrate_lc_generic(
     interpolate: bool = False,
 ) -> Calibration:
     """See the module docstring."""
-    ladder, skipped = rungs(candidates, target, epsilons, merge_utility)
+    ladder, skipped = rungs(candidates, target, epsilons)
     certified = 0
-    chosen: tuple[Rung, PrivacyReport] | None = None
+    chosen: Rung | None = None
     for rung in ladder:
         if rung.coarse_epsilon(delta) > target + COARSE_MARGIN:
             continue
-        report = account(candidates, Method.LC, rung.weights, delta)
         certified += 1
-        if report.epsilon <= target:
-            chosen = (rung, report)
+        if account(candidates, Method.LC, rung.weights, delta).epsilon <= target:
+            chosen = rung
             break
     if chosen is None:
         # Nothing usable certified (e.g. only a label-only candidate meets the target): the
         # most private candidate alone always does.
         safest = min(range(len(candidates)), key=lambda i: epsilons[i])
         weights = _embed(len(candidates), (safest,), (1.0,))
-        rung = Rung((safest,), release_units([candidates[safest]]), weights, float("-inf"))
-        chosen = (rung, account(candidates, Method.LC, weights, delta))
-    rung, report = chosen
-    search = {
+        chosen = Rung((safest,), release_units([candidates[safest]]), weights, -math.inf)
+    search: dict[str, Any] = {
         "subsets_considered": len(ladder),
         "fine_certifications": certified,
-        "members": [candidates[i].name for i in rung.members],
+        "members": [candidates[i].name for i in chosen.members],
         "skipped": skipped,
     }
     reachable = (min(epsilons), _all_candidates_epsilon(candidates, delta, epsilons))
-    kind = _utility_kind(merge_utility, candidates)
-    if interpolate and merge_utility is not None:
-        mixed = _mixture(candidates, ladder, rung, target, delta)
+    base = {
+        "method": Method.LC,
+        "target_epsilon": target,
+        "delta": delta,
+        "reachable_epsilon_range": reachable,
+        "search": search,
+    }
+    if interpolate:
+        mixed = _mixture(candidates, ladder, chosen, target, delta, merge_utility)
         if mixed is not None:
-            mixture, mixture_report = mixed
+            mixture, report = mixed
             search["mixture_of_subsets"] = [
-                [candidates[i].name for i in r.members]
-                for r in ladder
-                if r.weights in mixture.weights
+                [candidates[i].name for i, w in enumerate(ws) if w > 0] for ws in mixture.weights
             ]
             return Calibration(
-                method=Method.LC,
-                target_epsilon=target,
-                delta=delta,
                 weights=None,
-                report=mixture_report,
-                reachable_epsilon_range=reachable,
+                report=report,
                 utility=mixture.expected_utility,
-                utility_kind=f"expected {kind}",
-                search=search,
+                utility_kind=_kind(merge_utility, candidates, expected=True),
                 mixture=mixture,
+                **base,
             )
+    weights, utility = chosen.weights, chosen.proxy
+    report = account(candidates, Method.LC, weights, delta)
+    if merge_utility is not None and len(chosen.members) > 1:
+        weights, utility = tune_within(candidates, chosen, merge_utility)
+        report = replace(
+            account(candidates, Method.LC, weights, delta),
+            structured=unavailable(BoundKind.STRUCTURED, delta, TUNED_REASON),
+        )
+    elif merge_utility is not None:
+        utility = float(merge_utility(weights))
     return Calibration(
-        method=Method.LC,
-        target_epsilon=target,
-        delta=delta,
-        weights=rung.weights,
+        weights=weights,
         report=report,
-        reachable_epsilon_range=reachable,
-        utility=None if rung.utility == float("-inf") else rung.utility,
-        utility_kind=kind,
-        search=search,
+        utility=None if math.isinf(utility) else utility,
+        utility_kind=_kind(merge_utility, candidates),
+        **base,
     )
+
+
+def _kind(
+    merge_utility: MergeUtility | None, candidates: Sequence[Candidate], *, expected: bool = False
+) -> str:
+    if merge_utility is not None:
+        what = "validation accuracy (weights tuned within the subset chosen by the noise proxy)"
+    elif any(isinstance(c, MechanismRecord) for c in candidates):
+        what = PROXY_KIND
+    else:
+        what = LABEL_PROXY_KIND
+    return f"expected {what}" if expected else what
 
 
 def _mixture(
@@ -215,25 +259,25 @@ def _mixture(
     best: Rung,
     target: float,
     delta: float,
+    merge_utility: MergeUtility | None,
 ) -> tuple[MergeMixture, PrivacyReport] | None:
-    """RS between two rungs, when its expected utility beats ``best``: the two-point LP over
-    the rungs (coarse costs steer), probabilities recomputed from fine costs, then certified
-    by the RS bound over the two rungs' composed curves."""
+    """RS between two rungs when the proxy's linear programme prefers it to ``best``: coarse
+    costs steer, probabilities are recomputed from fine costs, then certified by the RS bound
+    over the two rungs' composed curves. Each rung's weights are then tuned within it."""
     fine = pld_mod.FINE_DISCRETISATION
+    budget = delta * (1 - LP_SLACK)
     try:
         costs = [r.delta_at(target, pld_mod.COARSE_DISCRETISATION) for r in ladder]
-        pi = best_two_point_mixture([r.utility for r in ladder], costs, delta * (1 - LP_SLACK))
+        pi = best_two_point_mixture([r.proxy for r in ladder], costs, budget)
         if pi is None or max(pi) == 1.0:
             return None
         safe, risky = sorted((i for i, p in enumerate(pi) if p > 0), key=lambda i: costs[i])
         a, b = ladder[safe], ladder[risky]
         cost_a, cost_b = a.delta_at(target, fine), b.delta_at(target, fine)
-        budget = delta * (1 - LP_SLACK)
         if not cost_a < budget < cost_b:
             return None
         share = (budget - cost_a) / (cost_b - cost_a)
-        expected = (1 - share) * a.utility + share * b.utility
-        if expected <= best.utility:
+        if (1 - share) * a.proxy + share * b.proxy <= best.proxy:
             return None
         bound = mixture_bound(
             (1 - share, share),
@@ -247,6 +291,14 @@ def _mixture(
         return None
     if bound.epsilon > target:
         return None
+    tuned = []
+    for rung in (a, b):
+        if merge_utility is None:
+            tuned.append((rung.weights, rung.proxy))
+        elif len(rung.members) > 1:
+            tuned.append(tune_within(candidates, rung, merge_utility))
+        else:
+            tuned.append((rung.weights, float(merge_utility(rung.weights))))
     names = tuple("lc(" + ", ".join(candidates[i].name for i in r.members) + ")" for r in (a, b))
     report = PrivacyReport(
         Method.RS,
@@ -255,11 +307,17 @@ def _mixture(
         delta,
         bound,
         notes=(
-            "random selection between two LC merges (generic gate): each merge's curves are "
-            "the composition of its release units",
+            "random selection between two LC merges (generic gate): each merge is "
+            "post-processing of its subset's joint release, whose curves are the composition "
+            "of its release units",
         ),
     )
-    mixture = MergeMixture((a.weights, b.weights), (1 - share, share), (a.utility, b.utility))
+    mixture = MergeMixture(
+        tuple(c.name for c in candidates),
+        (tuned[0][0], tuned[1][0]),
+        (1 - share, share),
+        (tuned[0][1], tuned[1][1]),
+    )
     return mixture, report
 
 

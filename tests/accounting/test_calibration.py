@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from dpmerge.accounting.account import account
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.generic import composed_pld, release_units
 from dpmerge.accounting.generic_search import subset_weights
 from dpmerge.accounting.records import PrivacyLabel
 from dpmerge.accounting.weights import merged_noise_proxy
-from dpmerge.errors import InfeasibleTargetError
+from dpmerge.errors import InfeasibleTargetError, RecordError
 
 DELTA = 1e-5
 PROPERTY = settings(
@@ -168,21 +169,42 @@ def test_structured_search_finds_both_segments_of_a_non_monotone_path():
     assert result.epsilon <= target
 
 
-def test_structured_calibration_uses_a_merge_utility():
-    """With a validation utility the search keeps the feasible point it scores best."""
-    candidates = [
-        make_record(f"c{i}", s, steps=300, sample_rate=0.01, batch=600.0)
-        for i, s in enumerate((0.8, 1.2, 1.6))
-    ]
+def test_validation_utilities_cannot_steer_a_choice_beyond_the_released_subset(ladder):
+    """The subset is chosen by the data-independent proxy; validation accuracy only tunes the
+    weights within it, where every weighting has the subset's generic bound."""
+    plain = calibrate(ladder, "lc", 1.5, DELTA)
 
-    def prefer_the_noisiest(weights):
-        return weights[2]
+    def prefer_the_noisiest(weights):  # a "validation accuracy" that wants another subset
+        return weights[-1] - 0.01 * weights[0]
 
-    result = calibrate(
-        candidates, "lc", 10.0, DELTA, gating_bound="structured", merge_utility=prefer_the_noisiest
-    )
-    assert result.weights[2] == pytest.approx(1.0)
-    assert result.utility_kind == "validation accuracy"
+    tuned = calibrate(ladder, "lc", 1.5, DELTA, merge_utility=prefer_the_noisiest)
+    members = [w > 0 for w in plain.weights]
+    assert [w > 0 for w in tuned.weights] == members
+    assert tuned.weights != plain.weights  # tuned within the subset
+    assert tuned.report.generic.epsilon_pld == plain.report.generic.epsilon_pld
+    assert not tuned.report.structured.available
+    assert "tuned by validation accuracy" in tuned.report.structured.reason
+    for gate, method in (("structured", "lc"), ("generic", "rs")):
+        with pytest.raises(RecordError, match="generic bound only"):
+            calibrate(ladder, method, 1.5, DELTA, gating_bound=gate, merge_utility=len)
+
+
+def test_interpolation_draws_between_two_rungs_and_is_certified(ladder):
+    """RS between two subset merges spends the budget between rungs; its ε, recomputed from
+    the two rungs' composed PLDs mixed by the library, meets the target."""
+    single = calibrate(ladder, "lc", 2.0, DELTA)
+    mixed = calibrate(ladder, "lc", 2.0, DELTA, interpolate=True)
+    assert mixed.mixture is not None and mixed.weights is None
+    assert single.epsilon < mixed.epsilon <= 2.0
+    (a, b), (p_a, p_b) = mixed.mixture.weights, mixed.mixture.probabilities
+    assert p_a + p_b == pytest.approx(1.0) and 0 < p_b < 1
+    plds = []
+    for weights in (a, b):
+        used = [c for c, w in zip(ladder, weights, strict=True) if w > 0]
+        plds.append(composed_pld(release_units(used), 1e-4))
+    library = plds[0].compute_mixture(plds[1], p_a).get_epsilon_for_delta(DELTA)
+    assert library <= mixed.epsilon <= library + 1e-6
+    assert mixed.to_dict()["mixture"]["merges"][1]["probability"] == p_b
 
 
 def test_lc_above_the_reachable_range_returns_the_best_merge(short_ladder):
