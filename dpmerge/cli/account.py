@@ -52,6 +52,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="structured LC calibration: also map every feasible segment of the chosen path",
     )
+    parser.add_argument(
+        "--interpolate",
+        action="store_true",
+        help=(
+            "generic LC calibration: allow a secret draw between two subset merges when the "
+            "noise proxy prefers it (lands between the rungs of the subset ladder)"
+        ),
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
 
@@ -63,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         raise RecordError("--bound applies to LC only (RS is gated by the selection bound)")
     if args.utilities is not None and args.method != Method.RS:
         raise RecordError("--utilities applies to RS only")
+    if args.interpolate and (args.weights is not None or args.method != Method.LC):
+        raise RecordError("--interpolate applies to LC calibration (--target-epsilon) only")
     if args.weights is not None:
         report = account(candidates, args.method, args.weights, args.delta, gating_bound=args.bound)
         epsilons = [candidate_bound(c, args.delta).epsilon for c in candidates]
@@ -82,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             gating_bound=args.bound,
             utilities=args.utilities,
             map_segments=args.segments,
+            interpolate=args.interpolate,
         )
     except InfeasibleTargetError as error:
         if args.json:
@@ -105,9 +116,17 @@ def _emit(
     if args.json:
         print_json(document)
         return
-    names = ", ".join(f"{n}={w:.4f}" for n, w in zip(report.names, report.weights, strict=True))
     gating = report.gating
-    print(f"method {report.method}, weights: {names}")
+    if result is not None and result.mixture is not None:
+        print("method lc: a secret draw between two subset merges")
+        for weights, p in zip(result.mixture.weights, result.mixture.probabilities, strict=True):
+            names = ", ".join(
+                f"{n}={w:.4f}" for n, w in zip(result.mixture.names, weights, strict=True) if w > 0
+            )
+            print(f"  with probability {p:.4f}: {names}")
+    else:
+        names = ", ".join(f"{n}={w:.4f}" for n, w in zip(report.names, report.weights, strict=True))
+        print(f"method {report.method}, weights: {names}")
     if gating.available:
         print(
             f"{gating.kind} bound (gates): ε = {epsilon_text(gating.epsilon)} "
