@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from dpmerge.errors import RecordError
+from dpmerge.errors import InputError, RecordError
 
 
 def describe_validation_error(where: str, error: ValidationError) -> str:
@@ -35,7 +35,7 @@ def read_item_list(
     *,
     what: str,
     parse: Callable[[str], Any],
-    error: type[RecordError] = RecordError,
+    error: type[InputError] = RecordError,
 ) -> list[Any]:
     """The non-empty list under ``key`` of a JSON/YAML document at ``path``."""
     path = Path(path)
