@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from dpmerge.errors import RecordError
+from dpmerge.errors import InputError, RecordError
 
 MAX_SHOWN = 60
 """Echoed input is cut to this many characters: an error line stays one short line."""
@@ -81,7 +81,7 @@ def read_item_list(
     *,
     what: str,
     parse: Callable[[str], Any],
-    error: type[RecordError] = RecordError,
+    error: type[InputError] = RecordError,
 ) -> list[Any]:
     """The non-empty list under ``key`` of a JSON/YAML document at ``path``."""
     path = Path(path)

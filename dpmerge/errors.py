@@ -7,7 +7,12 @@ class DPMergeError(Exception):
     """Base class of every error dpmerge raises on purpose."""
 
 
-class RecordError(DPMergeError, ValueError):
+class InputError(DPMergeError, ValueError):
+    """Bad input from a user (a policy, a command-line value, a file): refused with one line
+    before anything changes. Catch this to catch every kind of bad input."""
+
+
+class RecordError(InputError):
     """A mechanism record or privacy label is missing a field or holds a wrong value."""
 
 
@@ -54,3 +59,16 @@ class InfeasibleTargetError(DPMergeError):
 
 class DatasetError(DPMergeError):
     """A dataset is missing or malformed; the message says which package or folder provides it."""
+
+
+class TransientError(DPMergeError):
+    """An external system (MLflow, S3) failed in a way worth retrying: unreachable, timed out,
+    overloaded or locked. The adapters raise it where the failure's *type* says so (an
+    exception class, an error code, an HTTP status), never from message text
+    (docs/design.md#workflow)."""
+
+
+def is_transient(error: BaseException) -> bool:
+    """Worth retrying: a :class:`TransientError`, or the standard library's connection and
+    timeout errors. Refusals, bad input and anything else are not."""
+    return isinstance(error, TransientError | ConnectionError | TimeoutError)

@@ -30,14 +30,14 @@ from pydantic import (
 )
 
 from dpmerge.documents import describe_validation_error, load_yaml, read_item_list
-from dpmerge.errors import RecordError
+from dpmerge.errors import InputError
 from dpmerge.vocabulary import GatingBound, OnInfeasible, PolicyMethod
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _ALIAS = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
 
 
-class PolicyError(RecordError):
+class PolicyError(InputError):
     """A policy is malformed; the message names the field."""
 
 

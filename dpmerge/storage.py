@@ -10,8 +10,11 @@ by overwriting its record. Nothing from the audit bucket goes to MLflow tags or 
 
 Configuration comes from the environment (:meth:`S3Config.from_env`); credentials follow the
 usual AWS chain unless given explicitly (the local stack passes moto's dummy ones). Transient
-errors are retried by botocore (``standard`` mode); an unreachable endpoint, missing
-credentials, a missing bucket or key raise :class:`StorageError` with a one-line cause.
+errors are retried by botocore (``standard`` mode); what still fails raises
+:class:`StorageError` with a one-line cause — :class:`StorageUnavailableError` (a
+:class:`~dpmerge.errors.TransientError`, worth retrying later) when botocore's exception type,
+the error code or the HTTP status says the failure is temporary (an unreachable endpoint, a
+timeout, throttling, a 5xx), :class:`ObjectNotFoundError` for a missing bucket or key.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    HTTPClientError,
+    IncompleteReadError,
     NoCredentialsError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from dpmerge.errors import DPMergeError
+from dpmerge.errors import DPMergeError, TransientError
 
 DEFAULT_BUCKET = "dpmerge"
 DEFAULT_AUDIT_BUCKET = "dpmerge-audit"
@@ -47,10 +52,24 @@ AUDIT_PREFIX = "releases"
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SSE_RULE = {"ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "AES256"}}
 _NOT_FOUND = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
+_TEMPORARY_CODES = {
+    "RequestTimeout",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "ServiceUnavailable",
+    "InternalError",
+}
+"""S3 error codes of a temporary failure (besides any 429 or 5xx status)."""
 
 
 class StorageError(DPMergeError):
     """An S3 operation failed; the message names the endpoint, bucket and key."""
+
+
+class StorageUnavailableError(StorageError, TransientError):
+    """The endpoint is unreachable, timed out, throttled or failed with a 5xx: worth retrying."""
 
 
 class ObjectNotFoundError(StorageError):
@@ -145,7 +164,7 @@ class S3Store:
         try:
             yield
         except BotoConnectionError as error:
-            raise StorageError(
+            raise StorageUnavailableError(
                 f"S3 endpoint {self.config.where} unreachable while {action} {target} "
                 f"({type(error).__name__}); start the local stack (`dpmerge stack up`) or set "
                 "DPMERGE_S3_ENDPOINT_URL"
@@ -160,7 +179,14 @@ class S3Store:
             message = error.response.get("Error", {}).get("Message", "")
             if code in _NOT_FOUND:
                 raise ObjectNotFoundError(f"not found while {action}: {target} ({code})") from None
-            raise StorageError(f"S3 error while {action} {target}: {code} {message}") from None
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            temporary = code in _TEMPORARY_CODES or status == 429 or (status or 0) >= 500
+            kind = StorageUnavailableError if temporary else StorageError
+            raise kind(f"S3 error while {action} {target}: {code} {message}") from None
+        except (HTTPClientError, IncompleteReadError) as error:  # timeouts, dropped connections
+            raise StorageUnavailableError(
+                f"S3 endpoint {self.config.where} failed while {action} {target}: {error}"
+            ) from None
         except BotoCoreError as error:
             raise StorageError(f"S3 error while {action} {target}: {error}") from None
 

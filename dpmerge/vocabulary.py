@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import TypeVar
 
 from dpmerge.documents import shorten
-from dpmerge.errors import RecordError
+from dpmerge.errors import InputError
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -25,7 +25,7 @@ def choose(enum: type[E], value: object, what: str) -> E:
         except ValueError:
             pass
     choices = ", ".join(repr(m.value) for m in enum)
-    raise RecordError(f"{what} must be one of {choices}, got {shorten(value)}")
+    raise InputError(f"{what} must be one of {choices}, got {shorten(value)}")
 
 
 class Neighbouring(StrEnum):

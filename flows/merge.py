@@ -1,5 +1,7 @@
 """``merge-on-policy``: a policy changed → load candidates, calibrate, merge, evaluate,
-register, promote (or revoke per ``on_infeasible``). No training.
+register, promote (or revoke per ``on_infeasible``). No training. The state machine is the
+library's ``dpmerge.policy_merge.apply_policy``; this flow runs its steps as Prefect tasks
+(``tasks.policy.STEPS``) and turns the outcome into the run's state.
 
 Triggered by the event ``dpmerge.policy.updated`` (deployments/prefect.yaml: one parameter per
 ``Policy.event_payload()`` key, plus the event's resource id, id and time), or called in-process
@@ -22,8 +24,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from dpmerge import policy_merge as pm
-from dpmerge.errors import InfeasibleTargetError
 from dpmerge.policies import Policy, PolicyError, policy_from_dict
+from dpmerge.policy_merge import Status
 from tasks import policy as steps
 
 FLOW_NAME = "merge-on-policy"
@@ -123,91 +125,18 @@ def merge_on_policy(
         policy.gating_bound,
         workspace.tracking_uri,
     )
-    workdir = workspace.scratch()
-    try:
-        outcome, card = _apply(policy, workspace, str(workdir), when)
-    finally:
-        pm.remove_tree(workdir)
-    _artifact(outcome, card)
+    applied = pm.apply_policy(policy, workspace, when, steps=steps.STEPS)
+    outcome = applied.outcome
+    _artifact(outcome, applied.card)
     result = outcome.to_dict()
-    if outcome.status == "infeasible":
+    if outcome.status == Status.INFEASIBLE:
         raise pm.PolicyInfeasibleError(
             f"policy {policy.name!r}: " + "; ".join(outcome.reasons), result
         )
-    if outcome.status == "not_promoted":
+    if outcome.status == Status.NOT_PROMOTED:
         raise pm.PolicyNotMetError(
             f"policy {policy.name!r}: {outcome.merged_model} v{outcome.version} registered but "
             "not promoted: " + "; ".join(outcome.reasons),
             result,
         )
     return result
-
-
-def _apply(
-    policy: Policy, workspace: pm.Workspace, workdir: str, when: Any
-) -> tuple[pm.PolicyOutcome, str]:
-    # the first torch.export in a process costs seconds (the registry stores pt2 models):
-    # warm it up while the candidates and the split are fetched (I/O, no torch.export there),
-    # and finish before the CPU-bound calibration and the registration
-    warmup = pm.start_export_warmup()
-    try:
-        prepared = steps.prepare(workspace, policy, when, workdir)
-    finally:
-        warmup.join()
-    pool = prepared.pool
-    if prepared.superseded_by is not None or prepared.data is None:
-        outcome = pm.PolicyOutcome(
-            policy=policy.name,
-            status="superseded",
-            alias=str(policy.alias),
-            target_epsilon=policy.target_epsilon,
-            target_delta=policy.target_delta,
-            merged_model=pool.merged_model,
-            reasons=(
-                f"a later policy event ({prepared.superseded_by}) already set {policy.alias!r}",
-            ),
-        )
-        return outcome, ""
-    candidates, data = prepared.candidates, prepared.data
-    try:
-        plan = steps.calibrate(policy, candidates, data)
-    except InfeasibleTargetError as error:
-        return steps.handle_infeasible(workspace, policy, pool, error, when), ""
-    request = pm.merge_request(policy, pool, candidates, plan)
-    entry = pm.ledger_release(request, candidates, plan)
-    registered, ledger = steps.plan_release(workspace, request, entry, policy)
-    metrics: dict[str, Any] = {}
-    if registered is None:
-        release = steps.merge(workspace, request, candidates, plan, data, workdir)
-        metrics = release.metrics
-        if release.audit_file is not None:  # RS: the draw goes to its restricted place
-            steps.store_audit(workspace, release)
-        registered = steps.register(workspace, request, release, ledger)
-    status, previous, reasons, cumulative = steps.promote(
-        workspace, policy, registered, entry, when
-    )
-    report = plan.calibration.report
-    outcome = pm.PolicyOutcome(
-        policy=policy.name,
-        status=status,  # type: ignore[arg-type]
-        alias=str(policy.alias),
-        target_epsilon=policy.target_epsilon,
-        target_delta=policy.target_delta,
-        merged_model=registered.name,
-        version=registered.version,
-        previous_version=previous,
-        reused=registered.reused,
-        method=plan.method,
-        weights=tuple(report.weights),
-        epsilon=report.epsilon,
-        accountant=report.gating.accountant,
-        bound=report.gating.kind,
-        test_accuracy=registered.accuracy,
-        validation_accuracy=metrics.get("validation_accuracy"),
-        cumulative_epsilon=cumulative,
-        candidates=tuple(report.names),
-        reachable_epsilon_range=tuple(plan.calibration.reachable_epsilon_range),  # type: ignore[arg-type]
-        reasons=tuple(reasons),
-        compared=plan.compared,
-    )
-    return outcome, steps.read_card(workspace, registered.name, registered.version)

@@ -6,13 +6,14 @@ from typing import Any
 
 from prefect.cache_policies import NO_CACHE
 
-from dpmerge.policy_merge import is_transient
+from dpmerge.errors import is_transient
 
 RETRY_DELAYS = [1, 3, 10]
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect ``retry_condition_fn``: retry only network and server trouble."""
+    """Prefect ``retry_condition_fn``: retry only what the adapters raised as transient
+    (``dpmerge.errors.is_transient``), never a refusal, a bad input or anything else."""
     try:
         state.result()
     except Exception as error:

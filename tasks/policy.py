@@ -1,4 +1,6 @@
-"""Tasks of the policy merge: one per step of ``dpmerge.policy_merge``.
+"""Tasks of the policy merge: one per step of ``dpmerge.policy_merge``, each with its library
+function's signature, so that :data:`STEPS` runs ``dpmerge.policy_merge.apply_policy`` as
+Prefect tasks.
 
 Nothing here logs or returns the RS draw: :func:`merge` hands on a
 :class:`~dpmerge.policy_merge.Release` (public facts and the path of the 0600 audit file), and
@@ -18,6 +20,7 @@ from dpmerge import policy_merge as pm
 from dpmerge.accounting.ledger import Release as LedgerRelease
 from dpmerge.errors import InfeasibleTargetError
 from dpmerge.policies import Policy
+from dpmerge.policy_merge import Status
 from dpmerge.registry import RegisteredCandidate
 from tasks.common import LOCAL, REMOTE
 
@@ -35,9 +38,9 @@ def find_candidates(workspace: pm.Workspace, dataset: str, model: str) -> pm.Can
 
 
 @task(name="prepare", **REMOTE)
-def prepare(workspace: pm.Workspace, policy: Policy, occurred: datetime, dest: str) -> pm.Prepared:
+def prepare(workspace: pm.Workspace, policy: Policy, occurred: datetime, dest: Path) -> pm.Prepared:
     """Find and load the candidates and the evaluation split (or stop: superseded)."""
-    prepared = pm.prepare(workspace, policy, occurred, Path(dest) / "candidates")
+    prepared = pm.prepare(workspace, policy, occurred, dest)
     logger = get_run_logger()
     pool = prepared.pool
     if prepared.superseded_by is not None:
@@ -61,18 +64,18 @@ def prepare(workspace: pm.Workspace, policy: Policy, occurred: datetime, dest: s
 @task(name="plan-release", **REMOTE)
 def plan_release(
     workspace: pm.Workspace, request: pm.MergeRequest, entry: LedgerRelease, policy: Policy
-) -> tuple[pm.Registered | None, dict[str, Any] | None]:
+) -> pm.ReleasePlan:
     """An existing release of this request (reused, no new merge or draw), else the ledger
     bound for the new release's card."""
-    found, ledger = pm.plan_release(workspace, request, entry, policy)
-    if found is not None:
+    planned = pm.plan_release(workspace, request, entry, policy)
+    if planned.existing is not None:
         get_run_logger().info(
             "merge request %s already registered as %s v%s: reusing it (no new merge)",
             request.content_hash[:12],
-            found.name,
-            found.version,
+            planned.existing.name,
+            planned.existing.version,
         )
-    return found, ledger
+    return planned
 
 
 @task(name="load-candidates", **REMOTE)
@@ -127,10 +130,9 @@ def merge(
     candidates: Sequence[RegisteredCandidate],
     plan: pm.PolicyPlan,
     data: pm.EvaluationData,
-    workdir: str,
+    workdir: Path,
 ) -> pm.Release:
-    audit_dir = workspace.private_dir("audit") if workspace.s3 is None else Path(workdir)
-    release = pm.merge_release(request, candidates, plan, data, workdir, audit_dir=audit_dir)
+    release = pm.merge_release(workspace, request, candidates, plan, data, workdir)
     get_run_logger().info(
         "merged by %s: test accuracy %.4f, validation accuracy %.4f",
         release.method,
@@ -155,7 +157,7 @@ def register(
     release: pm.Release,
     ledger: dict[str, Any] | None,
 ) -> pm.Registered:
-    registered = pm.register_release(workspace.registry(), request, release, ledger)
+    registered = pm.register_release(workspace, request, release, ledger)
     get_run_logger().info(
         "registered %s v%s (%s)",
         registered.name,
@@ -172,23 +174,22 @@ def promote(
     registered: pm.Registered,
     entry: LedgerRelease,
     occurred: datetime,
-) -> tuple[str, str | None, tuple[str, ...], float | None]:
-    result = pm.promote_release(
-        workspace, workspace.registry(), policy, registered, entry, occurred
-    )
-    status, previous, reasons, _ = result
+) -> pm.PromotionResult:
+    result = pm.promote_release(workspace, policy, registered, entry, occurred)
     logger = get_run_logger()
-    if status in ("promoted", "unchanged"):
+    if result.status in (Status.PROMOTED, Status.UNCHANGED):
         logger.info(
             "alias %r -> %s v%s (%s; was %s)",
             policy.alias,
             registered.name,
             registered.version,
-            status,
-            previous,
+            result.status,
+            result.previous,
         )
     else:
-        logger.warning("%s v%s %s: %s", registered.name, registered.version, status, reasons)
+        logger.warning(
+            "%s v%s %s: %s", registered.name, registered.version, result.status, result.reasons
+        )
     return result
 
 
@@ -200,7 +201,7 @@ def handle_infeasible(
     error: InfeasibleTargetError,
     occurred: datetime,
 ) -> pm.PolicyOutcome:
-    outcome = pm.handle_infeasible(workspace.registry(), policy, pool, error, occurred)
+    outcome = pm.handle_infeasible(workspace, policy, pool, error, occurred)
     get_run_logger().warning("policy %s %s: %s", policy.name, outcome.status, outcome.reasons)
     return outcome
 
@@ -208,5 +209,18 @@ def handle_infeasible(
 @task(name="read-card", **REMOTE)
 def read_card(workspace: pm.Workspace, name: str, version: str) -> str:
     """The version's privacy card (its description, the card's Markdown)."""
-    registry = workspace.registry()
-    return registry.client.get_model_version(name, version).description or ""
+    return pm.read_card(workspace, name, version)
+
+
+STEPS = pm.PolicySteps(
+    prepare=prepare,
+    calibrate=calibrate,
+    handle_infeasible=handle_infeasible,
+    plan_release=plan_release,
+    merge=merge,
+    store_audit=store_audit,
+    register=register,
+    promote=promote,
+    read_card=read_card,
+)
+"""The policy state machine's steps as tasks: ``apply_policy(..., steps=STEPS)``."""

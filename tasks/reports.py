@@ -56,41 +56,22 @@ def log_frontier(
 ) -> dict[str, Any]:
     """Plot the frontier and log PNG, CSV and Markdown to an MLflow run of
     ``dpmerge-reports``; returns the run id and the artifact names."""
-    from mlflow.exceptions import MlflowException
-
-    from dpmerge.registry import RegistryError
     from dpmerge.studies.frontier import plot_frontier
 
-    registry = workspace.registry()
-    client = registry.client
-    try:
-        experiment = client.get_experiment_by_name(REPORT_EXPERIMENT)
-        experiment_id = (
-            experiment.experiment_id
-            if experiment is not None
-            else client.create_experiment(
-                REPORT_EXPERIMENT, artifact_location=registry.artifact_location
-            )
-        )
-        run = client.create_run(
-            experiment_id,
+    with tempfile.TemporaryDirectory(prefix="dpmerge-report-") as scratch:
+        files = [
+            plot_frontier(table, Path(scratch) / "frontier.png", title),
+            Path(scratch) / "frontier.csv",
+            Path(scratch) / "frontier.md",
+        ]
+        table.to_csv(files[1], index=False)
+        files[2].write_text(f"# {title}\n\n{markdown_table(table)}\n")
+        run_id = workspace.registry().log_report(
+            REPORT_EXPERIMENT,
             run_name=f"pareto-{pool.registered_model}",
             tags={"dp.report": "pareto", "dp.dataset": pool.dataset, "dp.model": pool.model},
+            params={"candidates": ",".join(pool.versions)},
+            files=files,
         )
-        run_id = run.info.run_id
-        with tempfile.TemporaryDirectory(prefix="dpmerge-report-") as scratch:
-            files = [
-                plot_frontier(table, Path(scratch) / "frontier.png", title),
-                Path(scratch) / "frontier.csv",
-                Path(scratch) / "frontier.md",
-            ]
-            table.to_csv(files[1], index=False)
-            files[2].write_text(f"# {title}\n\n{markdown_table(table)}\n")
-            for path in files:
-                client.log_artifact(run_id, str(path))
-        client.log_param(run_id, "candidates", ",".join(pool.versions))
-        client.set_terminated(run_id, "FINISHED")
-    except MlflowException as error:
-        raise RegistryError(f"logging the frontier report: {error.message}") from None
     get_run_logger().info("frontier logged to MLflow run %s", run_id)
     return {"run_id": run_id, "artifacts": [p.name for p in files], "rows": len(table)}

@@ -143,27 +143,16 @@ def prime_caches(workspace: pm.Workspace, dataset: str, model: str) -> None:
 @task(name="find-registered-candidate", **REMOTE)
 def find_registered(workspace: pm.Workspace, name: str) -> dict[str, Any]:
     """The registry entry of a candidate another process trained (by its record name)."""
-    from mlflow.exceptions import MlflowException
-
     from dpmerge.registry import RegistryError, tag_float
 
-    registry = workspace.registry()
-    query = f"tags.`dp.role` = 'candidate' and tags.`dp.candidate` = '{name}'"
-    try:
-        found = [
-            v
-            for v in registry.client.search_model_versions(query)
-            if v.tags.get("dp.status") == "ready"
-        ]
-    except MlflowException as error:
-        raise RegistryError(f"searching candidate {name}: {error.message}") from None
+    found = workspace.registry().ready_candidates(candidate=name)
     if not found:
         raise RegistryError(f"candidate {name!r} is not registered (ready)")
     mv = max(found, key=lambda v: int(v.version))
     return {
         "name": name,
         "registered_model": mv.name,
-        "version": str(mv.version),
+        "version": mv.version,
         "reused": False,
         "epsilon": tag_float(mv.tags.get("dp.epsilon")),
         "accountant": mv.tags.get("dp.accountant"),

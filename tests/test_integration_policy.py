@@ -20,6 +20,7 @@ from typing import Any
 import boto3
 import pytest
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 from servers import environment, running_stack
 
 from dpmerge import stack as stack_mod
@@ -140,6 +141,17 @@ def _alias(client: MlflowClient, model: str, alias: str) -> str | None:
     return str(aliases[alias]) if alias in aliases else None
 
 
+def _served(client: MlflowClient, model: str, alias: str) -> str | None:
+    """The version ``alias`` names; ``None`` also while ``model`` is not registered yet (any
+    other failure is raised)."""
+    try:
+        return _alias(client, model, alias)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        return None
+
+
 def test_policy_event_promotes_a_carded_release_stored_in_s3(stack, candidates) -> None:
     client = MlflowClient(stack.mlflow_url)
     epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
@@ -149,10 +161,7 @@ def test_policy_event_promotes_a_carded_release_stored_in_s3(stack, candidates) 
     merged = _merged(client, candidates)
     version = None
     while time.monotonic() - start < 180 and version is None:
-        try:
-            version = _alias(client, merged, "policy-int")
-        except Exception:  # the merged model does not exist yet
-            version = None
+        version = _served(client, merged, "policy-int")
         time.sleep(0.2)
     seconds = time.monotonic() - start
     run = _wait_event(stack, event_id)

@@ -1,18 +1,22 @@
 """The MLflow registry adapter against a real MLflow server (S3 artifacts on moto) and against
-an embedded sqlite store: registration, privacy card, gates, idempotency, RS secrecy."""
+an embedded sqlite store: registration, privacy card, gates (the card against the tags),
+idempotency, RS secrecy, search quoting, and which failures are transient."""
 
 from __future__ import annotations
 
 import json
 import random
+import sqlite3
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import mlflow
 import pytest
+import requests
 import torch
 from factories import make_record
 from mlflow import MlflowClient
@@ -22,6 +26,7 @@ from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelSpec, save_model_dir
 from dpmerge.cli import main
+from dpmerge.errors import is_transient
 from dpmerge.merging import merge_model_dirs
 from dpmerge.policies import Policy
 from dpmerge.registry import (
@@ -31,9 +36,12 @@ from dpmerge.registry import (
     GateError,
     Registry,
     RegistryError,
+    RegistryUnavailableError,
     candidate_model_name,
     merged_model_name,
 )
+from dpmerge.registry.connection import search_filter
+from dpmerge.registry.errors import registry_error
 from dpmerge.storage import S3Store
 
 DELTA = 1e-5
@@ -344,6 +352,126 @@ def test_registrations_from_threads(
     assert sorted(c.model_dir.record.name for c in loaded) == sorted(SIGMAS)
 
 
-def test_unreachable_server_is_a_clear_error() -> None:
-    with pytest.raises(RegistryError, match=r"unreachable.*dpmerge stack up"):
+def test_unreachable_server_is_a_clear_transient_error() -> None:
+    with pytest.raises(RegistryUnavailableError, match=r"unreachable.*dpmerge stack up") as down:
         Registry("http://127.0.0.1:9")
+    assert is_transient(down.value)
+
+
+def test_a_card_that_disagrees_with_the_tags_is_never_promoted(
+    mlflow_embedded: str, candidate_dirs: list[Path], tmp_path: Path
+) -> None:
+    """``Registry.promote`` compares the stored privacy card with the version's tags: a version
+    whose tags or card were changed after registration keeps its alias unset."""
+    registry = Registry(mlflow_embedded)
+    parents = [registry.register_candidate(d).version for d in candidate_dirs]
+    merged = _merge(candidate_dirs, "lc", [0.2, 0.3, 0.5], tmp_path / "lc", metrics=_accuracy(0.8))
+    version = registry.register_merged(merged, parents=parents, policy=POLICY).version
+    client = MlflowClient(mlflow_embedded, mlflow_embedded)
+    mv = client.get_model_version(MERGED, version)
+    epsilon = mv.tags["dp.epsilon"]
+    card_file = Path(client.download_artifacts(mv.run_id, CARD_JSON, str(tmp_path)))
+    card = json.loads(card_file.read_text())
+    assert card["guarantee"]["epsilon"] == float(epsilon)
+
+    def refused() -> None:
+        with pytest.raises(GateError) as gate:
+            registry.promote(MERGED, version, "production", target_epsilon=5.0, min_accuracy=0.5)
+        assert gate.value.reasons == ("the stored privacy card disagrees with the version's tags",)
+        assert registry.aliases(MERGED) == {}
+
+    client.set_model_version_tag(MERGED, version, "dp.epsilon", repr(float(epsilon) / 2))
+    refused()  # the tags claim less than the card certifies
+    client.set_model_version_tag(MERGED, version, "dp.epsilon", epsilon)
+    client.log_text(mv.run_id, json.dumps({**card, "guarantee": {"epsilon": 0.01}}), CARD_JSON)
+    refused()  # the card claims less than the tags
+    client.log_text(mv.run_id, json.dumps(card), CARD_JSON)
+    promoted = registry.promote(MERGED, version, "production", target_epsilon=5.0, min_accuracy=0.5)
+    assert promoted.changed and registry.aliases(MERGED) == {"production": version}
+
+
+def test_search_filters_quote_values_as_mlflow_reads_them(
+    mlflow_embedded: str, tmp_path: Path
+) -> None:
+    """One quoting function for every search: MLflow's parser strips the quotes and unescapes
+    nothing, so a value with an apostrophe is double-quoted and found."""
+    from mlflow.utils.search_utils import SearchModelVersionUtils
+
+    for value in ("plain", "it's", 'say "hi"', "back\\slash"):
+        (term,) = SearchModelVersionUtils.parse_search_filter(search_filter(tags={"k": value}))
+        assert (term["key"], term["value"]) == ("k", value)
+    with pytest.raises(RegistryError, match="both kinds of quote"):
+        search_filter(name="""it's "both\"""")
+    record = _record("cand-it's", 1.0)
+    path = save_model_dir(
+        tmp_path / "quoted",
+        {"linear.weight": torch.zeros(3, 16), "linear.bias": torch.zeros(3)},
+        SPEC,
+        record=record,
+        candidate_privacy=candidate_bound(record, DELTA).to_dict(),
+        metrics={"test_accuracy": 0.5},
+    )
+    registry = Registry(mlflow_embedded)
+    registered = registry.register_candidate(path)
+    (found,) = registry.ready_candidates(candidate="cand-it's")
+    assert (found.name, found.version) == (registered.name, registered.version)
+    assert registry.ready_candidates(model="logreg") == [found]
+    assert registry.ready_candidates(candidate="cand-its") == []
+
+
+def test_mlflow_failures_are_transient_by_type_code_or_status() -> None:
+    """What MLflow raises is classified by its error code (its HTTP status) or by the network
+    error it was raised from, never by its text."""
+    from mlflow.exceptions import MlflowException, RestException
+    from mlflow.protos.databricks_pb2 import (
+        DEADLINE_EXCEEDED,
+        RESOURCE_DOES_NOT_EXIST,
+        TEMPORARILY_UNAVAILABLE,
+    )
+
+    def from_rest_client(cause: Exception) -> MlflowException:
+        """As MLflow's REST client raises it: inside its ``except`` block."""
+        try:
+            try:
+                raise cause
+            except Exception:
+                raise MlflowException(f"API request to x failed with exception {cause}")  # noqa: B904
+        except MlflowException as error:
+            return error
+
+    transient = {
+        "sqlite locked": MlflowException("database is locked", error_code=TEMPORARILY_UNAVAILABLE),
+        "504": MlflowException("slow", error_code=DEADLINE_EXCEEDED),
+        "429": RestException({"error_code": "REQUEST_LIMIT_EXCEEDED", "message": "slow down"}),
+        "refused": from_rest_client(requests.exceptions.ConnectionError("refused")),
+        "timeout": from_rest_client(requests.exceptions.ReadTimeout("read timed out")),
+        "retries": from_rest_client(requests.exceptions.RetryError("too many 502 responses")),
+    }
+    permanent = {
+        "missing": MlflowException("no such model", error_code=RESOURCE_DOES_NOT_EXIST),
+        "text only": MlflowException("failed with error code 503 (database is locked)"),
+        "bad url": from_rest_client(requests.exceptions.InvalidURL("no host")),
+    }
+    for what, error in transient.items():
+        translated = registry_error(f"reading m: {what}", error)
+        assert isinstance(translated, RegistryUnavailableError), what
+        assert is_transient(translated) and str(translated) == f"reading m: {what}"
+    for what, error in permanent.items():
+        translated = registry_error(what, error)
+        assert type(translated) is RegistryError and not is_transient(translated), what
+
+
+@pytest.mark.slow
+def test_a_locked_database_is_transient(mlflow_embedded: str) -> None:
+    """A sqlite file locked by another writer (MLflow waits 20 s for it) is worth retrying."""
+    registry = Registry(mlflow_embedded)
+    assert not registry.model_exists(MERGED)  # the database now exists, unlocked
+    database = sqlite3.connect(mlflow_embedded.removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        database.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(RegistryUnavailableError, match="database is locked") as locked:
+            registry.mark_alias_time(MERGED, "production", datetime.now(UTC))
+        assert is_transient(locked.value)
+    finally:
+        database.execute("ROLLBACK")
+        database.close()

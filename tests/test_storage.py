@@ -6,8 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
+from botocore.stub import Stubber
 from servers import free_ports
 
+from dpmerge.errors import is_transient
 from dpmerge.storage import (
     CHECKPOINTS_PREFIX,
     ObjectExistsError,
@@ -15,6 +17,7 @@ from dpmerge.storage import (
     S3Config,
     S3Store,
     StorageError,
+    StorageUnavailableError,
 )
 
 
@@ -57,9 +60,36 @@ def test_unreachable_endpoint_is_a_clear_error() -> None:
         )
     )
     start = time.monotonic()
-    with pytest.raises(StorageError, match=rf"127\.0\.0\.1:{port} unreachable.*dpmerge stack up"):
+    with pytest.raises(
+        StorageUnavailableError, match=rf"127\.0\.0\.1:{port} unreachable.*dpmerge stack up"
+    ) as down:
         store.get_bytes("anything")
     assert time.monotonic() - start < 10
+    assert is_transient(down.value)
+
+
+def test_s3_failures_are_transient_by_code_or_status() -> None:
+    """Throttling and 5xx answers are transient (worth retrying), a refusal or a missing key is
+    not; decided by the error code and HTTP status S3 sent, not by any text."""
+    store = S3Store(
+        S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="x", secret_access_key="x")
+    )
+    answers = [
+        ("SlowDown", 503, StorageUnavailableError),
+        ("InternalError", 500, StorageUnavailableError),
+        ("SomethingNew", 502, StorageUnavailableError),
+        ("TooManyRequests", 429, StorageUnavailableError),
+        ("AccessDenied", 403, StorageError),
+        ("NoSuchKey", 404, ObjectNotFoundError),
+    ]
+    with Stubber(store.client) as s3:
+        for code, status, _ in answers:
+            s3.add_client_error("get_object", service_error_code=code, http_status_code=status)
+        for code, status, kind in answers:
+            with pytest.raises(StorageError, match=code) as failed:
+                store.get_bytes("key")
+            assert type(failed.value) is kind, (code, status)
+            assert is_transient(failed.value) == (kind is StorageUnavailableError), code
 
 
 @pytest.mark.integration

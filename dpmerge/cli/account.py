@@ -14,7 +14,7 @@ from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.records import load_candidates
 from dpmerge.cli.common import float_list, positive_float, print_json, probability
-from dpmerge.errors import InfeasibleTargetError, RecordError
+from dpmerge.errors import InfeasibleTargetError, InputError
 from dpmerge.formatting import epsilon_text, number_text
 from dpmerge.vocabulary import BoundKind, GatingBound, Method
 
@@ -68,11 +68,11 @@ def run(args: argparse.Namespace) -> int:
     candidates = load_candidates(args.candidates)
     check_candidates(candidates)
     if args.method == Method.RS and args.bound == GatingBound.STRUCTURED:
-        raise RecordError("--bound applies to LC only (RS is gated by the selection bound)")
+        raise InputError("--bound applies to LC only (RS is gated by the selection bound)")
     if args.utilities is not None and args.method != Method.RS:
-        raise RecordError("--utilities applies to RS only")
+        raise InputError("--utilities applies to RS only")
     if args.interpolate and (args.weights is not None or args.method != Method.LC):
-        raise RecordError("--interpolate applies to LC calibration (--target-epsilon) only")
+        raise InputError("--interpolate applies to LC calibration (--target-epsilon) only")
     if args.weights is not None:
         report = account(candidates, args.method, args.weights, args.delta, gating_bound=args.bound)
         epsilons = [candidate_bound(c, args.delta).epsilon for c in candidates]

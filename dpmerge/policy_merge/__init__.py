@@ -1,5 +1,9 @@
 """Apply a privacy policy to the registered candidates: calibrate, merge, evaluate, register,
-promote (SPEC §4–§7). Library code, no Prefect: ``flows/merge.py`` runs these steps as tasks.
+promote (SPEC §4–§7). Library code, no Prefect.
+
+:func:`apply_policy` is the state machine that runs the steps below for one policy event and
+says how it ended (:class:`Status`, :class:`PolicyOutcome`); its steps are injectable
+(:class:`PolicySteps`): ``flows/merge.py`` passes Prefect tasks that wrap them.
 
 The steps, in order:
 
@@ -10,8 +14,9 @@ The steps, in order:
    validation accuracies) and LC (utility: the merged weights' validation accuracy) and keeps
    the better expected validation accuracy; ties go to LC (no secret draw). Infeasible targets
    raise :class:`~dpmerge.errors.InfeasibleTargetError` with the reachable range.
-4. :func:`merge_request` — the merge request's content hash; :func:`find_release` reuses a ready
-   version of the same request (a re-run never draws again).
+4. :func:`merge_request` — the merge request's content hash; :func:`plan_release` reuses a
+   ready version of the same request (a re-run never draws again), else computes the ledger
+   bound the new release's card shows.
 5. :func:`merge_release` — merge and evaluate; for RS the drawn index goes to a 0600 audit file,
    which :func:`store_audit` keeps under ``<home>/audit`` (embedded) or moves to the audit bucket.
    :class:`Release` carries only public facts (never the draw).
@@ -25,15 +30,17 @@ A policy event can arrive late (two events back to back may run in either order)
 change records the event time on the merged registered model (tag ``dp.alias_time.<alias>``)
 and an older event never moves or removes the alias again (status ``superseded``).
 
-Modules: :mod:`~dpmerge.policy_merge.workspace` (where things live),
+Modules: :mod:`~dpmerge.policy_merge.apply` (the state machine),
+:mod:`~dpmerge.policy_merge.workspace` (where things live),
 :mod:`~dpmerge.policy_merge.candidates` (step 1), :mod:`~dpmerge.policy_merge.evaluation_data`
 (step 2), :mod:`~dpmerge.policy_merge.preparation` (steps 1–2 for one event, cache priming),
 :mod:`~dpmerge.policy_merge.calibration` (step 3), :mod:`~dpmerge.policy_merge.release`
 (steps 4–5), :mod:`~dpmerge.policy_merge.release_ledger`,
-:mod:`~dpmerge.policy_merge.promotion` (steps 6–7, revocation),
-:mod:`~dpmerge.policy_merge.outcome`.
+:mod:`~dpmerge.policy_merge.promotion` (steps 6–7, revocation, event order),
+:mod:`~dpmerge.policy_merge.outcome` (statuses and outcomes).
 """
 
+from dpmerge.policy_merge.apply import LIBRARY_STEPS, PolicyResult, PolicySteps, apply_policy
 from dpmerge.policy_merge.calibration import PolicyPlan, calibrate_policy
 from dpmerge.policy_merge.candidates import CandidatePool, find_candidates, load_candidates
 from dpmerge.policy_merge.evaluation_data import (
@@ -51,17 +58,20 @@ from dpmerge.policy_merge.outcome import (
 )
 from dpmerge.policy_merge.preparation import (
     Prepared,
+    ReleasePlan,
     plan_release,
     prepare,
     prime_caches,
     start_export_warmup,
 )
 from dpmerge.policy_merge.promotion import (
+    PromotionResult,
     Registered,
     find_release,
     handle_infeasible,
     parse_time,
     promote_release,
+    read_card,
     register_release,
 )
 from dpmerge.policy_merge.release import (
@@ -75,13 +85,13 @@ from dpmerge.policy_merge.release_ledger import ledger_release, ledger_summary, 
 from dpmerge.policy_merge.workspace import (
     Workspace,
     embedded_tracking_uri,
-    is_transient,
     remove_tree,
     resolve_home,
 )
 
 __all__ = [
     "DATA_ROOT_ENV",
+    "LIBRARY_STEPS",
     "SPLIT_SEED",
     "VALIDATION_FRACTION",
     "CandidatePool",
@@ -91,17 +101,21 @@ __all__ = [
     "PolicyNotMetError",
     "PolicyOutcome",
     "PolicyPlan",
+    "PolicyResult",
+    "PolicySteps",
     "Prepared",
+    "PromotionResult",
     "Registered",
     "Release",
+    "ReleasePlan",
     "Status",
     "Workspace",
+    "apply_policy",
     "calibrate_policy",
     "embedded_tracking_uri",
     "find_candidates",
     "find_release",
     "handle_infeasible",
-    "is_transient",
     "ledger_release",
     "ledger_summary",
     "load_candidates",
@@ -114,6 +128,7 @@ __all__ = [
     "prepare",
     "prime_caches",
     "promote_release",
+    "read_card",
     "register_release",
     "remove_tree",
     "resolve_home",

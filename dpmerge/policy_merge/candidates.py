@@ -11,11 +11,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mlflow.exceptions import MlflowException
-
 from dpmerge.artifacts import load_model_dir
 from dpmerge.errors import DPMergeError
 from dpmerge.registry import (
+    ROLE_CANDIDATE,
+    STATUS_READY,
     RegisteredCandidate,
     Registry,
     RegistryError,
@@ -48,28 +48,10 @@ def find_candidates(registry: Registry, dataset: str, model: str) -> CandidatePo
     ``fashion-mnist``, or a full fingerprint ``fashion-mnist-sha256:…`` to pick one among
     several trainings). Raises :class:`RegistryError` when there are none or the name is
     ambiguous."""
-    query = f"tags.`dp.role` = 'candidate' and tags.`dp.model` = '{model.replace(chr(39), '')}'"
-    found, token = [], None
-    try:
-        while True:
-            page = registry.client.search_model_versions(query, page_token=token)
-            found.extend(page)
-            token = page.token
-            if not token:
-                break
-    except MlflowException as error:
-        raise RegistryError(
-            f"searching candidates at {registry.tracking_uri}: {error.message}"
-        ) from None
-    ready = [
-        v
-        for v in found
-        if v.tags.get("dp.status") == "ready"
-        and _dataset_matches(dataset, v.tags.get("dp.dataset", ""))
-    ]
     groups: dict[tuple[str, str], list[str]] = {}
-    for v in ready:
-        groups.setdefault((v.name, v.tags["dp.dataset"]), []).append(str(v.version))
+    for v in registry.ready_candidates(model=model):
+        if _dataset_matches(dataset, v.tags.get("dp.dataset", "")):
+            groups.setdefault((v.name, v.tags["dp.dataset"]), []).append(v.version)
     if not groups:
         raise RegistryError(
             f"no ready candidates of model {model!r} on dataset {dataset!r} at "
@@ -110,15 +92,10 @@ def load_candidates(
     found: dict[str, RegisteredCandidate] = {}
     missing = []
     for version in pool.versions:
-        try:
-            mv = registry.client.get_model_version(pool.registered_model, version)
-        except MlflowException as error:
-            raise RegistryError(
-                f"reading {pool.registered_model} v{version}: {error.message}"
-            ) from None
-        content_hash = mv.tags.get("dp.content_hash", "")
+        tags = registry.get_version(pool.registered_model, version).tags
+        content_hash = tags.get("dp.content_hash", "")
         path = cache / content_hash
-        ready = mv.tags.get("dp.role") == "candidate" and mv.tags.get("dp.status") == "ready"
+        ready = tags.get("dp.role") == ROLE_CANDIDATE and tags.get("dp.status") == STATUS_READY
         if ready and content_hash and path.is_dir():
             with suppress(DPMergeError, OSError):
                 if candidate_content_hash(path) == content_hash:

@@ -1,15 +1,25 @@
-"""What applying a policy did: its outcome, and the errors a flow raises with one."""
+"""What applying a policy did: its status, its outcome, and the errors a flow raises with one."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from enum import StrEnum
+from typing import Any
 
 from dpmerge.errors import DPMergeError, InfeasibleTargetError
+from dpmerge.policies import Policy
 
-Status = Literal["promoted", "unchanged", "not_promoted", "infeasible", "superseded"]
+
+class Status(StrEnum):
+    """How applying a policy ended (docs/design.md#policies)."""
+
+    PROMOTED = "promoted"  # a release passed the gates; the alias moved to it
+    UNCHANGED = "unchanged"  # the alias already named this release
+    NOT_PROMOTED = "not_promoted"  # registered, a gate failed; the alias stayed
+    INFEASIBLE = "infeasible"  # no merge meets the target; the alias revoked or kept
+    SUPERSEDED = "superseded"  # a later policy event already set the alias; nothing touched
 
 
 class PolicyNotMetError(DPMergeError):
@@ -67,8 +77,21 @@ class PolicyOutcome:
     reasons: tuple[str, ...] = ()
     compared: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, policy: Policy, status: Status, **fields: Any) -> PolicyOutcome:
+        """``policy``'s outcome (its name, alias and targets) with ``status`` and ``fields``."""
+        return cls(
+            policy=policy.name,
+            status=status,
+            alias=str(policy.alias),
+            target_epsilon=policy.target_epsilon,
+            target_delta=policy.target_delta,
+            **fields,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["status"] = self.status.value
         for key in ("weights", "candidates", "reachable_epsilon_range", "reasons"):
             if data[key] is not None:
                 data[key] = list(data[key])

@@ -95,14 +95,22 @@ def prepare(workspace: Workspace, policy: Policy, occurred: datetime, dest: str 
     return Prepared(pool, None, tuple(candidates), data)
 
 
+@dataclass(frozen=True)
+class ReleasePlan:
+    """Either the ready version of a merge request registered before (``existing``: reused,
+    nothing is merged), or the cumulative ledger bound the new release's card will show."""
+
+    existing: Registered | None = None
+    ledger: dict[str, Any] | None = None
+
+
 def plan_release(
     workspace: Workspace, request: MergeRequest, entry: LedgerRelease, policy: Policy
-) -> tuple[Registered | None, dict[str, Any] | None]:
+) -> ReleasePlan:
     """The ready version of this request if one exists (then nothing is merged), else the
     cumulative ledger bound the new release's card will show."""
     found = find_release(workspace.registry(), request)
     if found is not None:
-        return found, None
-    return None, ledger_summary(
-        workspace, entry, policy.target_delta, policy.cumulative_epsilon_cap
-    )
+        return ReleasePlan(existing=found)
+    cap = policy.cumulative_epsilon_cap
+    return ReleasePlan(ledger=ledger_summary(workspace, entry, policy.target_delta, cap))

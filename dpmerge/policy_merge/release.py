@@ -95,21 +95,23 @@ def evaluation_metrics(data: EvaluationData) -> Any:
 
 
 def merge_release(
+    workspace: Workspace,
     request: MergeRequest,
     candidates: Sequence[RegisteredCandidate],
     plan: PolicyPlan,
     data: EvaluationData,
     workdir: str | Path,
-    *,
-    audit_dir: str | Path,
 ) -> Release:
     """Merge (RS draws here, once) and evaluate into ``workdir/release``. For RS the audit
-    record (drawn index, probabilities, request hash) goes to a new 0600 file in ``audit_dir``."""
+    record (drawn index, probabilities, request hash) goes to a new 0600 file: under
+    ``<home>/audit`` (0700) when no S3 is configured, else in the private ``workdir``, from
+    which :func:`store_audit` moves it to the audit bucket."""
     calibration = plan.calibration
     out = Path(workdir) / "release"
     audit_file = None
     if calibration.method == "rs":
-        audit_file = Path(audit_dir) / f"{request.content_hash}.{uuid.uuid4().hex[:8]}.json"
+        audit_dir = workspace.private_dir("audit") if workspace.s3 is None else Path(workdir)
+        audit_file = audit_dir / f"{request.content_hash}.{uuid.uuid4().hex[:8]}.json"
     result = merge_model_dirs(
         [c.model_dir.path for c in candidates],
         calibration.method,

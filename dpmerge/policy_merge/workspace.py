@@ -1,5 +1,5 @@
 """Where a policy merge reads and writes: the local home, the tracking URI, S3; scratch
-directories; which errors from those places are worth retrying."""
+directories."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpmerge.registry import GateError, Registry, RegistryError
-from dpmerge.storage import S3Config, S3Store, StorageError
+from dpmerge.registry import Registry
+from dpmerge.storage import S3Config, S3Store
 
 HOME_ENV = "DPMERGE_HOME"
 DEFAULT_HOME = ".dpmerge"
@@ -91,29 +91,3 @@ class Workspace:
 
 def remove_tree(path: str | Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
-
-
-def is_transient(error: BaseException) -> bool:
-    """Worth retrying: network and server trouble, not a refusal or a bad input."""
-    if isinstance(error, ConnectionError | TimeoutError):
-        return True
-    if isinstance(error, StorageError):
-        return "unreachable" in str(error) or "S3 error" in str(error)
-    if isinstance(error, RegistryError) and not isinstance(error, GateError):
-        text = str(error).lower()
-        return any(
-            marker in text
-            for marker in (
-                "unreachable",
-                "connection",
-                "timed out",
-                "timeout",
-                "max retries",
-                "temporarily",
-                " 502",
-                " 503",
-                " 504",
-                "database is locked",
-            )
-        )
-    return False

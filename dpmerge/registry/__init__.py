@@ -23,8 +23,16 @@ artifact receives the RS draw.
 The same code serves an MLflow server (``http://127.0.0.1:5000``, artifacts proxied to S3) and
 the embedded default (a ``sqlite:///`` file with local artifacts).
 
-Modules: :mod:`~dpmerge.registry.adapter` (the :class:`Registry`),
-:mod:`~dpmerge.registry.connection` (the MLflow calls and the pt2 upload),
+This package is the only code that talks to MLflow: its client is private, callers get
+dpmerge's own dataclasses (:class:`StoredVersion`, …), never an MLflow entity, and MLflow's
+failures arrive as :class:`RegistryError` — as :class:`RegistryUnavailableError` (a
+:class:`~dpmerge.errors.TransientError`) when their type, error code or HTTP status says they
+are temporary (docs/design.md#registry).
+
+Modules: :mod:`~dpmerge.registry.adapter` (the :class:`Registry`: registration, promotion,
+aliases, reports), :mod:`~dpmerge.registry.queries` (its reads),
+:mod:`~dpmerge.registry.connection` (the MLflow calls, search filters, error translation and
+the pt2 upload),
 :mod:`~dpmerge.registry.merged` (a merged version's card, tags and params),
 :mod:`~dpmerge.registry.names` (names and content hashes), :mod:`~dpmerge.registry.tags`,
 :mod:`~dpmerge.registry.versions` (what the registry returns), :mod:`~dpmerge.registry.errors`.
@@ -32,7 +40,7 @@ Modules: :mod:`~dpmerge.registry.adapter` (the :class:`Registry`),
 
 from dpmerge.registry.adapter import Registry
 from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
-from dpmerge.registry.errors import GateError, RegistryError
+from dpmerge.registry.errors import GateError, RegistryError, RegistryUnavailableError
 from dpmerge.registry.names import (
     candidate_content_hash,
     candidate_model_name,
@@ -51,6 +59,7 @@ from dpmerge.registry.versions import (
     Promotion,
     RegisteredCandidate,
     RegisteredVersion,
+    StoredVersion,
     VersionSummary,
 )
 
@@ -68,6 +77,8 @@ __all__ = [
     "RegisteredVersion",
     "Registry",
     "RegistryError",
+    "RegistryUnavailableError",
+    "StoredVersion",
     "VersionSummary",
     "candidate_content_hash",
     "candidate_model_name",

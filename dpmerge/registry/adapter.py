@@ -1,39 +1,33 @@
-"""The :class:`Registry`: register candidates and merges, load candidates, promote and revoke
-aliases, list versions, under the safety rules of :mod:`dpmerge.registry`."""
+"""The :class:`Registry`: register candidates and merges, promote, revoke and restore aliases
+with the event time of each change, and log report runs, under the safety rules of
+:mod:`dpmerge.registry`; its reads are :class:`~dpmerge.registry.queries.RegistryQueries`."""
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import mlflow
 from mlflow.entities import Metric, Param
-from mlflow.entities.model_registry import ModelVersion
 from pydantic import BaseModel
 from torch import nn
 
 from dpmerge.artifacts import RECORD_FILE, ModelDir, ModelSpec, load_model_dir
 from dpmerge.errors import DPMergeError, RecordError
 from dpmerge.privacy_card import PrivacyCard
-from dpmerge.registry.connection import (
-    CARD_JSON,
-    CARD_MARKDOWN,
-    EXTRA_DIR,
-    MlflowConnection,
-    quote,
-)
-from dpmerge.registry.errors import GateError, RegistryError
+from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
+from dpmerge.registry.errors import GateError, RegistryError, registry_error
 from dpmerge.registry.merged import MergedDir
 from dpmerge.registry.names import (
     candidate_content_hash,
     candidate_model_name,
     merged_model_name,
-    slug,
 )
+from dpmerge.registry.queries import RegistryQueries
 from dpmerge.registry.tags import (
+    ALIAS_TIME_TAG,
     ROLE_CANDIDATE,
     ROLE_MERGED,
     STATUS_READY,
@@ -42,19 +36,14 @@ from dpmerge.registry.tags import (
     tag_float,
     tag_values,
 )
-from dpmerge.registry.versions import (
-    Promotion,
-    RegisteredCandidate,
-    RegisteredVersion,
-    VersionSummary,
-)
+from dpmerge.registry.versions import Promotion, RegisteredVersion
 
 DEFAULT_EXPERIMENT = "dpmerge-registry"
 
 ModuleBuilder = Callable[[ModelSpec], nn.Module]
 
 
-class Registry(MlflowConnection):
+class Registry(RegistryQueries):
     """Register candidates and merges, load candidates, promote and revoke aliases.
 
     ``tracking_uri`` defaults to MLflow's (``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``
@@ -217,7 +206,7 @@ class Registry(MlflowConnection):
             )
         self._ensure_registered_model(name, tags["dp.role"])
         with self._errors(f"logging {name}"):
-            run = self.client.create_run(
+            run = self._client.create_run(
                 self._experiment(),
                 run_name=run_name,
                 tags={"dp.role": tags["dp.role"], "dp.content_hash": content_hash},
@@ -230,7 +219,7 @@ class Registry(MlflowConnection):
             )
             with self._errors(f"logging metrics and params of {name}"):
                 stamp = int(time.time() * 1000)
-                self.client.log_batch(
+                self._client.log_batch(
                     run_id,
                     metrics=[
                         Metric(k, v, stamp, 0, model_id=model_id)
@@ -239,10 +228,10 @@ class Registry(MlflowConnection):
                     params=[Param(k, str(v)[:6000]) for k, v in params.items()],
                 )
                 if card is not None:
-                    self.client.log_text(run_id, card.markdown, CARD_MARKDOWN)
-                    self.client.log_text(run_id, card.to_json(), CARD_JSON)
+                    self._client.log_text(run_id, card.markdown, CARD_MARKDOWN)
+                    self._client.log_text(run_id, card.to_json(), CARD_JSON)
             with self._errors(f"registering {name}"):
-                created = self.client.create_model_version(
+                created = self._client.create_model_version(
                     name,
                     source=source,
                     run_id=run_id,
@@ -255,14 +244,14 @@ class Registry(MlflowConnection):
             self._wait_ready(name, version, self.ready_timeout_s)
             self._verify(name, version, model_id=model_id, files=files, card=card)
             with self._errors(f"marking {name} v{version} ready"):
-                self.client.set_model_version_tag(name, version, "dp.status", STATUS_READY)
+                self._client.set_model_version_tag(name, version, "dp.status", STATUS_READY)
         except BaseException as error:
             if version is not None:
                 self._mark_failed(name, version)
             self._end_run(run_id, "FAILED")
             if isinstance(error, DPMergeError | KeyboardInterrupt):
                 raise
-            raise RegistryError(f"registering {name} failed: {error}") from error
+            raise registry_error(f"registering {name} failed: {error}", error) from error
         self._end_run(run_id, "FINISHED")
         return RegisteredVersion(name, version, content_hash, run_id, False)
 
@@ -284,43 +273,6 @@ class Registry(MlflowConnection):
                 f"{loaded.path}: weights do not fit {loaded.spec.name}: {error}"
             ) from None
         return module.eval()
-
-    # --- loading -----------------------------------------------------------------------
-
-    def load_candidates(
-        self,
-        name: str,
-        versions: Sequence[str | int] | None = None,
-        *,
-        dest: str | Path | None = None,
-    ) -> list[RegisteredCandidate]:
-        """Download ready candidate versions (default: all) into ``dest`` (default a new
-        temporary directory the caller owns), check each against its content hash, load."""
-        if versions is None:
-            found = self._search(f"name = '{quote(name)}' and tags.`dp.role` = '{ROLE_CANDIDATE}'")
-            versions = [v.version for v in found if v.tags.get("dp.status") == STATUS_READY]
-        if not versions:
-            raise RegistryError(f"no ready candidate versions in {name}")
-        root = (
-            Path(dest) if dest is not None else Path(tempfile.mkdtemp(prefix="dpmerge-candidates-"))
-        )
-        result = []
-        for version in sorted({str(v) for v in versions}, key=int):
-            mv = self._version(name, version)
-            if mv.tags.get("dp.role") != ROLE_CANDIDATE or mv.tags.get("dp.status") != STATUS_READY:
-                raise RegistryError(f"{name} v{version} is not a ready candidate version")
-            with self._errors(f"downloading {name} v{version}"):
-                path = mlflow.artifacts.download_artifacts(
-                    artifact_uri=f"{mv.source.rstrip('/')}/{EXTRA_DIR}",
-                    dst_path=str(root / f"{slug(name, 80)}-v{version}"),
-                    tracking_uri=self.tracking_uri,
-                )
-            if candidate_content_hash(path) != mv.tags.get("dp.content_hash"):
-                raise RegistryError(
-                    f"{name} v{version}: downloaded files do not match dp.content_hash"
-                )
-            result.append(RegisteredCandidate(name, version, load_model_dir(path)))
-        return result
 
     # --- promotion ---------------------------------------------------------------------
 
@@ -365,7 +317,7 @@ class Registry(MlflowConnection):
         if previous == version:
             return Promotion(name, alias, version, previous, changed=False)
         with self._errors(f"setting alias {alias!r} on {name} v{version}"):
-            self.client.set_registered_model_alias(name, alias, version)
+            self._client.set_registered_model_alias(name, alias, version)
         return Promotion(name, alias, version, previous, changed=True)
 
     def revoke(self, name: str, alias: str) -> str | None:
@@ -373,33 +325,63 @@ class Registry(MlflowConnection):
         previous = self._aliases(name).get(alias)
         if previous is not None:
             with self._errors(f"removing alias {alias!r} from {name}"):
-                self.client.delete_registered_model_alias(name, alias)
+                self._client.delete_registered_model_alias(name, alias)
         return previous
 
-    # --- queries -----------------------------------------------------------------------
+    def undo_promotion(self, promotion: Promotion) -> None:
+        """Put the alias back where ``promotion`` found it (removed if it named no version): a
+        promotion whose release could not be recorded in the ledger is undone."""
+        if not promotion.changed:
+            return
+        with self._errors(f"restoring alias {promotion.alias!r} of {promotion.name}"):
+            if promotion.previous is None:
+                self._client.delete_registered_model_alias(promotion.name, promotion.alias)
+            else:
+                self._client.set_registered_model_alias(
+                    promotion.name, promotion.alias, promotion.previous
+                )
 
-    def find_ready_version(self, name: str, content_hash: str) -> ModelVersion | None:
-        """The ready version of ``name`` with this content hash (a merge request already
-        registered: a flow can check this before merging, so RS draws once per release)."""
-        found = self._search(
-            f"name = '{quote(name)}' and tags.`dp.content_hash` = '{quote(content_hash)}'"
-        )
-        ready = [v for v in found if v.tags.get("dp.status") == STATUS_READY]
-        return min(ready, key=lambda v: int(v.version)) if ready else None
+    def alias_time(self, name: str, alias: str) -> datetime | None:
+        """The time of the policy event that last changed ``alias`` of ``name`` (the tag
+        ``dp.alias_time.<alias>``); ``None`` if none did or there is no such model."""
+        stamp = (self._model_tags(name) or {}).get(ALIAS_TIME_TAG + alias)
+        if not stamp:
+            return None
+        try:
+            moment = datetime.fromisoformat(stamp)
+        except ValueError:
+            message = f"{name}: tag {ALIAS_TIME_TAG}{alias} is not a time: {stamp!r}"
+            raise RegistryError(message) from None
+        return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
-    def list_versions(self, name: str | None = None) -> list[VersionSummary]:
-        """Every candidate and merged version (of ``name`` if given), by name and version."""
-        where = f"name = '{quote(name)}' and " if name else ""
-        found = [
-            v
-            for role in (ROLE_CANDIDATE, ROLE_MERGED)
-            for v in self._search(f"{where}tags.`dp.role` = '{role}'")
-        ]
-        aliases: dict[str, dict[str, list[str]]] = {}
-        for model in {v.name for v in found}:
-            for alias, version in self._aliases(model).items():
-                aliases.setdefault(model, {}).setdefault(str(version), []).append(alias)
-        rows = [
-            VersionSummary.of(v, aliases.get(v.name, {}).get(str(v.version), [])) for v in found
-        ]
-        return sorted(rows, key=lambda r: (r.name, int(r.version)))
+    def mark_alias_time(self, name: str, alias: str, occurred: datetime) -> None:
+        """Record that the policy event at ``occurred`` changed ``alias`` of ``name``."""
+        with self._errors(f"tagging {name} with the policy time"):
+            self._client.set_registered_model_tag(
+                name, ALIAS_TIME_TAG + alias, occurred.isoformat()
+            )
+
+    # --- reports -----------------------------------------------------------------------
+
+    def log_report(
+        self,
+        experiment: str,
+        *,
+        run_name: str,
+        tags: Mapping[str, str],
+        params: Mapping[str, str],
+        files: Sequence[str | Path],
+    ) -> str:
+        """Log ``files`` and ``params`` to a new finished run of ``experiment`` (created with
+        the registry's artifact location); returns the run id."""
+        with self._errors(f"logging report {run_name!r}"):
+            run = self._client.create_run(
+                self._experiment(experiment), run_name=run_name, tags=dict(tags)
+            )
+            run_id = run.info.run_id
+            for path in files:
+                self._client.log_artifact(run_id, str(path))
+            for key, value in params.items():
+                self._client.log_param(run_id, key, value)
+            self._client.set_terminated(run_id, "FINISHED")
+        return run_id

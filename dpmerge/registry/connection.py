@@ -1,6 +1,9 @@
-"""The MLflow side of the registry: one ``MlflowClient`` and the calls the registry makes
-through it, with MLflow's errors turned into :class:`RegistryError`. Goes through this client
-only (no fluent API, so no global tracking URI is read or changed).
+"""The MLflow side of the registry: one private ``MlflowClient`` and the calls the registry
+makes through it, the search filters (:func:`search_filter`, the one place values are quoted)
+and MLflow's errors turned into :class:`RegistryError` — :class:`RegistryUnavailableError`
+(transient) where the error's type, code or HTTP status says the failure is temporary
+(:func:`~dpmerge.registry.errors.registry_error`). Goes through this client only (no fluent
+API, so no global tracking URI is read or changed).
 
 A version holds an MLflow ``pytorch`` model in the ``pt2`` format (``torch.export``: no pickle,
 loadable without dpmerge, dynamic batch dimension from a batch-4 input example) and, in its
@@ -16,7 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from typing import Any
 import mlflow
 import mlflow.pytorch
 import numpy as np
+import requests
 import torch
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus
@@ -41,8 +45,9 @@ from dpmerge.artifacts import (
     ModelDir,
 )
 from dpmerge.privacy_card import PrivacyCard
-from dpmerge.registry.errors import RegistryError
+from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
 from dpmerge.registry.tags import ROLE_CANDIDATE, STATUS_FAILED, tag_float
+from dpmerge.registry.versions import StoredVersion
 
 MODEL_ARTIFACT = "model"
 EXTRA_DIR = "extra_files"  # where mlflow.pytorch.log_model puts extra_files
@@ -64,10 +69,10 @@ class MlflowConnection:
         self, tracking_uri: str | None, experiment: str, artifact_location: str | None
     ) -> None:
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
-        self.client = MlflowClient(self.tracking_uri, self.tracking_uri)
+        self._client = MlflowClient(self.tracking_uri, self.tracking_uri)
         self.experiment = experiment
         self.artifact_location = artifact_location or _default_artifact_location(self.tracking_uri)
-        self._experiment_id: str | None = None
+        self._experiment_ids: dict[str, str] = {}
         if self.tracking_uri.startswith(("http://", "https://")):
             _check_server(self.tracking_uri)
 
@@ -76,29 +81,34 @@ class MlflowConnection:
         try:
             yield
         except MlflowException as error:
-            raise RegistryError(f"{action} at {self.tracking_uri}: {error.message}") from None
+            message = f"{action} at {self.tracking_uri}: {error.message}"
+            raise registry_error(message, error) from None
+        except (requests.exceptions.RequestException, ConnectionError, TimeoutError) as error:
+            message = f"{action} at {self.tracking_uri}: {type(error).__name__}: {error}"
+            raise registry_error(message, error) from None
 
-    def _experiment(self) -> str:
-        if self._experiment_id is None:
-            with self._errors(f"opening experiment {self.experiment!r}"):
-                found = self.client.get_experiment_by_name(self.experiment)
+    def _experiment(self, name: str | None = None) -> str:
+        """The id of experiment ``name`` (default the registry's), created on first use."""
+        name = name or self.experiment
+        if name not in self._experiment_ids:
+            with self._errors(f"opening experiment {name!r}"):
+                found = self._client.get_experiment_by_name(name)
                 if found is None:
                     try:
-                        self._experiment_id = self.client.create_experiment(
-                            self.experiment, artifact_location=self.artifact_location
+                        self._experiment_ids[name] = self._client.create_experiment(
+                            name, artifact_location=self.artifact_location
                         )
                     except MlflowException as error:
                         if error.error_code != "RESOURCE_ALREADY_EXISTS":
                             raise
-                        found = self.client.get_experiment_by_name(self.experiment)
+                        found = self._client.get_experiment_by_name(name)
                 if found is not None:
-                    self._experiment_id = found.experiment_id
-        assert self._experiment_id is not None
-        return self._experiment_id
+                    self._experiment_ids[name] = found.experiment_id
+        return self._experiment_ids[name]
 
     def _ensure_registered_model(self, name: str, role: str) -> None:
         try:
-            self.client.create_registered_model(
+            self._client.create_registered_model(
                 name,
                 tags={"dp.kind": "candidates" if role == ROLE_CANDIDATE else "releases"},
                 description=(
@@ -109,27 +119,38 @@ class MlflowConnection:
             )
         except MlflowException as error:
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise RegistryError(f"creating registered model {name}: {error.message}") from None
+                message = f"creating registered model {name}: {error.message}"
+                raise registry_error(message, error) from None
 
     def _version(self, name: str, version: str) -> ModelVersion:
         try:
-            return self.client.get_model_version(name, version)
+            return self._client.get_model_version(name, version)
         except MlflowException as error:
             if error.error_code == "RESOURCE_DOES_NOT_EXIST":
                 raise RegistryError(f"{name} v{version} does not exist") from None
-            raise RegistryError(f"reading {name} v{version}: {error.message}") from None
+            raise registry_error(f"reading {name} v{version}: {error.message}", error) from None
+
+    def _model_tags(self, name: str) -> dict[str, str] | None:
+        """The registered model's tags; ``None`` when there is no such model."""
+        try:
+            return dict(self._client.get_registered_model(name).tags)
+        except MlflowException as error:
+            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            message = f"reading registered model {name}: {error.message}"
+            raise registry_error(message, error) from None
 
     def _aliases(self, name: str) -> dict[str, str]:
         with self._errors(f"reading aliases of {name}"):
-            return {k: str(v) for k, v in self.client.get_registered_model(name).aliases.items()}
+            return {k: str(v) for k, v in self._client.get_registered_model(name).aliases.items()}
 
-    def _search(self, filter_string: str) -> list[ModelVersion]:
-        found: list[ModelVersion] = []
+    def _search(self, filter_string: str) -> list[StoredVersion]:
+        found: list[StoredVersion] = []
         token = None
         with self._errors(f"searching versions ({filter_string})"):
             while True:
-                page = self.client.search_model_versions(filter_string, page_token=token)
-                found.extend(page)
+                page = self._client.search_model_versions(filter_string, page_token=token)
+                found.extend(StoredVersion.of(mv) for mv in page)
                 token = page.token
                 if not token:
                     return found
@@ -152,17 +173,17 @@ class MlflowConnection:
             tempfile.TemporaryDirectory(prefix="dpmerge-read-") as scratch,
         ):
             return json.loads(
-                Path(self.client.download_artifacts(run_id, path, scratch)).read_text()
+                Path(self._client.download_artifacts(run_id, path, scratch)).read_text()
             )
 
     def _mark_failed(self, name: str, version: str) -> None:
         # best effort: without dp.status=ready the version is never promoted anyway
         with suppress(MlflowException):
-            self.client.set_model_version_tag(name, version, "dp.status", STATUS_FAILED)
+            self._client.set_model_version_tag(name, version, "dp.status", STATUS_FAILED)
 
     def _end_run(self, run_id: str, status: str) -> None:
         with suppress(MlflowException):
-            self.client.set_terminated(run_id, status)
+            self._client.set_terminated(run_id, status)
 
     def _log_model(
         self,
@@ -177,7 +198,7 @@ class MlflowConnection:
         as a logged model of the run. Returns model id, artifact location, files."""
         example = np.zeros((INPUT_EXAMPLE_BATCH, *loaded.spec.input_shape), np.float32)
         with self._errors("creating the logged model"):
-            logged = self.client.create_logged_model(
+            logged = self._client.create_logged_model(
                 self._experiment(),
                 name=MODEL_ARTIFACT,
                 source_run_id=run_id,
@@ -200,13 +221,13 @@ class MlflowConnection:
                         serialization_format="pt2",
                     )
                 with self._errors("uploading the logged model"):
-                    self.client.log_model_artifacts(logged.model_id, str(model_path))
+                    self._client.log_model_artifacts(logged.model_id, str(model_path))
         except BaseException:
             with suppress(MlflowException):
-                self.client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
+                self._client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
             raise
         with self._errors("finalising the logged model"):
-            self.client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+            self._client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
         return logged.model_id, logged.artifact_location, [f.name for f in files]
 
     def _verify(
@@ -223,9 +244,9 @@ class MlflowConnection:
         with self._errors(f"verifying {name} v{version}"):
             stored = {
                 Path(f.path).name
-                for f in self.client.list_logged_model_artifacts(model_id, EXTRA_DIR)
+                for f in self._client.list_logged_model_artifacts(model_id, EXTRA_DIR)
             }
-            top = {f.path for f in self.client.list_logged_model_artifacts(model_id)}
+            top = {f.path for f in self._client.list_logged_model_artifacts(model_id)}
         missing = sorted(set(files) - stored) + (["MLmodel"] if "MLmodel" not in top else [])
         if missing:
             raise RegistryError(f"{name} v{version}: artifacts missing after upload: {missing}")
@@ -256,9 +277,23 @@ def _stage_files(
     return files
 
 
-def quote(value: str) -> str:
-    """``value`` inside a quoted search-filter string."""
-    return value.replace("'", "''")
+def search_filter(name: str | None = None, tags: Mapping[str, str] | None = None) -> str:
+    """The filter for the versions of ``name`` (any model if ``None``) whose ``tags`` hold these
+    values, each value quoted by :func:`_literal`."""
+    terms = [] if name is None else [f"name = {_literal(name)}"]
+    terms += [f"tags.`{key}` = {_literal(value)}" for key, value in (tags or {}).items()]
+    return " and ".join(terms)
+
+
+def _literal(value: str) -> str:
+    """``value`` as a filter string. MLflow's parser strips the quotes and unescapes nothing, so
+    a value holding ``'`` goes in double quotes; one holding both quote characters cannot be
+    written at all."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise RegistryError(f"cannot search for {value!r}: it holds both kinds of quote")
 
 
 def _default_artifact_location(tracking_uri: str) -> str | None:
@@ -273,7 +308,7 @@ def _check_server(url: str) -> None:
         with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5) as response:
             response.read()
     except (urllib.error.URLError, OSError) as error:
-        raise RegistryError(
+        raise RegistryUnavailableError(
             f"MLflow server {url} unreachable ({error}); start it (`dpmerge stack up`) "
             "or point MLFLOW_TRACKING_URI elsewhere"
         ) from None

@@ -1,14 +1,42 @@
-"""The registry's errors: a failed or refused operation, and a refused promotion."""
+"""The registry's errors: a failed or refused operation, a temporary failure of the tracking
+server or its database (told apart by :func:`registry_error` from the failure's type, MLflow
+error code or HTTP status), and a refused promotion."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dpmerge.errors import DPMergeError
+import requests
+from mlflow.exceptions import MlflowException
+
+from dpmerge.errors import DPMergeError, TransientError
+
+TEMPORARY_HTTP_STATUS = frozenset({429, 503, 504})
+"""HTTP statuses of a temporary failure. MLflow maps its error codes onto them:
+``REQUEST_LIMIT_EXCEEDED`` and ``RESOURCE_EXHAUSTED`` (429), ``TEMPORARILY_UNAVAILABLE`` (503;
+also what its SQL store raises for a database error such as a locked sqlite file),
+``DEADLINE_EXCEEDED`` (504)."""
+
+TEMPORARY_ERRORS: tuple[type[BaseException], ...] = (
+    requests.exceptions.ConnectionError,
+    requests.exceptions.Timeout,
+    requests.exceptions.RetryError,  # MLflow's own retries of 429/5xx ran out
+    requests.exceptions.ChunkedEncodingError,
+    ConnectionError,
+    TimeoutError,
+)
+"""Network failures worth retrying (requests wraps urllib3's). MLflow's REST client re-raises
+them as a plain ``MlflowException`` inside its ``except`` block, so they are found on the
+exception's chain of causes."""
 
 
 class RegistryError(DPMergeError):
     """A registry operation failed or was refused; the message names model and version."""
+
+
+class RegistryUnavailableError(RegistryError, TransientError):
+    """The tracking server or its database failed temporarily (unreachable, timed out, 429,
+    503, 504, a locked sqlite database): worth retrying."""
 
 
 class GateError(RegistryError):
@@ -17,3 +45,21 @@ class GateError(RegistryError):
     def __init__(self, name: str, version: str, reasons: Sequence[str]) -> None:
         super().__init__(f"{name} v{version} not promoted: " + "; ".join(reasons))
         self.reasons = tuple(reasons)
+
+
+def registry_error(message: str, error: BaseException) -> RegistryError:
+    """``message`` as a :class:`RegistryUnavailableError` when ``error`` — by its type, MLflow
+    error code or HTTP status, on its whole chain of causes — is a temporary failure, else as a
+    :class:`RegistryError`."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        temporary_status = (
+            isinstance(cause, MlflowException)
+            and cause.get_http_status_code() in TEMPORARY_HTTP_STATUS
+        )
+        if temporary_status or isinstance(cause, TEMPORARY_ERRORS):
+            return RegistryUnavailableError(message)
+        cause = cause.__cause__ or cause.__context__
+    return RegistryError(message)

@@ -12,6 +12,7 @@ from dpmerge.registry.errors import RegistryError
 ROLE_CANDIDATE, ROLE_MERGED = "candidate", "merged"
 STATUS_REGISTERING, STATUS_READY, STATUS_FAILED = "registering", "ready", "failed"
 TAG_VALUE_LIMIT = 5000  # bytes every MLflow backend stores for a tag value
+ALIAS_TIME_TAG = "dp.alias_time."  # + alias: on a registered model, the event time of its change
 
 
 def tag_value(value: Any) -> str:

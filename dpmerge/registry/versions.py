@@ -1,5 +1,5 @@
-"""What the registry hands back: registered versions, loaded candidates, promotions and the
-rows of ``dpmerge registry ls``."""
+"""What the registry hands back: stored and registered versions, loaded candidates, promotions
+and the rows of ``dpmerge registry ls``. No MLflow entity leaves the registry."""
 
 from __future__ import annotations
 
@@ -11,6 +11,20 @@ from mlflow.entities.model_registry import ModelVersion
 
 from dpmerge.artifacts import ModelDir
 from dpmerge.registry.tags import tag_float
+
+
+@dataclass(frozen=True)
+class StoredVersion:
+    """A version as the registry stores it: model, number, run and ``dp.*`` tags."""
+
+    name: str
+    version: str
+    run_id: str | None
+    tags: dict[str, str]
+
+    @classmethod
+    def of(cls, mv: ModelVersion) -> StoredVersion:
+        return cls(mv.name, str(mv.version), mv.run_id, dict(mv.tags))
 
 
 @dataclass(frozen=True)
@@ -58,11 +72,11 @@ class VersionSummary:
     aliases: tuple[str, ...]
 
     @classmethod
-    def of(cls, mv: ModelVersion, aliases: Sequence[str]) -> VersionSummary:
+    def of(cls, mv: StoredVersion, aliases: Sequence[str]) -> VersionSummary:
         """The row of version ``mv``, which ``aliases`` name."""
         return cls(
             name=mv.name,
-            version=str(mv.version),
+            version=mv.version,
             role=mv.tags.get("dp.role", ""),
             status=mv.tags.get("dp.status"),
             epsilon=tag_float(mv.tags.get("dp.epsilon")),

@@ -157,11 +157,7 @@ def handle(args: argparse.Namespace) -> int:
     print()
     print_outcome(outcome)
     if outcome.get("version"):
-        card = (
-            workspace.registry()
-            .client.get_model_version(outcome["merged_model"], outcome["version"])
-            .description
-        )
+        card = workspace.registry().card_text(outcome["merged_model"], outcome["version"])
         print("\n[3/3] privacy card of the release\n")
         print(card)
     print(f"\ndone in {time.perf_counter() - start:.0f} s.\n")
@@ -177,7 +173,7 @@ def _print_candidates(workspace: Any, dataset: str, delta: float) -> None:
     pool = pm.find_candidates(registry, dataset, "logreg")
     rows = [["version", "candidate", "σ", "ε (accountant, δ)", "test accuracy"]]
     for version in pool.versions:
-        tags = registry.client.get_model_version(pool.registered_model, version).tags
+        tags = registry.get_version(pool.registered_model, version).tags
         rows.append(
             [
                 f"v{version}",
