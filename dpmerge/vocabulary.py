@@ -16,7 +16,7 @@ E = TypeVar("E", bound=StrEnum)
 
 
 def choose(enum: type[E], value: object, what: str) -> E:
-    """``enum(value)``, or ``RecordError`` naming ``what`` and the valid choices."""
+    """``enum(value)``, or ``InputError`` naming ``what`` and the valid choices."""
     if isinstance(value, enum):
         return value
     if isinstance(value, str):

@@ -118,7 +118,7 @@ def calibrate(
         report.gating.kind,
         policy.target_epsilon,
         policy.target_delta,
-        {m: round(c["expected_validation_accuracy"] or 0.0, 4) for m, c in plan.compared.items()},
+        {m: c.get("noise_proxy") for m, c in plan.compared.items()},
     )
     return plan
 

@@ -201,18 +201,29 @@ def test_evaluation_data_found_by_fingerprint_and_cached(tmp_path: Path) -> None
         pm.load_evaluation_data("digits-sha256:" + "0" * 32, data.dataset_size)
 
 
-def test_auto_keeps_the_better_expected_validation_accuracy(
-    workspace: pm.Workspace, tmp_path: Path
+def test_auto_keeps_the_smaller_noise_proxy_and_never_steers_by_accuracy(
+    workspace: pm.Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The choice between RS and LC, the subset and π are data-independent: the same plan
+    whatever the candidates' accuracies (docs/design.md#calibration)."""
     registry = workspace.registry()
     pool = pm.find_candidates(registry, "digits", "logreg")
     candidates = registry.load_candidates(pool.registered_model, pool.versions, dest=tmp_path)
     data = pm.load_evaluation_data(pool.dataset, candidates[0].model_dir.record.dataset_size)
     plan = pm.calibrate_policy(_policy(target_epsilon=3.0), candidates, data)
     assert set(plan.compared) == {"rs", "lc"}
-    best = max(plan.compared.values(), key=lambda c: c["expected_validation_accuracy"])
+    best = min(plan.compared.values(), key=lambda c: c["noise_proxy"])
     assert plan.compared[plan.method] == best
     assert plan.calibration.epsilon <= 3.0
+    # A validation set that rewards the noisiest candidate changes only the LC weights within
+    # the chosen subset, never the method or the subset.
+    noisiest = max(
+        range(len(candidates)), key=lambda i: candidates[i].model_dir.record.noise_multiplier
+    )
+    monkeypatch.setattr(pm.calibration._Merges, "accuracy", lambda self, w, split: w[noisiest])
+    steered = pm.calibrate_policy(_policy(target_epsilon=3.0), candidates, data)
+    assert steered.method == plan.method
+    assert [w > 0 for w in steered.calibration.weights] == [w > 0 for w in plan.calibration.weights]
     only_rs = pm.calibrate_policy(_policy(target_epsilon=3.0, method="rs"), candidates, data)
     assert only_rs.method == "rs" and set(only_rs.compared) == {"rs"}
     structured = _policy(target_epsilon=3.0, method="auto", gating_bound="structured")

@@ -1,5 +1,12 @@
-"""Calibration for a policy (step 3): ``method: auto`` calibrates RS and LC and keeps the better
-expected validation accuracy (ties go to LC)."""
+"""Calibration for a policy (step 3, docs/design.md#calibration).
+
+Every choice that reaches beyond the released candidates is data-independent: RS probabilities
+come from the noise proxy −σ_i², the generic gate's subset from the merged-noise proxy, and
+``method: auto`` keeps the method whose release has the smaller noise proxy (ties go to LC: no
+secret draw). Validation accuracy only tunes the LC weights within the chosen subset (generic
+gate), where every weighting has the same bound. A choice steered by the candidates' validation
+accuracies would depend on every candidate consulted, which no bound over the released ones
+covers."""
 
 from __future__ import annotations
 
@@ -11,7 +18,8 @@ from typing import Any
 import torch
 
 from dpmerge.accounting.calibration import Calibration, calibrate
-from dpmerge.accounting.records import Candidate
+from dpmerge.accounting.records import Candidate, MechanismRecord
+from dpmerge.accounting.weights import inverse_variance_weights, merged_noise_proxy
 from dpmerge.artifacts import ModelSpec
 from dpmerge.data import Split
 from dpmerge.errors import RefusalError
@@ -19,6 +27,7 @@ from dpmerge.evaluation import evaluate
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.evaluation_data import EvaluationData
 from dpmerge.registry import RegisteredCandidate
+from dpmerge.vocabulary import GatingBound, Method, PolicyMethod
 
 
 class _Merges:
@@ -64,47 +73,61 @@ class PolicyPlan:
         return self.calibration.method
 
 
+def _noise_proxy(calibration: Calibration, records: Sequence[Candidate]) -> float | None:
+    """The release's noise variance relative to its signal, from the records alone: RS
+    Σπ_i·σ_i², LC Σc_i²σ_i²/(Σc_i)² at the subset's inverse-variance weights (the weights the
+    proxy chose, before any tuning). ``None`` with label-only candidates (no σ)."""
+    weights = calibration.weights or ()
+    used = [(w, r) for w, r in zip(weights, records, strict=True) if w > 0]
+    if not used or not all(isinstance(r, MechanismRecord) for _, r in used):
+        return None
+    if calibration.method == Method.RS:
+        return math.fsum(w * r.noise_multiplier**2 for w, r in used)  # type: ignore[union-attr]
+    members = [r for _, r in used]
+    return merged_noise_proxy(members, inverse_variance_weights(members))  # type: ignore[arg-type]
+
+
 def calibrate_policy(
     policy: Policy, candidates: Sequence[RegisteredCandidate], data: EvaluationData
 ) -> PolicyPlan:
-    """Calibrate ``policy``'s method (``auto``: RS and LC, the better expected validation
-    accuracy wins; ties go to LC) at (ε*, δ*) with the policy's gating bound for LC."""
+    """Calibrate ``policy``'s method at (ε*, δ*) with the policy's gating bound for LC
+    (``auto``: RS and LC, the smaller noise proxy wins; see the module docstring)."""
     records: list[Candidate] = []
     for c in candidates:
         if c.model_dir.record is None:
             raise RefusalError(f"{c.name} v{c.version} is not a candidate")
         records.append(c.model_dir.record)
     merges = _Merges(candidates)
-    k = len(candidates)
-    one_hot = [tuple(1.0 if n == i else 0.0 for n in range(k)) for i in range(k)]
-    utilities = [merges.accuracy(w, data.validation) for w in one_hot]
-    methods = ("lc", "rs") if policy.method == "auto" else (policy.method,)
+    methods = (Method.LC, Method.RS) if policy.method == PolicyMethod.AUTO else (policy.method,)
     results: dict[str, Calibration] = {}
     compared: dict[str, dict[str, Any]] = {}
     for method in methods:
-        result = calibrate(
-            records,
-            method,  # type: ignore[arg-type]
-            policy.target_epsilon,
-            policy.target_delta,
-            gating_bound=policy.gating_bound if method == "lc" else "generic",
-            utilities=utilities if method == "rs" else None,
-            merge_utility=(lambda w: merges.accuracy(w, data.validation))
-            if method == "lc"
-            else None,
-        )
-        results[method] = result
-        compared[method] = {
+        tunable = method == Method.LC and policy.gating_bound == GatingBound.GENERIC
+        try:
+            result = calibrate(
+                records,
+                method,
+                policy.target_epsilon,
+                policy.target_delta,
+                gating_bound=policy.gating_bound if method == Method.LC else GatingBound.GENERIC,
+                merge_utility=(lambda w: merges.accuracy(w, data.validation)) if tunable else None,
+            )
+        except RefusalError as refusal:
+            if len(methods) == 1:
+                raise
+            compared[str(method)] = {"refused": str(refusal)}
+            continue
+        results[str(method)] = result
+        compared[str(method)] = {
             "epsilon": result.epsilon,
-            "bound": result.report.gating.kind,
-            "expected_validation_accuracy": result.utility,
-            "utility_kind": result.utility_kind,
+            "bound": str(result.report.gating.kind),
+            "noise_proxy": _noise_proxy(result, records),
         }
-    best = max(
-        methods,
-        key=lambda m: (
-            -math.inf if results[m].utility is None else results[m].utility,
-            m == "lc",
-        ),
-    )
-    return PolicyPlan(results[best], compared)
+    if not results:
+        raise RefusalError("; ".join(c["refused"] for c in compared.values()))
+
+    def rank(method: str) -> tuple[float, bool]:
+        proxy = compared[method]["noise_proxy"]
+        return (math.inf if proxy is None else proxy, method != Method.LC)
+
+    return PolicyPlan(results[min(results, key=rank)], compared)

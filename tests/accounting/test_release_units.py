@@ -24,7 +24,7 @@ from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.generic import generic_bound, release_units
 from dpmerge.accounting.ledger import ReleaseLedger, release_of
 from dpmerge.accounting.structured import ORDERING_SLACK
-from dpmerge.errors import RecordError, RefusalError
+from dpmerge.errors import InputError, RecordError, RefusalError
 from dpmerge.vocabulary import UnitKind
 
 DELTA = 1e-5
@@ -301,7 +301,7 @@ def test_weights_and_delta_are_strictly_typed(ladder):
         account(ladder[:2], "lc", [True, False], DELTA)
     with pytest.raises(RecordError, match="δ must be a number"):
         account(ladder[:2], "lc", [0.5, 0.5], True)
-    with pytest.raises(RecordError, match="method must be one of"):
+    with pytest.raises(InputError, match="method must be one of"):
         account(ladder[:2], "avg", [0.5, 0.5], DELTA)
 
 
