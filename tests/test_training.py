@@ -21,17 +21,19 @@ from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.artifacts import load_model_dir
 from dpmerge.data import DatasetSplits, RowDataset, load_dataset
 from dpmerge.data.datasets import FASHION_MNIST_ROOT
-from dpmerge.linear_engine import PoissonSubsetSampler
+from dpmerge.evaluation import evaluate
 from dpmerge.models import build_model, check_weights_match, model_spec
 from dpmerge.training import (
     LINEAR_EXACT,
     OPACUS_MODES,
+    EpochMetrics,
     TrainConfig,
     TrainingConfigError,
     save_candidate,
     train_candidate,
     train_candidates,
 )
+from dpmerge.training.engines.linear import PoissonSubsetSampler
 
 DELTA = 1e-5
 ENGINES = ("ghost", LINEAR_EXACT)
@@ -198,6 +200,10 @@ def test_same_seeds_reproduce_and_resume_continues_both_streams(
     assert resumed.accountant_history == whole.accountant_history
     assert resumed.record == whole.record.model_copy(update={"name": resumed.record.name})
     assert resumed.record.name == first.record.name  # one run, one id
+    assert [entry.step for entry in first.history] == [50]  # a partial first epoch
+    assert [entry.step for entry in second.history] == [92]
+    assert without_clock(resumed.history) == without_clock(whole.history)
+    assert [entry.step for entry in whole.history] == [93, 186]
 
     with pytest.raises(TrainingConfigError, match="differs in noise_multiplier"):
         train_candidate(replace(resumable, noise_multiplier=2.0), digits)
@@ -206,6 +212,33 @@ def test_same_seeds_reproduce_and_resume_continues_both_streams(
         train_candidate(replace(resumable, grad_sample_mode=other_engine), digits)
     with pytest.raises(TrainingConfigError, match="past this run's 10 steps"):
         train_candidate(replace(resumable, max_steps=10), digits)
+
+
+def without_clock(history: tuple[EpochMetrics, ...]) -> list[EpochMetrics]:
+    return [replace(entry, train_seconds=0.0) for entry in history]
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_history_has_one_entry_per_epoch_and_a_partial_last(
+    digits: DatasetSplits, mode: str, tmp_path: Path
+) -> None:
+    result = train_candidate(config(epochs=3, max_steps=50, grad_sample_mode=mode), digits)
+    history = result.history
+    assert [(e.epoch, e.step) for e in history] == [(1, 21), (2, 42), (3, 50)]
+    assert all(e.train_loss is not None and math.isfinite(e.train_loss) for e in history)
+    assert history[0].train_loss > history[-1].train_loss  # it learns
+    seconds = [e.train_seconds for e in history]
+    assert 0 < seconds[0] <= seconds[1] <= seconds[2] == result.train_seconds
+    final = history[-1]
+    for split in ("validation", "test"):
+        scores = evaluate(result.model, getattr(digits, split))
+        assert result.metrics[f"{split}_accuracy"] == getattr(final, f"{split}_accuracy")
+        assert getattr(final, f"{split}_accuracy") == scores["accuracy"]
+        assert getattr(final, f"{split}_loss") == pytest.approx(scores["loss"], rel=1e-12)
+    assert history[0].validation_accuracy != final.validation_accuracy
+    saved = load_model_dir(save_candidate(result, tmp_path / "cand", DELTA)).metrics["history"]
+    assert [entry["step"] for entry in saved] == [21, 42, 50]
+    assert all("train_loss" not in entry for entry in saved)  # no training-set statistic
 
 
 @pytest.mark.parametrize("model", ["logreg", "cnn"])
