@@ -27,13 +27,16 @@ from dpmerge.training import (
     LINEAR_EXACT,
     OPACUS_MODES,
     EpochMetrics,
+    RunOptions,
     TrainConfig,
     TrainingConfigError,
+    declared_parameters,
     save_candidate,
     train_candidate,
     train_candidates,
 )
 from dpmerge.training.engines.linear import PoissonSubsetSampler
+from dpmerge.vocabulary import ModelName
 
 DELTA = 1e-5
 ENGINES = ("ghost", LINEAR_EXACT)
@@ -87,6 +90,7 @@ def test_record_is_what_ran(digits: DatasetSplits, mode: str) -> None:
 
 def test_logreg_defaults_to_the_linear_engine(digits: DatasetSplits) -> None:
     assert config().mode == LINEAR_EXACT and config(model="cnn").mode == "hooks"
+    assert config(model="cnn").model is ModelName.CNN and config(clip_norm=2).clip_norm == 2.0
     assert train_candidate(config(max_steps=2), digits).metrics["grad_sample_mode"] == LINEAR_EXACT
 
 
@@ -299,8 +303,14 @@ def test_bad_configurations_are_refused(digits: DatasetSplits) -> None:
         config(noise_multiplier=None)
     with pytest.raises(TrainingConfigError, match="batch_size must be a positive"):
         config(batch_size=0)
-    with pytest.raises(TrainingConfigError, match="unknown model"):
+    with pytest.raises(TrainingConfigError, match="unknown model 'mlp'; known: logreg, cnn"):
         config(model="mlp")
+    with pytest.raises(TrainingConfigError, match="epochs must be an integer, got True"):
+        config(epochs=True)
+    with pytest.raises(TrainingConfigError, match="clip_norm must be a number, got '1'"):
+        config(clip_norm="1")
+    with pytest.raises(TrainingConfigError, match="torch_threads must be a positive number"):
+        RunOptions(torch_threads=0)
     with pytest.raises(TrainingConfigError, match="grad_sample_mode"):
         config(grad_sample_mode="fast")
     with pytest.raises(TrainingConfigError, match="runs only logreg, not 'cnn'"):
@@ -341,7 +351,7 @@ def test_cli_trains_and_writes_the_model_directory(
     ("args", "message"),
     [
         (("--dataset", "fashion-mnist", "--data-root", "/nonexistent"), "dataset-fashion-mnist"),
-        (("--dataset", "digits", "--model", "mlp"), "unknown model 'mlp'"),
+        (("--dataset", "digits", "--threads", "0"), "torch_threads must be a positive"),
         (("--dataset", "digits", "--target-epsilon", "2"), "exactly one of"),
         (("--dataset", "digits", "--noise-multiplier", "-1"), "noise_multiplier must be"),
         (("--dataset", "digits", "--out", "EXISTING"), "already exists"),
@@ -366,3 +376,25 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(
     assert code == dpmerge.cli.EXIT_BAD_INPUT
     assert len(err) == 1 and err[0].startswith("dpmerge: error:") and message in err[0]
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_cli_options_are_the_declared_parameters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = dpmerge.cli.build_parser(command="train")
+    (train,) = parser._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+    options = {action.dest: action for action in train._actions}
+    declared = [*declared_parameters(TrainConfig), *declared_parameters(RunOptions)]
+    assert set(options) == {"help", "out"} | {p.name for p in declared}
+    for parameter in declared:
+        assert options[parameter.name].help.endswith(parameter.help)
+        assert options[parameter.name].choices == parameter.choices
+    assert options["model"].choices == ("logreg", "cnn", "resnet18_gn")
+    assert "--lr" in options["learning_rate"].option_strings
+    assert "--no-progress" in options["progress"].option_strings
+    # a word outside a vocabulary is refused by the parser, before anything is read or written
+    out = tmp_path / "new"
+    with pytest.raises(SystemExit) as exit_info:
+        dpmerge.cli.main(["train", "--dataset", "digits", "--model", "mlp", "--out", str(out)])
+    assert exit_info.value.code == dpmerge.cli.EXIT_BAD_INPUT
+    assert "invalid choice: 'mlp'" in capsys.readouterr().err and not out.exists()
