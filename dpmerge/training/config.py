@@ -33,8 +33,8 @@ DEFAULT_GRAD_SAMPLE_MODE = {
 }
 """Fastest valid mode per model on the 2-core CPU (docs/training.md, bench_training.py)."""
 DEFAULT_LEARNING_RATE = {ModelName.LOGREG: 2.0, ModelName.CNN: 1.0, ModelName.RESNET18_GN: 0.5}
-"""Plain-SGD step sizes at C = 1, B = 256: logreg from the utility experiment (docs/training.md,
-"CNN learning rate"), cnn from docs/training.md; resnet18_gn is not tuned here."""
+"""Plain-SGD step sizes at C = 1, B = 256, chosen in docs/training.md ("Logreg learning rate",
+"CNN learning rate"); resnet18_gn is not tuned here."""
 DEVICE_KINDS = ("cpu", "cuda", "auto")
 
 
