@@ -19,11 +19,12 @@ from torch.utils.data import DataLoader
 import dpmerge.cli
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.artifacts import load_model_dir
-from dpmerge.data import DatasetSplits, RowDataset, load_dataset
+from dpmerge.data import DatasetSplits, RowDataset, Split, load_dataset
 from dpmerge.data.datasets import FASHION_MNIST_ROOT
 from dpmerge.evaluation import evaluate
 from dpmerge.models import build_model, check_weights_match, model_spec
 from dpmerge.training import (
+    GRAD_SAMPLE_MODES,
     LINEAR_EXACT,
     OPACUS_MODES,
     EpochMetrics,
@@ -243,6 +244,19 @@ def test_history_has_one_entry_per_epoch_and_a_partial_last(
     saved = load_model_dir(save_candidate(result, tmp_path / "cand", DELTA)).metrics["history"]
     assert [entry["step"] for entry in saved] == [21, 42, 50]
     assert all("train_loss" not in entry for entry in saved)  # no training-set statistic
+
+
+@pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
+def test_scoring_between_epochs_leaves_the_training_unchanged(
+    digits: DatasetSplits, mode: str
+) -> None:
+    settings = config(grad_sample_mode=mode, batch_size=128, batch_seed=2, epochs=3, max_steps=25)
+    empty = Split(digits.test.features[:0], digits.test.labels[:0])
+    unscored = train_candidate(settings, replace(digits, validation=empty, test=empty))
+    scored = train_candidate(settings, digits)
+    assert weights_equal(scored.weights, unscored.weights)
+    assert [e.train_loss for e in scored.history] == [e.train_loss for e in unscored.history]
+    assert len(scored.history) == 3 and unscored.history[-1].test_accuracy is None
 
 
 @pytest.mark.parametrize("model", ["logreg", "cnn"])
