@@ -50,28 +50,38 @@ class Progress:
         )
         self.clock: float | None = time.perf_counter()
         self.shown = self.clock
+        self.losses: list[torch.Tensor] = []
+        """Batch losses not yet read back (one read an epoch or a checkpoint, not a step: on a
+        GPU each read waits for the device)."""
 
     def stepped(self, loss: torch.Tensor) -> None:
         """Count one step that ran, with the mean loss of its batch (NaN if it was empty)."""
         state, config = self.state, self.config
         state.step += 1
-        value = loss.item()
-        if not math.isnan(value):
-            state.epoch_loss.append(value)
+        self.losses.append(loss.detach())
         self.bar.update()
         if config.progress and time.perf_counter() - self.shown >= EPSILON_REFRESH_SECONDS:
             epsilon = self.accountant.get_epsilon(config.delta)
-            self.bar.set_postfix(loss=f"{value:.3f}", eps_rdp=f"{epsilon:.3f}")
+            self.bar.set_postfix(loss=f"{loss.item():.3f}", eps_rdp=f"{epsilon:.3f}")
             self.shown = time.perf_counter()
         if state.step % self.plan.steps_per_epoch == 0:
             self.end_epoch()
         if self.save is not None and state.step % config.checkpoint_every == 0:
+            self.read_losses()  # waits for the device: before the clock is read
             self._tick()
             self.save()
+
+    def read_losses(self) -> None:
+        """Move the pending batch losses into the state (empty batches' NaN left out)."""
+        if self.losses:
+            values = torch.stack(self.losses).tolist()
+            self.state.epoch_loss.extend(v for v in values if not math.isnan(v))
+            self.losses = []
 
     def end_epoch(self) -> None:
         """Score the model and append the epoch to the history (outside the training clock)."""
         state = self.state
+        self.read_losses()
         self._tick()
         losses = state.epoch_loss
         entry = EpochMetrics(
@@ -88,6 +98,7 @@ class Progress:
 
     def close(self) -> None:
         """Stop the training clock (a partial last epoch may still be ended)."""
+        self.read_losses()
         self._tick()
         self.clock = None
         self.bar.close()
