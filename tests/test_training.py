@@ -259,6 +259,30 @@ def test_scoring_between_epochs_leaves_the_training_unchanged(
     assert len(scored.history) == 3 and unscored.history[-1].test_accuracy is None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize(("model", "mode"), [("logreg", LINEAR_EXACT), ("cnn", "hooks")])
+def test_cuda_run_records_what_ran_scores_each_epoch_and_resumes(
+    digits: DatasetSplits, tmp_path: Path, model: str, mode: str
+) -> None:
+    settings = config(
+        model=model, grad_sample_mode=mode, device="auto", batch_size=14, epochs=2, batch_seed=3
+    )
+    whole = train_candidate(settings, digits)
+    assert {p.device.type for p in whole.model.parameters()} == {"cuda"}
+    on_cpu = train_candidate(replace(settings, device="cpu"), digits)
+    assert whole.record == on_cpu.record.model_copy(update={"name": whole.record.name})
+    assert [e.step for e in whole.history] == [93, 186] and whole.record.steps == 186
+    assert all(0 <= e.test_accuracy <= 1 and math.isfinite(e.train_loss) for e in whole.history)
+    # a resumed run continues the same streams (kernels need not be bitwise deterministic)
+    resumable = replace(settings, checkpoint_path=str(tmp_path / "run.pt"), checkpoint_every=20)
+    assert train_candidate(replace(resumable, max_steps=50), digits).record.steps == 50
+    resumed = train_candidate(resumable, digits)
+    assert resumed.accountant_history == whole.accountant_history
+    for key, value in whole.weights.items():
+        torch.testing.assert_close(resumed.weights[key], value, atol=1e-4, rtol=1e-4)
+    assert [e.step for e in resumed.history] == [93, 186]
+
+
 @pytest.mark.parametrize("model", ["logreg", "cnn"])
 def test_grad_sample_modes_agree(digits: DatasetSplits, model: str) -> None:
     results = [
