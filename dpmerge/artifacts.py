@@ -8,7 +8,9 @@
 ``DIR/privacy.json``         merges only: the PrivacyReport (both bounds, accountants, δ)
 
 Writes are atomic: everything goes to a sibling temporary directory that is renamed into place,
-so a failed write leaves nothing behind (and never half a directory).
+so a failed write leaves nothing behind (and never half a directory). :func:`load_model_dir` is
+the one reader of the layout; the weights' header (names, shapes, dtypes) is read with the
+documents and the tensors themselves at once or, for streaming merges, on first use.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from dpmerge.accounting.records import Candidate, candidate_from_dict
@@ -63,12 +67,62 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one stored tensor, read from the safetensors header."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def file_label(file: Path) -> str:
+    """How errors name a weights file: its model directory, or the file itself."""
+    return str(file.parent) if file.name == WEIGHTS_FILE else str(file)
+
+
+def read_header(file: str | Path) -> dict[str, TensorInfo]:
+    """Names, shapes and dtypes of the tensors in a safetensors file (no tensor data read)."""
+    file = Path(file)
+    if not file.is_file():
+        raise RecordError(f"weights file not found: {file}")
+    tensors: dict[str, TensorInfo] = {}
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                piece = handle.get_slice(key)
+                dtype = _DTYPES.get(piece.get_dtype())
+                if dtype is None:
+                    raise RecordError(
+                        f"{file_label(file)}: tensor {key!r} has unsupported dtype "
+                        f"{piece.get_dtype()} (supported: {', '.join(_DTYPES)})"
+                    )
+                tensors[key] = TensorInfo(tuple(piece.get_shape()), dtype)
+    except (OSError, SafetensorError) as error:
+        raise RecordError(f"{file_label(file)}: unreadable safetensors file ({error})") from None
+    return tensors
+
+
+@dataclass(frozen=True)
 class ModelDir:
-    """A loaded model directory."""
+    """A model directory as :func:`load_model_dir` read it."""
 
     path: Path
-    weights: dict[str, torch.Tensor]
     spec: ModelSpec
+    tensors: dict[str, TensorInfo]
+    """The weights' names, shapes and dtypes (the safetensors header)."""
     record: Candidate | None = None
     candidate_privacy: dict[str, Any] | None = None
     merge: dict[str, Any] | None = None
@@ -79,6 +133,15 @@ class ModelDir:
     def is_merge(self) -> bool:
         return self.merge is not None
 
+    @property
+    def weights_file(self) -> Path:
+        return self.path / WEIGHTS_FILE
+
+    @cached_property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The tensors (read once, on first use unless loaded with the directory)."""
+        return load_file(str(self.weights_file))
+
 
 def _read_json(path: Path) -> Any:
     try:
@@ -87,28 +150,33 @@ def _read_json(path: Path) -> Any:
         raise RecordError(f"{path} is not valid JSON: {error}") from None
 
 
-def load_model_dir(path: str | Path) -> ModelDir:
-    """Load a model directory written by :func:`save_model_dir`; clear errors if incomplete."""
+def load_model_dir(path: str | Path, *, weights: bool = True) -> ModelDir:
+    """Read a model directory written by :func:`save_model_dir`, with clear errors if it is
+    incomplete. ``weights=False`` reads only the weights' header and leaves the tensors on disk
+    until :attr:`ModelDir.weights` is first used (a merge streams them instead)."""
     path = Path(path)
     if not path.is_dir():
         raise RecordError(f"model directory not found: {path}")
     for required in (WEIGHTS_FILE, MODEL_FILE, RECORD_FILE):
         if not (path / required).is_file():
-            raise RecordError(f"{path}: missing {required}")
+            raise RecordError(f"{path}: not a model directory (missing {required})")
     spec = ModelSpec.from_dict(_read_json(path / MODEL_FILE))
     record_doc = _read_json(path / RECORD_FILE)
     record = candidate_from_dict(record_doc["record"]) if "record" in record_doc else None
     metrics_path, privacy_path = path / METRICS_FILE, path / PRIVACY_FILE
-    return ModelDir(
+    loaded = ModelDir(
         path=path,
-        weights=load_file(str(path / WEIGHTS_FILE)),
         spec=spec,
+        tensors=read_header(path / WEIGHTS_FILE),
         record=record,
         candidate_privacy=record_doc.get("privacy"),
         merge=record_doc.get("merge"),
         metrics=_read_json(metrics_path) if metrics_path.is_file() else {},
         privacy=_read_json(privacy_path) if privacy_path.is_file() else None,
     )
+    if weights:
+        loaded.weights  # noqa: B018 - read the tensors now, while the directory is there
+    return loaded
 
 
 def save_model_dir(

@@ -1,12 +1,15 @@
-"""Evaluating a model on a held-out split, and the expected accuracy of RS (SPEC §4, §8).
+"""Evaluating a model on a held-out split, the accuracy of LC merges as they are released, and
+the expected accuracy of RS (docs/design.md#calibration, docs/design.md#studies).
 
 Reported figures are measured on the test split by default; the validation split (carved from
-the training file, disjoint from the training rows) serves calibration utilities (SPEC §4).
+the training file, disjoint from the training rows) serves calibration utilities
+(docs/design.md#random-selection).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +20,7 @@ from dpmerge.accounting.weights import simplex_weights
 from dpmerge.artifacts import ModelSpec
 from dpmerge.data import Split
 from dpmerge.errors import DatasetError, RecordError
+from dpmerge.merging import linear_combination
 from dpmerge.models import build_model, check_weights_match
 
 ModelLike = nn.Module | tuple[ModelSpec, Mapping[str, torch.Tensor]]
@@ -85,6 +89,45 @@ def evaluate(
         "loss": loss_total / n,
         "per_class_accuracy": [c / t if t else None for c, t in zip(correct, counts, strict=True)],
     }
+
+
+class MergeAccuracy:
+    """Accuracy of λ-weighted LC merges of candidates' weights files, each merge computed by
+    :func:`~dpmerge.merging.linear_combination`, the arithmetic of the released merge (streamed,
+    accumulated in float32, cast back), so a calibration's utility is the accuracy of the model
+    it releases, bit for bit (docs/design.md#calibration). Cached by λ (to 12 digits) and split.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        files: Sequence[str | Path],
+        *,
+        batch_size: int = 1024,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.spec, self.files = spec, [Path(f) for f in files]
+        self.batch_size, self.device = batch_size, device
+        self._splits: dict[int, Split] = {}  # held, so that an id is never reused
+        self._cache: dict[tuple[tuple[float, ...], int], float] = {}
+
+    def merged(self, weights: Sequence[float]) -> dict[str, torch.Tensor]:
+        """Σ λ_i θ_i exactly as ``merge_model_dirs`` releases it on this device."""
+        return linear_combination(self.files, weights, device=self.device)
+
+    def accuracy(self, weights: Sequence[float], split: Split) -> float:
+        """Accuracy on ``split`` of the merge with weights λ."""
+        key = (tuple(round(float(w), 12) for w in weights), id(split))
+        if key not in self._cache:
+            self._splits[id(split)] = split
+            scores = evaluate(
+                (self.spec, self.merged(weights)),
+                split,
+                batch_size=self.batch_size,
+                device=self.device,
+            )
+            self._cache[key] = float(scores["accuracy"])
+        return self._cache[key]
 
 
 def expected_accuracy(accuracies: Sequence[float], probabilities: Sequence[float]) -> float:

@@ -30,14 +30,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
 from dpmerge.accounting.account import account
 from dpmerge.accounting.bounds import PrivacyReport
 from dpmerge.accounting.calibration import Calibration
-from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.accounting.weights import simplex_weights
-from dpmerge.artifacts import MODEL_FILE, RECORD_FILE, WEIGHTS_FILE, ModelSpec, save_model_dir
+from dpmerge.artifacts import (
+    WEIGHTS_FILE,
+    ModelDir,
+    ModelSpec,
+    TensorInfo,
+    file_label,
+    load_model_dir,
+    read_header,
+    save_model_dir,
+)
 from dpmerge.errors import RecordError
 from dpmerge.models import check_weights_match
 from dpmerge.vocabulary import GatingBound, Method
@@ -45,42 +53,6 @@ from dpmerge.vocabulary import GatingBound, Method
 Metrics = Callable[[ModelSpec, Mapping[str, torch.Tensor]], Mapping[str, Any]]
 
 BATCHNORM_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
-
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Shape and dtype of one stored tensor, read from the safetensors header."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class CandidateDir:
-    """A candidate model directory read without loading its weights."""
-
-    path: Path
-    spec: ModelSpec
-    candidate: Candidate
-    privacy: Mapping[str, Any] | None
-    tensors: Mapping[str, TensorInfo]
-
-    @property
-    def weights_file(self) -> Path:
-        return self.path / WEIGHTS_FILE
 
 
 @dataclass(frozen=True)
@@ -94,32 +66,6 @@ class MergeResult:
     report: PrivacyReport
     metrics: Mapping[str, Any]
     drawn_index: int | None = field(default=None, repr=False)
-
-
-def _label(file: Path) -> str:
-    return str(file.parent) if file.name == WEIGHTS_FILE else str(file)
-
-
-def read_header(file: str | Path) -> dict[str, TensorInfo]:
-    """Names, shapes and dtypes of the tensors in a safetensors file (no tensor data read)."""
-    file = Path(file)
-    if not file.is_file():
-        raise RecordError(f"weights file not found: {file}")
-    tensors: dict[str, TensorInfo] = {}
-    try:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                piece = handle.get_slice(key)
-                dtype = _DTYPES.get(piece.get_dtype())
-                if dtype is None:
-                    raise RecordError(
-                        f"{_label(file)}: tensor {key!r} has unsupported dtype "
-                        f"{piece.get_dtype()} (supported: {', '.join(_DTYPES)})"
-                    )
-                tensors[key] = TensorInfo(tuple(piece.get_shape()), dtype)
-    except (OSError, SafetensorError) as error:
-        raise RecordError(f"{_label(file)}: unreadable safetensors file ({error})") from None
-    return tensors
 
 
 def check_same_structure(headers: Mapping[str, Mapping[str, TensorInfo]]) -> None:
@@ -179,7 +125,9 @@ def _non_finite_error(key: str, paths: Sequence[Path], weights: Sequence[float])
             with safe_open(str(path), framework="pt") as handle:
                 tensor = handle.get_tensor(key)
                 if not _is_finite(tensor.to(_accumulation_dtype(tensor.dtype))):
-                    return RecordError(f"{_label(path)}: tensor {key!r} contains NaN or inf values")
+                    return RecordError(
+                        f"{file_label(path)}: tensor {key!r} contains NaN or inf values"
+                    )
     return RecordError(f"the merge overflowed in tensor {key!r} (values near the float limit)")
 
 
@@ -202,7 +150,7 @@ def linear_combination(
     """
     paths = [Path(f) for f in files]
     weights = simplex_weights(weights, len(paths), what="LC weights")
-    headers = {_label(p): read_header(p) for p in paths}
+    headers = {file_label(p): read_header(p) for p in paths}
     if len(headers) != len(paths):
         raise RecordError("the same candidate is given twice")
     check_same_structure(headers)
@@ -210,7 +158,7 @@ def linear_combination(
     merged: dict[str, torch.Tensor] = {}
     first: dict[str, str] = {}  # key -> label of the candidate that initialised it
     for path, weight in zip(paths, weights, strict=True):
-        label = _label(path)
+        label = file_label(path)
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 tensor = handle.get_tensor(key)
@@ -249,34 +197,27 @@ def draw_index(probabilities: Sequence[float], *, rng: random.Random | None = No
     return source.choices(range(len(pi)), weights=pi, k=1)[0]
 
 
-def read_candidate_dir(path: str | Path) -> CandidateDir:
-    """Read a candidate directory's spec, record and weights header, and check the weights
-    match the architecture the record names (``dpmerge.models.check_weights_match``)."""
-    path = Path(path)
-    for required in (WEIGHTS_FILE, MODEL_FILE, RECORD_FILE):
-        if not (path / required).is_file():
-            raise RecordError(f"{path}: not a model directory (missing {required})")
-    try:
-        spec = ModelSpec.from_dict(json.loads((path / MODEL_FILE).read_text()))
-        document = json.loads((path / RECORD_FILE).read_text())
-    except json.JSONDecodeError as error:
-        raise RecordError(f"{path}: invalid JSON ({error})") from None
-    if "record" not in document:
+def read_candidate_dir(path: str | Path) -> ModelDir:
+    """A candidate directory (:func:`~dpmerge.artifacts.load_model_dir`, its weights left on
+    disk), checked to hold a mechanism record and weights that match the architecture the
+    record names (``dpmerge.models.check_weights_match``)."""
+    loaded = load_model_dir(path, weights=False)
+    if loaded.record is None:
         raise RecordError(
-            f"{path}: a merged model, not a candidate; merge inputs must be candidate "
+            f"{loaded.path}: a merged model, not a candidate; merge inputs must be candidate "
             "directories with a mechanism record"
         )
-    candidate = candidate_from_dict(document["record"])
-    tensors = read_header(path / WEIGHTS_FILE)
-    meta = {k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in tensors.items()}
+    meta = {
+        k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in loaded.tensors.items()
+    }
     try:
-        check_weights_match(spec, meta)
+        check_weights_match(loaded.spec, meta)
     except RecordError as error:
-        raise RecordError(f"{path}: weights do not match model.json ({error})") from None
-    return CandidateDir(path, spec, candidate, document.get("privacy"), tensors)
+        raise RecordError(f"{loaded.path}: weights do not match model.json ({error})") from None
+    return loaded
 
 
-def _check_inputs(dirs: Sequence[CandidateDir]) -> None:
+def _check_inputs(dirs: Sequence[ModelDir]) -> None:
     if not dirs:
         raise RecordError("no candidates to merge")
     resolved = [d.path.resolve() for d in dirs]
@@ -342,7 +283,7 @@ def merge_model_dirs(
         raise RecordError(f"output directory already exists: {out_dir}")
     dirs = [read_candidate_dir(p) for p in inputs]
     _check_inputs(dirs)
-    candidates = [d.candidate for d in dirs]
+    candidates = [d.record for d in dirs if d.record is not None]  # all: read_candidate_dir
     calibrated: dict[str, Any] = {}
     if isinstance(weights, Calibration):
         report = weights.report
@@ -381,10 +322,14 @@ def merge_model_dirs(
             "candidates": [
                 {
                     "source": d.path.name,
-                    "record": d.candidate.model_dump(mode="json", exclude_none=True),
-                    **({"privacy": dict(d.privacy)} if d.privacy is not None else {}),
+                    "record": candidate.model_dump(mode="json", exclude_none=True),
+                    **(
+                        {"privacy": dict(d.candidate_privacy)}
+                        if d.candidate_privacy is not None
+                        else {}
+                    ),
                 }
-                for d in dirs
+                for d, candidate in zip(dirs, candidates, strict=True)
             ],
             **({"calibration": calibrated} if calibrated else {}),
         }

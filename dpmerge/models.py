@@ -25,6 +25,7 @@ from torch import nn
 from dpmerge.artifacts import ModelSpec
 from dpmerge.data import DatasetSplits
 from dpmerge.errors import RecordError
+from dpmerge.vocabulary import ModelName, values
 
 
 class LogisticRegression(nn.Module):
@@ -113,19 +114,19 @@ class ResNet18GN(nn.Module):
         return self.fc(self.pool(self.layers(self.stem(x))).flatten(1))
 
 
-_ARCHITECTURES: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
-    "logreg": LogisticRegression,
-    "cnn": SmallCNN,
-    "resnet18_gn": ResNet18GN,
+_ARCHITECTURES: dict[ModelName, Callable[[tuple[int, ...], int], nn.Module]] = {
+    ModelName.LOGREG: LogisticRegression,
+    ModelName.CNN: SmallCNN,
+    ModelName.RESNET18_GN: ResNet18GN,
 }
-MODEL_NAMES = tuple(_ARCHITECTURES)
-ZERO_INITIALISED = frozenset({"logreg"})
+MODEL_NAMES = values(ModelName)
+ZERO_INITIALISED = frozenset({ModelName.LOGREG})
 
 
 def _architecture(spec: ModelSpec) -> Callable[[tuple[int, ...], int], nn.Module]:
     if spec.name not in _ARCHITECTURES:
         raise RecordError(f"unknown model {spec.name!r}; known: {', '.join(MODEL_NAMES)}")
-    if spec.name != "logreg" and len(spec.input_shape) != 3:
+    if spec.name != ModelName.LOGREG and len(spec.input_shape) != 3:
         raise RecordError(
             f"model {spec.name!r} needs image inputs (C, H, W), got shape {spec.input_shape}"
         )
@@ -134,7 +135,7 @@ def _architecture(spec: ModelSpec) -> Callable[[tuple[int, ...], int], nn.Module
 
 def model_spec(name: str, data: DatasetSplits) -> ModelSpec:
     """The spec of architecture ``name`` for ``data``'s input shape and classes."""
-    spec = ModelSpec(name, tuple(data.input_shape), data.num_classes)
+    spec = ModelSpec(str(name), tuple(data.input_shape), data.num_classes)  # plain text on disk
     _architecture(spec)
     return spec
 

@@ -10,22 +10,69 @@ reads what they registered from the registry.
 
 from __future__ import annotations
 
+import inspect
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from dpmerge import policy_merge as pm
-from dpmerge.training import TrainingConfigError
+from dpmerge.training import RunOptions, TrainConfig, TrainingConfigError, declared_parameters
 from tasks import training as steps
 
 TRAIN_FLOW = "train-candidates"
 ONE_FLOW = "train-candidate"
 GPU_DEPLOYMENT = f"{ONE_FLOW}/gpu"
 CONCURRENCY_ENV = "DPMERGE_TRAIN_CONCURRENCY"
+
+
+FLOW_DEFAULTS: dict[str, Any] = {"device": "auto"}
+"""Where the flows' defaults differ from the declaration's: CUDA when the host has it."""
+FAN_OUT_DEFAULTS: dict[str, Any] = {
+    **FLOW_DEFAULTS,
+    "dataset": "fashion-mnist",
+    "model": "logreg",
+}
+
+
+def training_parameters(
+    *,
+    defaults: Mapping[str, Any],
+    required: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a flow whose body takes ``**parameters`` the declared training parameters
+    (``dpmerge.training.declared_parameters``) as keyword-only parameters after its own, with
+    their types, defaults and help text, so Prefect validates, documents and shows them."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p for p in inspect.signature(fn).parameters.values() if p.kind != p.VAR_KEYWORD]
+        declared = [
+            *declared_parameters(TrainConfig),
+            *declared_parameters(RunOptions),
+        ]
+        added = []
+        for p in declared:
+            if p.name in exclude:
+                continue
+            default = defaults.get(p.name, p.default)
+            if p.name in required or default is MISSING:
+                default = inspect.Parameter.empty
+            added.append(
+                inspect.Parameter(
+                    p.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=p.annotation
+                )
+            )
+        fn.__signature__ = inspect.Signature([*own, *added])  # type: ignore[attr-defined]
+        lines = [f"    {p.name}: {p.help}" for p in declared if p.name not in exclude]
+        fn.__doc__ = f"{fn.__doc__}\n\nArgs:\n" + "\n".join(lines)
+        return fn
+
+    return wrap
 
 
 def candidate_name(dataset: str, model: str, level: str) -> str:
@@ -51,50 +98,17 @@ def plan_candidates(
             label, fields = f"s{level:g}", {"noise_multiplier": float(level)}
         else:
             label, fields = f"e{level:g}", {"target_epsilon": float(level)}
-        specs.append(
-            steps.CandidateSpec(
-                name=candidate_name(dataset, model, label),
-                dataset=dataset,
-                model=model,
-                **fields,
-                **options,
-            )
-        )
+        name = candidate_name(dataset, model, label)
+        parameters = {"name": name, "dataset": dataset, "model": model, **fields, **options}
+        specs.append(steps.CandidateSpec.from_parameters(parameters))
     return specs
 
 
 @flow(name=ONE_FLOW, flow_run_name="train-{name}", persist_result=False)
-def train_candidate(
-    name: str,
-    dataset: str,
-    model: str,
-    noise_multiplier: float | None = None,
-    target_epsilon: float | None = None,
-    delta: float = 1e-5,
-    epochs: int = 1,
-    batch_size: int = 256,
-    learning_rate: float | None = None,
-    limit: int | None = None,
-    data_root: str | None = None,
-    device: str = "auto",
-    torch_threads: int = 1,
-) -> dict[str, Any]:
+@training_parameters(defaults=FLOW_DEFAULTS, required=("name",))
+def train_candidate(**parameters: Any) -> dict[str, Any]:
     """Train one candidate and register it (the ``gpu`` pool's unit of work)."""
-    spec = steps.CandidateSpec(
-        name=name,
-        dataset=dataset,
-        model=model,
-        noise_multiplier=noise_multiplier,
-        target_epsilon=target_epsilon,
-        delta=delta,
-        epochs=epochs,
-        batch_size=batch_size,
-        learning_rate=learning_rate,
-        limit=limit,
-        data_root=data_root,
-        device=device,
-        torch_threads=torch_threads,
-    )
+    spec = steps.CandidateSpec.from_parameters(parameters)
     workspace = pm.Workspace.from_env()
     workspace.use_caches()  # the candidate's PLD, computed for its record, is kept for merges
     scratch = workspace.scratch()
@@ -110,42 +124,25 @@ def train_candidate(
     persist_result=False,
     task_runner=ThreadPoolTaskRunner(max_workers=int(os.environ.get(CONCURRENCY_ENV, "2"))),
 )
+@training_parameters(
+    defaults=FAN_OUT_DEFAULTS, exclude=("name", "noise_multiplier", "target_epsilon")
+)
 def train_candidates(
-    dataset: str = "fashion-mnist",
-    model: str = "logreg",
     noise_multipliers: list[float] | None = None,
     target_epsilons: list[float] | None = None,
-    delta: float = 1e-5,
-    epochs: int = 1,
-    batch_size: int = 256,
-    learning_rate: float | None = None,
-    limit: int | None = None,
-    data_root: str | None = None,
-    device: str = "auto",
-    torch_threads: int = 1,
     deployment: str | None = None,
     deployment_timeout_s: float | None = None,
     prime_merge_caches: bool = True,
+    **parameters: Any,
 ) -> list[dict[str, Any]]:
     """Train and register one candidate per noise level (or target ε). In-process and
     concurrent by default (``$DPMERGE_TRAIN_CONCURRENCY`` threads, default 2); with
     ``deployment`` (e.g. ``train-candidate/gpu``) as runs of that deployment. Then, with
     ``prime_merge_caches``, this host's merge caches are filled (candidates, evaluation split,
-    PLDs) so the first policy event is as quick as later ones."""
-    specs = plan_candidates(
-        dataset,
-        model,
-        noise_multipliers,
-        target_epsilons,
-        delta=delta,
-        epochs=epochs,
-        batch_size=batch_size,
-        learning_rate=learning_rate,
-        limit=limit,
-        data_root=data_root,
-        device=device,
-        torch_threads=torch_threads,
-    )
+    PLDs) so the first policy event is as quick as later ones. Every other parameter is a
+    training parameter that all candidates share."""
+    dataset, model = parameters.pop("dataset"), parameters.pop("model")
+    specs = plan_candidates(dataset, model, noise_multipliers, target_epsilons, **parameters)
     logger = get_run_logger()
     workspace = pm.Workspace.from_env()
     workspace.use_caches()
@@ -167,5 +164,5 @@ def train_candidates(
         finally:
             pm.remove_tree(scratch)
     if prime_merge_caches:
-        steps.prime_caches(workspace, dataset, model)
+        steps.prime_caches(workspace, str(dataset), str(model))
     return result

@@ -4,39 +4,60 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import torch
 from prefect import get_run_logger, task
 
 from dpmerge import policy_merge as pm
 from dpmerge.data import DatasetSplits
+from dpmerge.training import (
+    RunOptions,
+    TrainConfig,
+    TrainingConfigError,
+    declared_parameters,
+    save_candidate,
+    train_candidate,
+)
 from tasks.common import LOCAL, REMOTE
 
 
 @dataclass(frozen=True)
 class CandidateSpec:
-    """One candidate to train: the ``dpmerge.training.TrainConfig`` fields that vary, and the
-    data options (the split is dpmerge's default, so merges find the same validation rows)."""
+    """One candidate to train: its training parameters and how its run is hosted, both as
+    ``dpmerge.training`` declares them (the split is dpmerge's default, so merges find the
+    same validation rows)."""
 
-    name: str
-    dataset: str
-    model: str
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    delta: float = 1e-5
-    epochs: int = 1
-    batch_size: int = 256
-    learning_rate: float | None = None
-    limit: int | None = None
-    data_root: str | None = None
-    device: str = "cpu"
-    torch_threads: int = 1
+    config: TrainConfig
+    options: RunOptions = field(default_factory=RunOptions)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def __post_init__(self) -> None:
+        if self.config.name is None:
+            raise TrainingConfigError("a candidate to train needs a name")
+
+    @property
+    def name(self) -> str:
+        assert self.config.name is not None
+        return self.config.name
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, Any]) -> CandidateSpec:
+        """The spec of flat flow parameters (every name a declared training parameter)."""
+        hosting = {p.name for p in declared_parameters(RunOptions)}
+        return cls(
+            TrainConfig(**{k: v for k, v in parameters.items() if k not in hosting}),
+            RunOptions(**{k: v for k, v in parameters.items() if k in hosting}),
+        )
+
+    def parameters(self) -> dict[str, Any]:
+        """Flat plain parameters, as a ``train-candidate`` deployment run takes them."""
+        flat = {**asdict(self.config), **asdict(self.options)}
+        return {k: v.value if isinstance(v, Enum) else v for k, v in flat.items()}
 
 
 @lru_cache(maxsize=4)
@@ -53,45 +74,21 @@ def _data(name: str, root: str | None, limit: int | None) -> DatasetSplits:
     )
 
 
-def _device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 @task(name="train-candidate", task_run_name="train-{spec.name}", **LOCAL)
 def train(spec: CandidateSpec, out_root: str) -> str:
     """Train one DP-SGD candidate and write its model directory; returns the path."""
-    import torch
-
-    from dpmerge.training import TrainConfig, save_candidate, train_candidate
-
-    torch.set_num_threads(max(1, spec.torch_threads))
-    data = _data(spec.dataset, spec.data_root, spec.limit)
-    config = TrainConfig(
-        dataset=spec.dataset,
-        model=spec.model,
-        noise_multiplier=spec.noise_multiplier,
-        target_epsilon=spec.target_epsilon,
-        delta=spec.delta,
-        epochs=spec.epochs,
-        batch_size=spec.batch_size,
-        learning_rate=spec.learning_rate,
-        device=_device(spec.device),
-        name=spec.name,
-    )
-    start = time.perf_counter()
+    config, options = spec.config, spec.options
+    torch.set_num_threads(options.torch_threads)
+    data = _data(config.dataset, options.data_root, options.limit)
     result = train_candidate(config, data)
-    path = save_candidate(result, Path(out_root) / spec.name, spec.delta)
+    path = save_candidate(result, Path(out_root) / spec.name, config.delta)
     get_run_logger().info(
         "trained %s: σ = %.4g, q = %.5g, T = %d in %.1f s; validation accuracy %.4f",
         spec.name,
         result.record.noise_multiplier,
         result.record.sample_rate,
         result.record.steps,
-        time.perf_counter() - start,
+        result.train_seconds,
         result.metrics["validation_accuracy"],
     )
     return str(path)
@@ -170,7 +167,7 @@ def run_training_deployment(deployment: str, spec: CandidateSpec, timeout_s: flo
 
     flow_run = run_deployment(
         deployment,
-        parameters=spec.to_dict(),
+        parameters=spec.parameters(),
         timeout=timeout_s,
         poll_interval=2,
         flow_run_name=f"train-{spec.name}",

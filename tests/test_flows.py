@@ -127,6 +127,33 @@ def test_prefect_yaml_pools_schedule_and_concurrency() -> None:
         )
 
 
+def test_training_flows_take_the_declared_training_parameters() -> None:
+    from prefect.exceptions import ParameterTypeError
+
+    from dpmerge.training import RunOptions, TrainConfig, declared_parameters
+    from flows.training import plan_candidates, train_candidate, train_candidates
+    from tasks.training import CandidateSpec
+
+    declared = [*declared_parameters(TrainConfig), *declared_parameters(RunOptions)]
+    one = train_candidate.parameters
+    assert set(one.properties) == {p.name for p in declared}
+    assert set(one.required) == {"name", "dataset", "model"}
+    for parameter in declared:
+        assert one.properties[parameter.name]["description"] == parameter.help
+    assert one.properties["device"]["default"] == "auto"
+    fan_out = train_candidates.parameters
+    shared = {p.name for p in declared} - {"name", "noise_multiplier", "target_epsilon"}
+    own = {"noise_multipliers", "target_epsilons", "deployment"}
+    assert set(fan_out.properties) == shared | own | {"deployment_timeout_s", "prime_merge_caches"}
+    assert fan_out.properties["dataset"]["default"] == "fashion-mnist" and not fan_out.required
+    # a deployment run gets exactly the parameters the one-candidate flow validates
+    (spec,) = plan_candidates("digits", "cnn", [1.5], None, epochs=2, limit=300, torch_threads=2)
+    validated = train_candidate.validate_parameters(spec.parameters())
+    assert CandidateSpec.from_parameters(validated) == spec
+    with pytest.raises(ParameterTypeError, match="dataset"):
+        train_candidate.validate_parameters({**spec.parameters(), "dataset": "imagenet"})
+
+
 def test_trigger_templates_take_every_parameter_from_the_payload() -> None:
     from flows.merge import merge_on_policy
 
@@ -244,7 +271,7 @@ def test_train_candidates_registers_each_level(env, trained) -> None:
     with pytest.raises(TrainingConfigError, match="exactly one"):
         plan_candidates("digits", "logreg", [1.0], [2.0])
     specs = plan_candidates("digits", "logreg", None, [1.0, 2.0], epochs=2)
-    assert [s.target_epsilon for s in specs] == [1.0, 2.0] and specs[0].epochs == 2
+    assert [s.config.target_epsilon for s in specs] == [1.0, 2.0] and specs[0].config.epochs == 2
 
 
 def test_merge_on_policy_promotes_then_reuses(env, trained) -> None:

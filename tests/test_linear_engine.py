@@ -1,5 +1,6 @@
-"""The linear-exact DP-SGD engine implements the mechanism Opacus runs (dpmerge.linear_engine,
-SPEC §2): Poisson sampling, per-example clipping, Gaussian noise, plain SGD, same record."""
+"""The linear-exact DP-SGD engine implements the mechanism Opacus runs
+(dpmerge.training.engines.linear, SPEC §2): Poisson sampling, per-example clipping, Gaussian
+noise, plain SGD, same record."""
 
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from dpmerge.data import DatasetSplits, RowDataset, load_dataset
-from dpmerge.linear_engine import (
+from dpmerge.training import LINEAR_EXACT, TrainConfig, train_candidate
+from dpmerge.training.engines.linear import (
     SAMPLER_ID,
     LinearDPSGD,
     PoissonSubsetSampler,
     clipped_gradient_sum,
 )
-from dpmerge.training import LINEAR_EXACT, TrainConfig, train_candidate
 
 
 @pytest.fixture(scope="module")

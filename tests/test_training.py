@@ -19,19 +19,25 @@ from torch.utils.data import DataLoader
 import dpmerge.cli
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.artifacts import load_model_dir
-from dpmerge.data import DatasetSplits, RowDataset, load_dataset
+from dpmerge.data import DatasetSplits, RowDataset, Split, load_dataset
 from dpmerge.data.datasets import FASHION_MNIST_ROOT
-from dpmerge.linear_engine import PoissonSubsetSampler
+from dpmerge.evaluation import evaluate
 from dpmerge.models import build_model, check_weights_match, model_spec
 from dpmerge.training import (
+    GRAD_SAMPLE_MODES,
     LINEAR_EXACT,
     OPACUS_MODES,
+    EpochMetrics,
+    RunOptions,
     TrainConfig,
     TrainingConfigError,
+    declared_parameters,
     save_candidate,
     train_candidate,
     train_candidates,
 )
+from dpmerge.training.engines.linear import PoissonSubsetSampler
+from dpmerge.vocabulary import ModelName
 
 DELTA = 1e-5
 ENGINES = ("ghost", LINEAR_EXACT)
@@ -85,6 +91,7 @@ def test_record_is_what_ran(digits: DatasetSplits, mode: str) -> None:
 
 def test_logreg_defaults_to_the_linear_engine(digits: DatasetSplits) -> None:
     assert config().mode == LINEAR_EXACT and config(model="cnn").mode == "hooks"
+    assert config(model="cnn").model is ModelName.CNN and config(clip_norm=2).clip_norm == 2.0
     assert train_candidate(config(max_steps=2), digits).metrics["grad_sample_mode"] == LINEAR_EXACT
 
 
@@ -198,6 +205,10 @@ def test_same_seeds_reproduce_and_resume_continues_both_streams(
     assert resumed.accountant_history == whole.accountant_history
     assert resumed.record == whole.record.model_copy(update={"name": resumed.record.name})
     assert resumed.record.name == first.record.name  # one run, one id
+    assert [entry.step for entry in first.history] == [50]  # a partial first epoch
+    assert [entry.step for entry in second.history] == [92]
+    assert without_clock(resumed.history) == without_clock(whole.history)
+    assert [entry.step for entry in whole.history] == [93, 186]
 
     with pytest.raises(TrainingConfigError, match="differs in noise_multiplier"):
         train_candidate(replace(resumable, noise_multiplier=2.0), digits)
@@ -206,6 +217,70 @@ def test_same_seeds_reproduce_and_resume_continues_both_streams(
         train_candidate(replace(resumable, grad_sample_mode=other_engine), digits)
     with pytest.raises(TrainingConfigError, match="past this run's 10 steps"):
         train_candidate(replace(resumable, max_steps=10), digits)
+
+
+def without_clock(history: tuple[EpochMetrics, ...]) -> list[EpochMetrics]:
+    return [replace(entry, train_seconds=0.0) for entry in history]
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_history_has_one_entry_per_epoch_and_a_partial_last(
+    digits: DatasetSplits, mode: str, tmp_path: Path
+) -> None:
+    result = train_candidate(config(epochs=3, max_steps=50, grad_sample_mode=mode), digits)
+    history = result.history
+    assert [(e.epoch, e.step) for e in history] == [(1, 21), (2, 42), (3, 50)]
+    assert all(e.train_loss is not None and math.isfinite(e.train_loss) for e in history)
+    assert history[0].train_loss > history[-1].train_loss  # it learns
+    seconds = [e.train_seconds for e in history]
+    assert 0 < seconds[0] <= seconds[1] <= seconds[2] == result.train_seconds
+    final = history[-1]
+    for split in ("validation", "test"):
+        scores = evaluate(result.model, getattr(digits, split))
+        assert result.metrics[f"{split}_accuracy"] == getattr(final, f"{split}_accuracy")
+        assert getattr(final, f"{split}_accuracy") == scores["accuracy"]
+        assert getattr(final, f"{split}_loss") == pytest.approx(scores["loss"], rel=1e-12)
+    assert history[0].validation_accuracy != final.validation_accuracy
+    saved = load_model_dir(save_candidate(result, tmp_path / "cand", DELTA)).metrics["history"]
+    assert [entry["step"] for entry in saved] == [21, 42, 50]
+    assert all("train_loss" not in entry for entry in saved)  # no training-set statistic
+
+
+@pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
+def test_scoring_between_epochs_leaves_the_training_unchanged(
+    digits: DatasetSplits, mode: str
+) -> None:
+    settings = config(grad_sample_mode=mode, batch_size=128, batch_seed=2, epochs=3, max_steps=25)
+    empty = Split(digits.test.features[:0], digits.test.labels[:0])
+    unscored = train_candidate(settings, replace(digits, validation=empty, test=empty))
+    scored = train_candidate(settings, digits)
+    assert weights_equal(scored.weights, unscored.weights)
+    assert [e.train_loss for e in scored.history] == [e.train_loss for e in unscored.history]
+    assert len(scored.history) == 3 and unscored.history[-1].test_accuracy is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize(("model", "mode"), [("logreg", LINEAR_EXACT), ("cnn", "hooks")])
+def test_cuda_run_records_what_ran_scores_each_epoch_and_resumes(
+    digits: DatasetSplits, tmp_path: Path, model: str, mode: str
+) -> None:
+    settings = config(
+        model=model, grad_sample_mode=mode, device="auto", batch_size=14, epochs=2, batch_seed=3
+    )
+    whole = train_candidate(settings, digits)
+    assert {p.device.type for p in whole.model.parameters()} == {"cuda"}
+    on_cpu = train_candidate(replace(settings, device="cpu"), digits)
+    assert whole.record == on_cpu.record.model_copy(update={"name": whole.record.name})
+    assert [e.step for e in whole.history] == [93, 186] and whole.record.steps == 186
+    assert all(0 <= e.test_accuracy <= 1 and math.isfinite(e.train_loss) for e in whole.history)
+    # a resumed run continues the same streams (kernels need not be bitwise deterministic)
+    resumable = replace(settings, checkpoint_path=str(tmp_path / "run.pt"), checkpoint_every=20)
+    assert train_candidate(replace(resumable, max_steps=50), digits).record.steps == 50
+    resumed = train_candidate(resumable, digits)
+    assert resumed.accountant_history == whole.accountant_history
+    for key, value in whole.weights.items():
+        torch.testing.assert_close(resumed.weights[key], value, atol=1e-4, rtol=1e-4)
+    assert [e.step for e in resumed.history] == [93, 186]
 
 
 @pytest.mark.parametrize("model", ["logreg", "cnn"])
@@ -266,8 +341,14 @@ def test_bad_configurations_are_refused(digits: DatasetSplits) -> None:
         config(noise_multiplier=None)
     with pytest.raises(TrainingConfigError, match="batch_size must be a positive"):
         config(batch_size=0)
-    with pytest.raises(TrainingConfigError, match="unknown model"):
+    with pytest.raises(TrainingConfigError, match="unknown model 'mlp'; known: logreg, cnn"):
         config(model="mlp")
+    with pytest.raises(TrainingConfigError, match="epochs must be an integer, got True"):
+        config(epochs=True)
+    with pytest.raises(TrainingConfigError, match="clip_norm must be a number, got '1'"):
+        config(clip_norm="1")
+    with pytest.raises(TrainingConfigError, match="torch_threads must be a positive number"):
+        RunOptions(torch_threads=0)
     with pytest.raises(TrainingConfigError, match="grad_sample_mode"):
         config(grad_sample_mode="fast")
     with pytest.raises(TrainingConfigError, match="runs only logreg, not 'cnn'"):
@@ -308,7 +389,7 @@ def test_cli_trains_and_writes_the_model_directory(
     ("args", "message"),
     [
         (("--dataset", "fashion-mnist", "--data-root", "/nonexistent"), "dataset-fashion-mnist"),
-        (("--dataset", "digits", "--model", "mlp"), "unknown model 'mlp'"),
+        (("--dataset", "digits", "--threads", "0"), "torch_threads must be a positive"),
         (("--dataset", "digits", "--target-epsilon", "2"), "exactly one of"),
         (("--dataset", "digits", "--noise-multiplier", "-1"), "noise_multiplier must be"),
         (("--dataset", "digits", "--out", "EXISTING"), "already exists"),
@@ -333,3 +414,25 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(
     assert code == dpmerge.cli.EXIT_BAD_INPUT
     assert len(err) == 1 and err[0].startswith("dpmerge: error:") and message in err[0]
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_cli_options_are_the_declared_parameters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = dpmerge.cli.build_parser(command="train")
+    (train,) = parser._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+    options = {action.dest: action for action in train._actions}
+    declared = [*declared_parameters(TrainConfig), *declared_parameters(RunOptions)]
+    assert set(options) == {"help", "out"} | {p.name for p in declared}
+    for parameter in declared:
+        assert options[parameter.name].help.endswith(parameter.help)
+        assert options[parameter.name].choices == parameter.choices
+    assert options["model"].choices == ("logreg", "cnn", "resnet18_gn")
+    assert "--lr" in options["learning_rate"].option_strings
+    assert "--no-progress" in options["progress"].option_strings
+    # a word outside a vocabulary is refused by the parser, before anything is read or written
+    out = tmp_path / "new"
+    with pytest.raises(SystemExit) as exit_info:
+        dpmerge.cli.main(["train", "--dataset", "digits", "--model", "mlp", "--out", str(out)])
+    assert exit_info.value.code == dpmerge.cli.EXIT_BAD_INPUT
+    assert "invalid choice: 'mlp'" in capsys.readouterr().err and not out.exists()

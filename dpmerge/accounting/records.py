@@ -37,9 +37,6 @@ from dpmerge.documents import describe_validation_error, read_item_list, shorten
 from dpmerge.errors import RecordError
 from dpmerge.vocabulary import Neighbouring, Optimizer, Sampling
 
-NEIGHBOURING_ADD_OR_REMOVE = Neighbouring.ADD_OR_REMOVE_ONE
-SAMPLING_POISSON = Sampling.POISSON
-
 MIN_NOISE_MULTIPLIER = 0.1
 """Below this a single step already has ε in the tens, and the PLD grid at 1e-4 needs gigabytes
 (σ = 0.05: 1.4 GB, σ = 0.02: 5 GB); such runs are not analysed."""

@@ -20,14 +20,8 @@ from dpmerge.artifacts import ModelDir, ModelSpec, load_model_dir
 from dpmerge.cli.common import float_list, fmt, positive_float, print_json
 from dpmerge.data import DATASET_NAMES, DatasetSplits, Split, load_dataset
 from dpmerge.errors import DatasetError
-from dpmerge.evaluation import evaluate, expected_accuracy
-from dpmerge.merging import (
-    CandidateDir,
-    Metrics,
-    linear_combination,
-    merge_model_dirs,
-    read_candidate_dir,
-)
+from dpmerge.evaluation import MergeAccuracy, evaluate, expected_accuracy
+from dpmerge.merging import Metrics, merge_model_dirs, read_candidate_dir
 
 
 def _add_data_options(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -122,29 +116,32 @@ def _test_metrics(dataset: str, score: Metrics) -> Metrics:
     return metrics
 
 
-def _accuracies(dirs: Sequence[CandidateDir], score: Metrics) -> list[float]:
+def _accuracies(dirs: Sequence[ModelDir], score: Metrics) -> list[float]:
     """Each candidate's accuracy, loading one candidate at a time."""
     return [score(d.spec, load_model_dir(d.path).weights)["accuracy"] for d in dirs]
 
 
 def _calibrate(
-    args: argparse.Namespace, dirs: Sequence[CandidateDir], data: DatasetSplits | None
+    args: argparse.Namespace, dirs: Sequence[ModelDir], data: DatasetSplits | None
 ) -> Calibration:
-    """Calibrate to ``--target-epsilon``; with a dataset, utility is validation accuracy."""
-    candidates = [d.candidate for d in dirs]
+    """Calibrate to ``--target-epsilon``; with a dataset, utility is validation accuracy (of
+    LC merges as they are released)."""
+    candidates = [d.record for d in dirs if d.record is not None]  # all: read_candidate_dir
     utilities, merge_utility = None, None
     if data is not None:
         _require_trained_on({c.dataset for c in candidates}, data)
-        score = _scorer(args, data.validation)
         if args.method == "rs":
-            utilities = _accuracies(dirs, score)
+            utilities = _accuracies(dirs, _scorer(args, data.validation))
         else:
-            files, spec = [d.weights_file for d in dirs], dirs[0].spec
+            merges = MergeAccuracy(
+                dirs[0].spec,
+                [d.weights_file for d in dirs],
+                batch_size=args.batch_size,
+                device=args.device,
+            )
 
             def merge_utility(weights: tuple[float, ...]) -> float:
-                return score(spec, linear_combination(files, weights, device=args.device))[
-                    "accuracy"
-                ]
+                return merges.accuracy(weights, data.validation)
 
     return calibrate(
         candidates,
@@ -241,7 +238,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _candidates(args: argparse.Namespace) -> int:
-    candidates = [read_candidate_dir(p).candidate for p in args.dirs]
+    candidates = [read_candidate_dir(p).record for p in args.dirs]
     document = candidates_to_document(candidates)
     candidates_from_dicts(document["candidates"])  # names must be unique, as the reader demands
     print_json(document)

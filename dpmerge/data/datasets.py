@@ -21,6 +21,7 @@ import numpy as np
 from dpmerge.data.readers import find_file, read_cifar_batch, read_idx
 from dpmerge.data.splits import DatasetSplits, make_splits
 from dpmerge.errors import DatasetError
+from dpmerge.vocabulary import DatasetName, values
 
 FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
@@ -97,14 +98,14 @@ def _cifar10(root: Path | None, limit: int | None) -> RawArrays:
     return train_images, train_labels, test_images, test_labels
 
 
-_LOADERS: dict[str, tuple[Callable[[Path | None, int | None], RawArrays], int, float]] = {
+_LOADERS: dict[DatasetName, tuple[Callable[[Path | None, int | None], RawArrays], int, float]] = {
     # name: (reader, number of classes, pixel scale to [0, 1])
-    "digits": (_digits, 10, 16.0),
-    "fashion-mnist": (_fashion_mnist, 10, 255.0),
-    "mnist": (_mnist, 10, 255.0),
-    "cifar10": (_cifar10, 10, 255.0),
+    DatasetName.DIGITS: (_digits, 10, 16.0),
+    DatasetName.FASHION_MNIST: (_fashion_mnist, 10, 255.0),
+    DatasetName.MNIST: (_mnist, 10, 255.0),
+    DatasetName.CIFAR10: (_cifar10, 10, 255.0),
 }
-DATASET_NAMES = tuple(_LOADERS)
+DATASET_NAMES = values(DatasetName)
 
 
 def load_dataset(

@@ -15,49 +15,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from dpmerge.accounting.calibration import Calibration, calibrate
 from dpmerge.accounting.records import Candidate, MechanismRecord
 from dpmerge.accounting.weights import inverse_variance_weights, merged_noise_proxy
-from dpmerge.artifacts import ModelSpec
-from dpmerge.data import Split
 from dpmerge.errors import RefusalError
-from dpmerge.evaluation import evaluate
+from dpmerge.evaluation import MergeAccuracy
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.evaluation_data import EvaluationData
 from dpmerge.registry import RegisteredCandidate
 from dpmerge.vocabulary import GatingBound, Method, PolicyMethod
 
 
-class _Merges:
-    """Accuracy of in-memory LC merges of the candidates, cached by weights."""
-
-    def __init__(self, candidates: Sequence[RegisteredCandidate]) -> None:
-        specs = {c.model_dir.spec for c in candidates}
-        if len(specs) != 1:
-            raise RefusalError("the candidates do not share one architecture")
-        self.spec: ModelSpec = specs.pop()
-        self.states = [c.model_dir.weights for c in candidates]
-        self._cache: dict[tuple[tuple[float, ...], int], float] = {}
-
-    def state(self, weights: Sequence[float]) -> dict[str, torch.Tensor]:
-        merged: dict[str, torch.Tensor] = {}
-        for state, weight in zip(self.states, weights, strict=True):
-            if weight == 0:
-                continue
-            for key, tensor in state.items():
-                value = tensor.double() * weight
-                merged[key] = merged[key] + value if key in merged else value
-        reference = self.states[0]
-        return {k: v.to(reference[k].dtype) for k, v in merged.items()}
-
-    def accuracy(self, weights: Sequence[float], split: Split) -> float:
-        key = (tuple(round(float(w), 12) for w in weights), id(split))
-        if key not in self._cache:
-            scores = evaluate((self.spec, self.state(weights)), split)
-            self._cache[key] = float(scores["accuracy"])
-        return self._cache[key]
+def _merges(candidates: Sequence[RegisteredCandidate]) -> MergeAccuracy:
+    """Accuracy of LC merges of the candidates, with the released merge's arithmetic."""
+    specs = {c.model_dir.spec for c in candidates}
+    if len(specs) != 1:
+        raise RefusalError("the candidates do not share one architecture")
+    return MergeAccuracy(specs.pop(), [c.model_dir.weights_file for c in candidates])
 
 
 @dataclass(frozen=True)
@@ -97,7 +71,7 @@ def calibrate_policy(
         if c.model_dir.record is None:
             raise RefusalError(f"{c.name} v{c.version} is not a candidate")
         records.append(c.model_dir.record)
-    merges = _Merges(candidates)
+    merges = _merges(candidates)
     methods = (Method.LC, Method.RS) if policy.method == PolicyMethod.AUTO else (policy.method,)
     results: dict[str, Calibration] = {}
     compared: dict[str, dict[str, Any]] = {}

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from functools import lru_cache
 from pathlib import Path
 
 import pandas as pd
 
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.artifacts import WEIGHTS_FILE, ModelDir
+from dpmerge.artifacts import ModelDir
 from dpmerge.data import DatasetSplits
 from dpmerge.errors import InfeasibleTargetError, RecordError
-from dpmerge.evaluation import evaluate, expected_accuracy
-from dpmerge.merging import linear_combination
+from dpmerge.evaluation import MergeAccuracy, expected_accuracy
 
 METHODS = (("rs", "generic"), ("lc", "generic"), ("lc", "structured"))
 COLUMNS = [
@@ -39,23 +37,21 @@ COLUMNS = [
 
 
 class _Evaluator:
-    """Validation and test accuracy of LC merges of the candidates, cached by weights."""
+    """Validation and test accuracy of LC merges of the candidates, with the released merge's
+    arithmetic (:class:`~dpmerge.evaluation.MergeAccuracy`), cached by weights."""
 
     def __init__(self, candidates: Sequence[ModelDir], data: DatasetSplits) -> None:
         specs = {c.spec for c in candidates}
         if len(specs) != 1:
             raise RecordError("the candidates do not share one architecture")
-        self.spec = specs.pop()
-        self.files = [c.path / WEIGHTS_FILE for c in candidates]
+        self.merges = MergeAccuracy(specs.pop(), [c.weights_file for c in candidates])
         self.data = data
-        self.accuracy = lru_cache(maxsize=4096)(self._accuracy)
 
-    def _accuracy(self, weights: tuple[float, ...], split: str) -> float:
-        state = linear_combination(self.files, weights)
-        return float(evaluate((self.spec, state), getattr(self.data, split))["accuracy"])
+    def accuracy(self, weights: tuple[float, ...], split: str) -> float:
+        return self.merges.accuracy(weights, getattr(self.data, split))
 
     def merge_utility(self, weights: tuple[float, ...]) -> float:
-        return self.accuracy(tuple(round(w, 12) for w in weights), "validation")
+        return self.accuracy(weights, "validation")
 
 
 def frontier(

@@ -1,4 +1,5 @@
-"""Exact DP-SGD for softmax regression without Opacus: the ``linear-exact`` engine (SPEC §2).
+"""Exact DP-SGD for softmax regression without Opacus: the ``linear-exact`` engine
+(docs/design.md#mechanism-record).
 
 For one linear layer on flattened inputs under cross-entropy, the per-example gradient is an
 outer product, so its norm and the clipped sum need no per-example gradients and no autograd.
@@ -19,6 +20,9 @@ Opacus run of the same configuration:
   an empty batch is still a noisy step;
 * plain SGD: θ ← θ − η·(Σ clip + noise) / B, B = int(n·q), Opacus' ``expected_batch_size``;
 * an RDP accountant stepped once per step, its history the evidence for the record's steps.
+
+:class:`LinearExactEngine` runs it for a ``logreg`` candidate behind the engine protocol
+(:class:`~dpmerge.training.engines.DPEngine`).
 """
 
 from __future__ import annotations
@@ -30,9 +34,17 @@ import torch
 from opacus.accountants import RDPAccountant
 from torch import nn
 
+from dpmerge.data import Split
+from dpmerge.training.checkpoint import RunState
+from dpmerge.training.config import TrainConfig
+from dpmerge.training.plan import MechanismPlan
+from dpmerge.training.record import Ran, accountant_history
+from dpmerge.training.streams import Streams
+
 SAMPLER_ID = "binomial-subset"
 """Names this sampler's stream in batch lineages: a batch seed drives a different stream here
-than in Opacus' sampler, so the two must never share a lineage (SPEC §2 "batch lineage")."""
+than in Opacus' sampler, so the two must never share a lineage
+(docs/design.md#mechanism-record, "batch lineage")."""
 
 
 class PoissonSubsetSampler:
@@ -169,3 +181,65 @@ class LinearDPSGD:
             param.add_(summed, alpha=-self.learning_rate)
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
         return losses.mean()
+
+
+class LinearExactEngine:
+    """:class:`LinearDPSGD` on one logreg run (implements
+    :class:`~dpmerge.training.engines.DPEngine`)."""
+
+    sampler_id = SAMPLER_ID
+
+    def __init__(
+        self, config: TrainConfig, plan: MechanismPlan, device: torch.device, dataset_size: int
+    ) -> None:
+        self.config, self.plan = config, plan
+        self.noise_generator = torch.Generator(device=device)
+        self.sampler = PoissonSubsetSampler(dataset_size, plan.sample_rate)
+
+    def start(
+        self, model: nn.Module, train: Split, state: RunState, streams: Streams | None
+    ) -> None:
+        if streams is None:
+            self.noise_generator.set_state(state.noise_generator)
+        else:
+            self.noise_generator.manual_seed(streams.noise_seed)
+            self.sampler.manual_seed(streams.batch_seed)
+        self.model = model
+        self.engine = LinearDPSGD(
+            model.linear,
+            train.features,
+            train.labels,
+            noise_multiplier=self.plan.noise_multiplier,
+            clip_norm=self.config.clip_norm,
+            learning_rate=self.config.lr,
+            noise_generator=self.noise_generator,
+            sampler=self.sampler,
+        )
+        self.accountant = self.engine.accountant
+        self.accountant.history = list(state.accountant_history)
+        if streams is None:
+            self.sampler.set_state(state.sampler_generator)
+
+    def step(self) -> torch.Tensor:
+        return self.engine.step()
+
+    def snapshot(self, state: RunState) -> RunState:
+        state.model = {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
+        state.noise_generator = self.noise_generator.get_state()
+        state.sampler_generator = self.sampler.get_state()
+        state.accountant_history = list(self.accountant.history)
+        return state
+
+    def ran(self) -> Ran:
+        engine = self.engine
+        return Ran(
+            noise_multiplier=engine.noise_multiplier,
+            sample_rate=engine.sample_rate,
+            clip_norm=engine.clip_norm,
+            learning_rate=engine.learning_rate,
+            expected_batch_size=engine.expected_batch_size,
+            history=accountant_history(engine.accountant),
+        )
+
+    def module(self) -> nn.Module:
+        return self.model

@@ -1,0 +1,232 @@
+"""The training parameters, declared once (docs/training.md, "Parameters").
+
+:class:`TrainConfig` (one DP-SGD candidate) and :class:`RunOptions` (its data and CPU threads)
+are the only declaration of a training parameter: each field carries its type, default, help
+text and CLI flag. ``dpmerge train`` builds its options from them, the training task carries
+them, and the training flows take them as parameters (:func:`declared_parameters`), so the
+surfaces cannot drift apart. Types are checked strictly (a boolean is not a number) and the
+closed vocabularies (:mod:`dpmerge.vocabulary`) are turned into their enums.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from dpmerge.errors import InputError
+from dpmerge.vocabulary import DatasetName, Engine, GradSampleMode, ModelName, values
+
+LINEAR_EXACT = GradSampleMode.LINEAR_EXACT
+LINEAR_EXACT_MODELS = frozenset({ModelName.LOGREG})
+"""Models the linear-exact engine runs: one linear layer on the flattened input."""
+OPACUS_MODES = tuple(mode for mode in GradSampleMode if mode != LINEAR_EXACT)
+GRAD_SAMPLE_MODES = tuple(GradSampleMode)
+DEFAULT_GRAD_SAMPLE_MODE = {
+    ModelName.LOGREG: LINEAR_EXACT,
+    ModelName.CNN: GradSampleMode.HOOKS,
+    ModelName.RESNET18_GN: GradSampleMode.HOOKS,
+}
+"""Fastest valid mode per model on the 2-core CPU (docs/training.md, bench_training.py)."""
+DEFAULT_LEARNING_RATE = {ModelName.LOGREG: 2.0, ModelName.CNN: 1.0, ModelName.RESNET18_GN: 0.5}
+"""Plain-SGD step sizes at C = 1, B = 256, chosen in docs/training.md ("Logreg learning rate",
+"CNN learning rate"); resnet18_gn is not tuned here."""
+DEVICE_KINDS = ("cpu", "cuda", "auto")
+
+
+class TrainingConfigError(InputError):
+    """A training request that cannot run as asked (conflicting or out-of-range settings)."""
+
+
+def parameter(help: str, default: Any = MISSING, *, flag: str | None = None) -> Any:
+    """A declared field: its default, its help text and its CLI flag (default ``--<name>``)."""
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One declared parameter as a surface (CLI, task, flow) exposes it."""
+
+    name: str
+    kind: type
+    """``bool``, ``int``, ``float``, ``str`` or a vocabulary enum."""
+    optional: bool
+    """``None`` is a valid value."""
+    default: Any
+    """``dataclasses.MISSING`` when the parameter is required."""
+    help: str
+    flag: str
+
+    @property
+    def annotation(self) -> Any:
+        return self.kind | None if self.optional else self.kind
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        return values(self.kind) if issubclass(self.kind, StrEnum) else None
+
+    def check(self, value: Any) -> Any:
+        """``value`` as this parameter holds it (an enum member, a float), or a one-line
+        :class:`TrainingConfigError`."""
+        kind = self.kind
+        if value is None and self.optional:
+            return None
+        if self.choices is not None:
+            if isinstance(value, str) and value in self.choices:
+                return kind(value)
+            raise TrainingConfigError(
+                f"unknown {self.name} {value!r}; known: {', '.join(self.choices)}"
+            )
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if kind is float and number:
+            return float(value)
+        if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+            return value
+        wanted = {float: "a number", int: "an integer", str: "a string", bool: "true or false"}
+        raise TrainingConfigError(f"{self.name} must be {wanted[kind]}, got {value!r}")
+
+
+def declared_parameters(declaration: type) -> tuple[Parameter, ...]:
+    """The parameters a declaration (:class:`TrainConfig`, :class:`RunOptions`) declares."""
+    hints = typing.get_type_hints(declaration)
+    declared = []
+    for item in fields(declaration):
+        kinds = typing.get_args(hints[item.name]) or (hints[item.name],)
+        (kind,) = (k for k in kinds if k is not type(None))
+        flag = item.metadata["flag"] or "--" + item.name.replace("_", "-")
+        declared.append(
+            Parameter(
+                item.name, kind, type(None) in kinds, item.default, item.metadata["help"], flag
+            )
+        )
+    return tuple(declared)
+
+
+def _check_declared(instance: Any) -> None:
+    """Check every declared field's type and store its checked value (frozen dataclass)."""
+    for declared in declared_parameters(type(instance)):
+        value = declared.check(getattr(instance, declared.name))
+        object.__setattr__(instance, declared.name, value)
+
+
+def _require_positive(instance: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(instance, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise TrainingConfigError(f"{name} must be a positive number, got {value}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One DP-SGD candidate. Exactly one of ``noise_multiplier`` and ``target_epsilon``.
+
+    ``learning_rate`` and ``grad_sample_mode`` default per model; ``grad_sample_mode`` picks
+    the engine: ``linear-exact`` (``logreg`` only) or an Opacus mode. ``delta`` is the δ of a
+    target ε and of the running ε in the progress bar. ``max_steps`` stops early; the record
+    counts the steps that ran.
+    """
+
+    dataset: DatasetName = parameter("dataset to train on")
+    model: ModelName = parameter("architecture")
+    noise_multiplier: float | None = parameter("noise multiplier σ (or give a target ε)", None)
+    target_epsilon: float | None = parameter(
+        "calibrate σ to this PLD ε at delta, for the q and steps that run", None
+    )
+    delta: float = parameter("δ of the target ε and of the reported ε", 1e-5)
+    epochs: int = parameter("passes over the data: epochs·⌈n/B⌉ steps", 1)
+    batch_size: int = parameter("expected batch size B (q = 1/⌈n/B⌉)", 256)
+    learning_rate: float | None = parameter(
+        "plain-SGD step size (default: per model)", None, flag="--lr"
+    )
+    clip_norm: float = parameter("per-example clipping norm C", 1.0)
+    init_seed: int = parameter("initialisation seed", 0, flag="--seed")
+    noise_seed: int | None = parameter(
+        "fixed noise seed (default: a secret one, as releases need)", None
+    )
+    batch_seed: int | None = parameter("shared Poisson batch stream (default: independent)", None)
+    init_checkpoint: str | None = parameter("public safetensors weights to start from", None)
+    device: str = parameter("cpu, cuda[:N], or auto (CUDA when present)", "cpu")
+    grad_sample_mode: GradSampleMode | None = parameter(
+        "linear-exact (logreg only) or an Opacus mode (default: per model)", None
+    )
+    checkpoint_path: str | None = parameter(
+        "resumable training checkpoint file", None, flag="--checkpoint"
+    )
+    checkpoint_every: int = parameter("steps between checkpoints", 500)
+    max_steps: int | None = parameter("stop after this many steps", None)
+    progress: bool = parameter("progress bar on stderr", False)
+    name: str | None = parameter("candidate name in the record", None)
+
+    def __post_init__(self) -> None:
+        _check_declared(self)
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise TrainingConfigError("give exactly one of noise_multiplier and target_epsilon")
+        _require_positive(
+            self,
+            (
+                "noise_multiplier",
+                "target_epsilon",
+                "epochs",
+                "batch_size",
+                "learning_rate",
+                "clip_norm",
+                "checkpoint_every",
+                "max_steps",
+            ),
+        )
+        if not 0 < self.delta < 1:
+            raise TrainingConfigError(f"delta must be in (0, 1), got {self.delta}")
+        if self.mode == LINEAR_EXACT and self.model not in LINEAR_EXACT_MODELS:
+            raise TrainingConfigError(
+                f"grad_sample_mode {LINEAR_EXACT.value!r} runs only "
+                f"{', '.join(LINEAR_EXACT_MODELS)}, not {self.model.value!r}; "
+                f"use an Opacus mode ({', '.join(OPACUS_MODES)})"
+            )
+        if self.device.split(":")[0] not in DEVICE_KINDS:
+            raise TrainingConfigError(
+                f"device must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}"
+            )
+
+    @property
+    def lr(self) -> float:
+        return self.learning_rate or DEFAULT_LEARNING_RATE[self.model]
+
+    @property
+    def mode(self) -> GradSampleMode:
+        return self.grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE[self.model]
+
+    @property
+    def engine(self) -> Engine:
+        """Which code runs the mechanism."""
+        return Engine.LINEAR_EXACT if self.mode == LINEAR_EXACT else Engine.OPACUS
+
+    def torch_device(self) -> torch.device:
+        """The device to train on (``auto``: CUDA when present)."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise TrainingConfigError(f"invalid device {self.device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise TrainingConfigError(f"device {self.device!r} requested but CUDA is not available")
+        return device
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run is hosted: where its data comes from and the CPU threads torch may use."""
+
+    data_root: str | None = parameter("folder holding the dataset files", None)
+    limit: int | None = parameter("use only the first rows of each file", None)
+    torch_threads: int = parameter(
+        "torch CPU threads (one: two can be 10× slower on a shared CPU)", 1, flag="--threads"
+    )
+
+    def __post_init__(self) -> None:
+        _check_declared(self)
+        _require_positive(self, ("limit", "torch_threads"))
