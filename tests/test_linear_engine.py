@@ -215,7 +215,9 @@ def test_record_equals_the_opacus_record(digits: DatasetSplits) -> None:
     linear = train_candidate(config(grad_sample_mode=LINEAR_EXACT, **settings), digits).record
     # a batch seed drives a different stream in each engine's sampler: distinct batch lineages
     assert linear.batch_lineage == f"{opacus.batch_lineage}/{SAMPLER_ID}"
-    assert linear == opacus.model_copy(update={"batch_lineage": linear.batch_lineage})
+    assert linear == opacus.model_copy(
+        update={"batch_lineage": linear.batch_lineage, "run_id": linear.run_id}
+    )
     assert linear.expected_batch_size == int(digits.dataset_size * linear.sample_rate)
 
 

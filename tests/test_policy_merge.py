@@ -23,6 +23,7 @@ from dpmerge import policy_merge as pm
 from dpmerge.accounting.ledger import ReleaseLedger
 from dpmerge.data import load_dataset
 from dpmerge.errors import DatasetError
+from dpmerge.evaluation import MergeAccuracy
 from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.policy_merge.evaluation_data import _limits_for
 from dpmerge.registry import Registry, RegistryError
@@ -220,7 +221,7 @@ def test_auto_keeps_the_smaller_noise_proxy_and_never_steers_by_accuracy(
     noisiest = max(
         range(len(candidates)), key=lambda i: candidates[i].model_dir.record.noise_multiplier
     )
-    monkeypatch.setattr(pm.calibration._Merges, "accuracy", lambda self, w, split: w[noisiest])
+    monkeypatch.setattr(MergeAccuracy, "accuracy", lambda self, w, split: w[noisiest])
     steered = pm.calibrate_policy(_policy(target_epsilon=3.0), candidates, data)
     assert steered.method == plan.method
     assert [w > 0 for w in steered.calibration.weights] == [w > 0 for w in plan.calibration.weights]

@@ -203,7 +203,11 @@ def test_same_seeds_reproduce_and_resume_continues_both_streams(
     resumed = train_candidate(resumable, digits)
     assert weights_equal(resumed.weights, whole.weights)
     assert resumed.accountant_history == whole.accountant_history
-    assert resumed.record == whole.record.model_copy(update={"name": resumed.record.name})
+    # A resumed run keeps its run id (its checkpoints are one run); another run has its own.
+    assert resumed.record.run_id == first.record.run_id != whole.record.run_id
+    assert resumed.record == whole.record.model_copy(
+        update={"name": resumed.record.name, "run_id": resumed.record.run_id}
+    )
     assert resumed.record.name == first.record.name  # one run, one id
     assert [entry.step for entry in first.history] == [50]  # a partial first epoch
     assert [entry.step for entry in second.history] == [92]

@@ -98,8 +98,9 @@ def frontier(
                     float(target),
                     delta,
                     gating_bound=bound,  # type: ignore[arg-type]
-                    utilities=val_acc if method == "rs" else None,
-                    merge_utility=evaluator.merge_utility if method == "lc" else None,
+                    merge_utility=evaluator.merge_utility
+                    if (method, bound) == ("lc", "generic")
+                    else None,
                 )
             except InfeasibleTargetError:
                 continue
