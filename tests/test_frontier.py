@@ -51,9 +51,10 @@ def test_frontier_rows_are_certified_and_evaluated(digits_candidates, tmp_path):
         assert 0.0 <= row.test_accuracy <= 1.0
         weights = json.loads(row.weights)
         assert abs(sum(weights) - 1) < 1e-5
-    # At the loosest target the best LC is at least as accurate on validation as any candidate.
+    # At the loosest target the noise proxy's best subset is every candidate (the choice is
+    # data-independent; validation accuracy only tunes the weights within it).
     loose = merges[(merges.target_epsilon == targets[-1]) & (merges.kind == "lc-generic")]
-    assert loose.validation_accuracy.iloc[0] >= candidates.validation_accuracy.max() - 1e-9
+    assert all(w > 0 for w in json.loads(loose.weights.iloc[0]))
     png = plot_frontier(table, tmp_path / "frontier.png", title="digits")
     assert png.stat().st_size > 10_000
 
