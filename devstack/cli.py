@@ -11,7 +11,7 @@ import time
 
 import devstack as stack
 from devstack import store
-from devstack.config import DEFAULT_STORE_PORTS, STORE_PORT_NAMES
+from devstack.config import ADMIN_GRPC_OFFSET, DEFAULT_STORE_PORTS, STORE_PORT_NAMES
 from dpmerge.storage import S3Store, StorageError
 
 
@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 type=int,
                 default=None,
                 help=f"first of the {len(STORE_PORT_NAMES)} consecutive ports SeaweedFS uses "
-                f"inside (default {DEFAULT_STORE_PORTS[0]})",
+                f"inside, and the last + {ADMIN_GRPC_OFFSET} (default {DEFAULT_STORE_PORTS[0]})",
             )
             sub.add_argument(
                 "--no-prefect",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -30,9 +31,11 @@ STORE_PORT_NAMES = (
     "filer.port.grpc",
     "s3.port.grpc",
     "admin.port",
-    "admin.port.grpc",
 )
-"""``weed mini``'s flags for its internal listeners besides the S3 port (``store_ports``)."""
+"""``weed mini``'s flags for its internal listeners besides the S3 port (``store_ports``).
+The admin server's gRPC port is ``admin.port`` + :data:`ADMIN_GRPC_OFFSET`: weed's maintenance
+worker dials it there whatever ``-admin.port.grpc`` says."""
+ADMIN_GRPC_OFFSET = 10000
 DEFAULT_STORE_PORTS = tuple(range(5002, 5002 + len(STORE_PORT_NAMES)))
 POOLS = ("cpu", "gpu")
 CONFIG_FILE = "stack.json"
@@ -80,6 +83,15 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
+def _free_admin_port() -> int:
+    """A free port whose admin gRPC partner (+ :data:`ADMIN_GRPC_OFFSET`) is free too."""
+    for _ in range(200):
+        port = random.randrange(20000, 30000)  # below the kernel's ephemeral range
+        if port_free(port) and port_free(port + ADMIN_GRPC_OFFSET):
+            return port
+    raise StackError("no free port pair for SeaweedFS's admin server in 20000–40000")
+
+
 @dataclass(frozen=True)
 class StackConfig:
     """Ports, buckets and the state directory of one local stack. ``prefect=False`` starts
@@ -105,28 +117,36 @@ class StackConfig:
                 f"store_ports needs {len(STORE_PORT_NAMES)} ports "
                 f"({', '.join(STORE_PORT_NAMES)}), got {len(self.store_ports)}"
             )
+        raw = [self.s3_port, self.mlflow_port, self.prefect_port, *self.store_ports]
+        if not all(type(p) is int for p in raw):
+            raise StackError(f"ports must be integers, got {raw}")
         ports = self.ports
-        valid = all(type(p) is int and 0 < p < 65536 for p in ports)
-        if not valid or len(set(ports)) != len(ports):
-            raise StackError(f"ports must be distinct integers in 1–65535, got {ports}")
+        if len(set(ports)) != len(ports) or not all(0 < p < 65536 for p in ports):
+            raise StackError(f"ports must be distinct and in 1–65535, got {ports}")
 
     @classmethod
     def on_free_ports(cls, state_dir: str | Path, **fields: Any) -> StackConfig:
         """A configuration whose ports are all free on loopback right now (tests, benchmarks)."""
-        s3, mlflow, prefect, *store = free_ports(3 + len(STORE_PORT_NAMES))
+        s3, mlflow, prefect, *store = free_ports(2 + len(STORE_PORT_NAMES))
         return cls(
             state_dir=Path(state_dir),
             s3_port=s3,
             mlflow_port=mlflow,
             prefect_port=prefect,
-            store_ports=tuple(store),
+            store_ports=(*store, _free_admin_port()),
             **fields,
         )
 
     @property
+    def store_flags(self) -> dict[str, int]:
+        """``weed mini``'s internal port flags and their ports."""
+        flags = dict(zip(STORE_PORT_NAMES, self.store_ports, strict=True))
+        return {**flags, "admin.port.grpc": flags["admin.port"] + ADMIN_GRPC_OFFSET}
+
+    @property
     def ports(self) -> list[int]:
         """Every port this stack listens on."""
-        servers = [self.s3_port, *self.store_ports, self.mlflow_port]
+        servers = [self.s3_port, *self.store_flags.values(), self.mlflow_port]
         return servers + ([self.prefect_port] if self.prefect else [])
 
     @property

@@ -18,7 +18,6 @@ from pathlib import Path
 from devstack.config import (
     CREDENTIALS,
     LOOPBACK,
-    STORE_PORT_NAMES,
     StackConfig,
     StackError,
     repo_root,
@@ -64,11 +63,30 @@ def worker_online(config: StackConfig, pool: str) -> bool:
     )
 
 
+def store_ready(config: StackConfig) -> bool:
+    """S3 answers, and SeaweedFS's master knows every volume its volume server loaded from disk.
+    ``/healthz`` alone is not enough: until the volume server's first heartbeat reaches the
+    master, reads fail with InternalError ("volume not found"; seen for 5 s after a restart)."""
+    if not probe(f"{config.s3_url}/healthz").ok:
+        return False
+    ports = config.store_flags
+    loaded = probe(f"http://{LOOPBACK}:{ports['volume.port']}/status").body
+    topology = probe(f"http://{LOOPBACK}:{ports['master.port']}/dir/status").body
+    try:
+        nodes = [
+            node
+            for centre in topology["Topology"]["DataCenters"] or []
+            for rack in centre["Racks"] or []
+            for node in rack["DataNodes"] or []
+        ]
+        return bool(nodes) and sum(n["Volumes"] for n in nodes) >= len(loaded["Volumes"] or [])
+    except (TypeError, KeyError):
+        return False
+
+
 def services(config: StackConfig) -> list[Service]:
     """Every service of ``config`` in start order."""
-    store_flags = [
-        f"-{name}={port}" for name, port in zip(STORE_PORT_NAMES, config.store_ports, strict=True)
-    ]
+    store_flags = [f"-{name}={port}" for name, port in config.store_flags.items()]
     result = [
         Service(
             name="s3",
@@ -89,9 +107,9 @@ def services(config: StackConfig) -> list[Service]:
             ),
             # weed mini makes these credentials its one S3 identity: others are refused.
             env={**CREDENTIALS},
-            health=lambda: probe(f"{config.s3_url}/healthz").ok,
+            health=lambda: store_ready(config),
             stage=0,
-            ports=(config.s3_port, *config.store_ports),
+            ports=(config.s3_port, *config.store_flags.values()),
             url=config.s3_url,
             start_timeout_s=60.0,
         ),
