@@ -171,7 +171,8 @@ class S3Store:
 
     def ensure_bucket(self, bucket: str | None = None, *, restricted: bool = False) -> str:
         """Create ``bucket`` (default: the project bucket) if missing. ``restricted`` blocks
-        public access and turns on default encryption and versioning (the audit bucket)."""
+        public access (where the server has that API: ``block_public_access``) and turns on
+        default encryption and versioning (the audit bucket)."""
         bucket = bucket or self.config.bucket
         with self._errors("checking bucket", bucket):
             try:
