@@ -83,8 +83,12 @@ def _handle(args: argparse.Namespace) -> int:
         print("\n".join(stack.export_lines(config)))
         return 0
     statuses = stack.status(config)
-    s3_healthy = any(s.name == "s3" and s.healthy for s in statuses)
-    in_step = _store_line(config, args.json) if s3_healthy else False
+    if any(s.name == "s3" and s.healthy for s in statuses):
+        in_step = _store_line(config, args.json)
+    else:
+        in_step = False
+        if not args.json:
+            print("registry/store: unknown (S3 is not running)")
     _print_status(statuses, args.json, f"state directory {config.state_dir}")
     return 0 if in_step and all(s.healthy for s in statuses) else 1
 

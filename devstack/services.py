@@ -24,6 +24,9 @@ from devstack.config import (
 )
 from dpmerge.environment import probe
 
+HEALTH_TIMEOUT_S = 5.0
+"""How long one health probe waits for an answer (a loaded 2-core machine answers slowly)."""
+
 
 @dataclass(frozen=True)
 class Service:
@@ -56,7 +59,7 @@ def worker_name(pool: str) -> str:
 
 def worker_online(config: StackConfig, pool: str) -> bool:
     url = f"{config.prefect_api_url}/work_pools/{pool}/workers/filter"
-    workers = probe(url, method="POST", body={}).body
+    workers = probe(url, method="POST", body={}, timeout_s=HEALTH_TIMEOUT_S).body
     return isinstance(workers, list) and any(
         isinstance(w, dict) and w.get("name") == worker_name(pool) and w.get("status") == "ONLINE"
         for w in workers
@@ -67,19 +70,22 @@ def store_ready(config: StackConfig) -> bool:
     """S3 answers, and SeaweedFS's master knows every volume its volume server loaded from disk.
     ``/healthz`` alone is not enough: until the volume server's first heartbeat reaches the
     master, reads fail with InternalError ("volume not found"; seen for 5 s after a restart)."""
-    if not probe(f"{config.s3_url}/healthz").ok:
+    if not probe(f"{config.s3_url}/healthz", timeout_s=HEALTH_TIMEOUT_S).ok:
         return False
     ports = config.store_flags
-    loaded = probe(f"http://{LOOPBACK}:{ports['volume.port']}/status").body
-    topology = probe(f"http://{LOOPBACK}:{ports['master.port']}/dir/status").body
+    loaded = probe(f"http://{LOOPBACK}:{ports['volume.port']}/status", timeout_s=HEALTH_TIMEOUT_S)
+    topology = probe(
+        f"http://{LOOPBACK}:{ports['master.port']}/dir/status", timeout_s=HEALTH_TIMEOUT_S
+    )
     try:
         nodes = [
             node
-            for centre in topology["Topology"]["DataCenters"] or []
+            for centre in topology.body["Topology"]["DataCenters"] or []
             for rack in centre["Racks"] or []
             for node in rack["DataNodes"] or []
         ]
-        return bool(nodes) and sum(n["Volumes"] for n in nodes) >= len(loaded["Volumes"] or [])
+        volumes = loaded.body["Volumes"] or []
+        return bool(nodes) and sum(n["Volumes"] for n in nodes) >= len(volumes)
     except (TypeError, KeyError):
         return False
 
@@ -134,7 +140,7 @@ def services(config: StackConfig) -> list[Service]:
                 "MLFLOW_S3_ENDPOINT_URL": config.s3_url,
                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             },
-            health=lambda: probe(f"{config.mlflow_url}/health").ok,
+            health=lambda: probe(f"{config.mlflow_url}/health", timeout_s=HEALTH_TIMEOUT_S).ok,
             stage=1,
             ports=(config.mlflow_port,),
             url=config.mlflow_url,
@@ -156,7 +162,9 @@ def services(config: StackConfig) -> list[Service]:
                 "PREFECT_SERVER_API_HOST": LOOPBACK,
                 "PREFECT_SERVER_API_PORT": str(config.prefect_port),
             },
-            health=lambda: probe(f"{config.prefect_api_url}/health").body is True,
+            health=lambda: (
+                probe(f"{config.prefect_api_url}/health", timeout_s=HEALTH_TIMEOUT_S).body is True
+            ),
             stage=1,
             ports=(config.prefect_port,),
             url=config.prefect_api_url,

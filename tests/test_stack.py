@@ -59,12 +59,12 @@ def test_stack_up_health_down_leaves_nothing(tmp_path: Path, capsys: Any) -> Non
         pids = {name: s["pid"] for name, s in services.items()}
         config = devstack.resolve_config(state)
         assert config == planned
-        assert probe(f"{config.s3_url}/healthz").status == 200
-        assert probe(f"{config.mlflow_url}/health").status == 200
-        assert probe(f"{config.prefect_api_url}/health").body is True
+        assert probe(f"{config.s3_url}/healthz", timeout_s=10).status == 200
+        assert probe(f"{config.mlflow_url}/health", timeout_s=10).status == 200
+        assert probe(f"{config.prefect_api_url}/health", timeout_s=10).body is True
         for pool in ("cpu", "gpu"):
             url = f"{config.prefect_api_url}/work_pools/{pool}/workers/filter"
-            workers = probe(url, method="POST", body={}).body
+            workers = probe(url, method="POST", body={}, timeout_s=10).body
             assert [w["status"] for w in workers] == ["ONLINE"]
         _, env = _cli(capsys, "stack", "env", *flags)
         assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{ports[1]}" in env
