@@ -88,11 +88,11 @@ def _after_stage(config: StackConfig, stage: list[Service]) -> None:
 def up(config: StackConfig) -> list[ServiceStatus]:
     """Start every service not already running, stage by stage; on a failure stop what this
     call started and raise :class:`StackError` naming the log."""
-    config.save()
-    config.mlflow_dir.mkdir(parents=True, exist_ok=True)
     stages = _stages(config)
     supervisor = Supervisor(config)
     started_supervisor = supervisor.ensure_running([s for stage in stages for s in stage])
+    config.save()  # after the check that a running supervisord has these settings
+    config.mlflow_dir.mkdir(parents=True, exist_ok=True)
     started: list[Service] = []
     try:
         for stage in stages:

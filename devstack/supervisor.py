@@ -146,7 +146,7 @@ serverurl = unix://{self.socket_path}
         configuration must be the one it runs with). True if this call started it."""
         text = self.render(services)
         if self.running():
-            if self.conf_path.read_text() != text:
+            if not self.conf_path.is_file() or self.conf_path.read_text() != text:
                 raise StackError(
                     f"the stack in {self.config.state_dir} runs with other settings; "
                     "stop it first (`dpmerge stack down`)"

@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,10 @@ def test_s3_restarts_under_a_running_mlflow_and_keeps_every_object(tmp_path: Pat
         assert Path(notes).read_text() == "the model"
         devstack.up(config)  # the registry and the store are still in step
         assert store.check(config, s3).verdict is store.Verdict.IN_STEP
+        saved = (config.state_dir / devstack.CONFIG_FILE).read_text()
+        with pytest.raises(devstack.StackError, match="runs with other settings"):
+            devstack.up(replace(config, mlflow_port=devstack.free_ports(1)[0]))
+        assert (config.state_dir / devstack.CONFIG_FILE).read_text() == saved
 
 
 @pytest.mark.integration
