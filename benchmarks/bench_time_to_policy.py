@@ -4,7 +4,7 @@ merged release, against retraining the same model at the target.
 Run: ``.venv/bin/python benchmarks/bench_time_to_policy.py [--dataset fashion-mnist]
 [--targets 0.5,1,1.5,2,3] [--epochs 3]``
 
-It starts its own local stack on free loopback ports (moto S3, MLflow on S3, Prefect server
+It starts its own local stack on free loopback ports (S3, MLflow on S3, Prefect server
 and workers polling every second, requeue wait 1 s), deploys ``merge-on-policy/cpu`` from
 deployments/prefect.yaml, trains and registers logistic-regression candidates here (timing each
 one: the retraining reference), primes the merge caches as the train-candidates flow does
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,24 +28,7 @@ import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SERVER_ENV = {
-    "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-}
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+SLOT_WAIT = {"PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1"}
 
 
 def task_breakdown(config, flow_run_id) -> list[tuple[str, float]]:
@@ -78,23 +60,19 @@ def main() -> int:
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    os.environ.update(SERVER_ENV)
+    from dpmerge.environment import QUIET, TELEMETRY_OFF
+
+    os.environ.update({**SLOT_WAIT, **TELEMETRY_OFF, **QUIET})
     scratch = Path(args.state_dir or tempfile.mkdtemp(prefix="dpmerge-bench-"))
     os.environ["DPMERGE_HOME"] = str(scratch / "home")
 
     import torch
 
-    from dpmerge import stack
+    import devstack as stack
     from flows.commands.policy import default_dataset
 
     dataset = args.dataset or default_dataset()
-    s3_port, mlflow_port, prefect_port = free_ports(3)
-    config = stack.StackConfig(
-        state_dir=scratch / "stack",
-        s3_port=s3_port,
-        mlflow_port=mlflow_port,
-        prefect_port=prefect_port,
-    )
+    config = stack.StackConfig.on_free_ports(scratch / "stack")
     print(f"stack in {config.state_dir}; dataset {dataset}; 2 cores, torch threads 1")
     start = time.perf_counter()
     stack.up(config)

@@ -9,7 +9,7 @@ written at most once (a conditional ``If-None-Match: *`` put), so a release cann
 by overwriting its record. Nothing from the audit bucket goes to MLflow tags or privacy cards.
 
 Configuration comes from the environment (:meth:`S3Config.from_env`); credentials follow the
-usual AWS chain unless given explicitly (the local stack passes moto's dummy ones). Transient
+usual AWS chain unless given explicitly (the local stack passes its own). Transient
 errors are retried by botocore (``standard`` mode); what still fails raises
 :class:`StorageError` with a one-line cause — :class:`StorageUnavailableError` (a
 :class:`~dpmerge.errors.TransientError`, worth retrying later) when botocore's exception type,
@@ -93,6 +93,9 @@ class S3Config:
     max_attempts: int = 5
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
+    block_public_access: bool = True
+    """``False`` only for a server without the PublicAccessBlock API that refuses anonymous
+    requests anyway (the local stack's SeaweedFS, docs/stack.md)."""
 
     def __post_init__(self) -> None:
         for name in (self.bucket, self.audit_bucket):
@@ -194,7 +197,8 @@ class S3Store:
 
     def ensure_bucket(self, bucket: str | None = None, *, restricted: bool = False) -> str:
         """Create ``bucket`` (default: the project bucket) if missing. ``restricted`` blocks
-        public access and turns on default encryption and versioning (the audit bucket)."""
+        public access (where the server has that API: ``block_public_access``) and turns on
+        default encryption and versioning (the audit bucket)."""
         bucket = bucket or self.config.bucket
         with self._errors("checking bucket", bucket):
             try:
@@ -214,15 +218,16 @@ class S3Store:
                 self.client.create_bucket(Bucket=bucket, **extra)
         if restricted:
             with self._errors("restricting bucket", bucket):
-                self.client.put_public_access_block(
-                    Bucket=bucket,
-                    PublicAccessBlockConfiguration={
-                        "BlockPublicAcls": True,
-                        "IgnorePublicAcls": True,
-                        "BlockPublicPolicy": True,
-                        "RestrictPublicBuckets": True,
-                    },
-                )
+                if self.config.block_public_access:
+                    self.client.put_public_access_block(
+                        Bucket=bucket,
+                        PublicAccessBlockConfiguration={
+                            "BlockPublicAcls": True,
+                            "IgnorePublicAcls": True,
+                            "BlockPublicPolicy": True,
+                            "RestrictPublicBuckets": True,
+                        },
+                    )
                 self.client.put_bucket_encryption(
                     Bucket=bucket,
                     ServerSideEncryptionConfiguration={"Rules": [_SSE_RULE]},

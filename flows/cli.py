@@ -1,4 +1,5 @@
-"""The ``dpmerge`` console script: the library's commands plus the workflow commands."""
+"""The ``dpmerge`` console script: the library's commands plus the workflow commands and the
+local stack's (``devstack``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dpmerge.cli import main as library_main
 WORKFLOW_COMMANDS: dict[str, tuple[str, str]] = {
     "policy": ("flows.commands.policy", "set or apply privacy policies (emits the policy event)"),
     "demo": ("flows.commands.demo", "the main job on embedded defaults"),
+    "stack": ("devstack.cli", "the local stack (S3, MLflow, Prefect) under supervisord"),
 }
 
 

@@ -14,23 +14,16 @@ a flow run (deployments/prefect.yaml).
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from dpmerge.environment import QUIET, TELEMETRY_OFF, probe
 from dpmerge.errors import DPMergeError
 from dpmerge.policy_merge import embedded_tracking_uri, resolve_home
 
 EVENT = "dpmerge.policy.updated"
-TELEMETRY_OFF = {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-QUIET = {
-    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-}
 EPHEMERAL_SERVER = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
 """Prefect's temporary API migrates a fresh database on start; its default 20 s limit is too
 short on a loaded two-core machine (seen in CI: "Timed out while attempting to connect")."""
@@ -70,16 +63,14 @@ def configure_embedded(home: str | Path | None = None, *, force: bool = False) -
 
 
 def check_server(url: str, timeout_s: float = 5.0) -> None:
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
-            healthy = json.loads(response.read() or b"null")
-    except (urllib.error.URLError, OSError, ValueError) as error:
+    health = probe(f"{url.rstrip('/')}/health", timeout_s=timeout_s)
+    if health.status is None:
         raise ServerError(
-            f"Prefect server {url} unreachable ({error}); start it (`dpmerge stack up`) or unset "
-            "PREFECT_API_URL to run in-process"
-        ) from None
-    if healthy is not True:
-        raise ServerError(f"Prefect server {url} is not healthy (health: {healthy!r})")
+            f"Prefect server {url} unreachable ({health.error}); start it (`dpmerge stack up`) "
+            "or unset PREFECT_API_URL to run in-process"
+        )
+    if health.body is not True:
+        raise ServerError(f"Prefect server {url} is not healthy (health: {health.body!r})")
 
 
 def emit_policy_event(

@@ -8,18 +8,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import TELEMETRY_OFF, environment, running_stack
+from servers import environment, running_stack
 
-from dpmerge.stack import StackConfig
+from devstack import StackConfig
+from dpmerge.environment import QUIET, TELEMETRY_OFF
 from dpmerge.storage import S3Store
 
-for _key, _value in TELEMETRY_OFF.items():
+for _key, _value in {**TELEMETRY_OFF, **QUIET}.items():
     os.environ.setdefault(_key, _value)
 
 
 @pytest.fixture(scope="session")
 def s3_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
-    """moto S3 + an MLflow server (sqlite, artifacts proxied to S3) on free loopback ports."""
+    """S3 + an MLflow server (sqlite, artifacts proxied to S3) on free loopback ports."""
     with running_stack(tmp_path_factory.mktemp("s3-mlflow"), prefect=False) as config:
         yield config
 
@@ -32,7 +33,7 @@ def mlflow_server(s3_mlflow: StackConfig) -> str:
 
 @pytest.fixture(scope="session")
 def s3_store(s3_mlflow: StackConfig) -> S3Store:
-    """A store on the session's moto server (buckets already bootstrapped)."""
+    """A store on the session's S3 server (buckets already bootstrapped)."""
     return S3Store(s3_mlflow.s3_config())
 
 

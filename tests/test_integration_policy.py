@@ -1,4 +1,4 @@
-"""The workflow on the real local stack (moto S3, MLflow on S3, Prefect server, cpu/gpu
+"""The workflow on the real local stack (S3, MLflow on S3, Prefect server, cpu/gpu
 workers polling every second): deploy deployments/prefect.yaml, train candidates through the
 ``gpu`` pool, then drive ``merge-on-policy`` with ``dpmerge.policy.updated`` events.
 
@@ -23,7 +23,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from servers import environment, running_stack
 
-from dpmerge import stack as stack_mod
+import devstack as stack_mod
 from dpmerge.policies import policy_from_dict
 from flows import runtime
 
@@ -65,7 +65,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackC
         yield config
     assert len(pids) == 5
     for pid in pids:  # workers first, then servers: and nothing left behind
-        assert stack_mod._group_members(pid) == [], f"process group {pid} still running"
+        assert stack_mod.group_members(pid) == [], f"process group {pid} still running"
 
 
 def _client(config: stack_mod.StackConfig) -> Any:
@@ -180,8 +180,8 @@ def test_policy_event_promotes_a_carded_release_stored_in_s3(stack, candidates) 
     s3 = boto3.client(
         "s3",
         endpoint_url=stack.s3_url,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
+        aws_access_key_id=stack.s3_config().access_key_id,
+        aws_secret_access_key=stack.s3_config().secret_access_key,
         region_name="us-east-1",
     )
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=stack.bucket)["Contents"]]

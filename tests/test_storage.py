@@ -1,14 +1,18 @@
-"""S3 storage against a real moto server on loopback (and configuration without one)."""
+"""S3 storage against the local stack's S3 server on loopback (and configuration without one)."""
 
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import boto3
 import pytest
+from botocore.exceptions import ClientError
 from botocore.stub import Stubber
-from servers import free_ports
 
+from devstack import free_ports
 from dpmerge.errors import is_transient
 from dpmerge.storage import (
     CHECKPOINTS_PREFIX,
@@ -92,14 +96,46 @@ def test_s3_failures_are_transient_by_code_or_status() -> None:
             assert is_transient(failed.value) == (kind is StorageUnavailableError), code
 
 
+def test_restricted_bucket_blocks_public_access_unless_the_server_has_no_such_api() -> None:
+    """Against AWS (the default) the audit bucket gets a public access block; the local
+    stack's server has no such API and refuses anonymous requests instead (next test)."""
+    for block in (True, False):
+        store = S3Store(
+            S3Config(
+                endpoint_url="http://127.0.0.1:1",
+                access_key_id="x",
+                secret_access_key="x",
+                block_public_access=block,
+            )
+        )
+        with Stubber(store.client) as stub:
+            stub.add_response("head_bucket", {}, {"Bucket": "dpmerge-audit"})
+            if block:
+                stub.add_response("put_public_access_block", {})
+            stub.add_response("put_bucket_encryption", {})
+            stub.add_response("put_bucket_versioning", {})
+            store.ensure_bucket("dpmerge-audit", restricted=True)
+            stub.assert_no_pending_responses()
+
+
 @pytest.mark.integration
 def test_bootstrap_restricts_the_audit_bucket(s3_store: S3Store) -> None:
     s3_store.bootstrap()  # idempotent: the stack already ran it
     client, config = s3_store.client, s3_store.config
     names = {b["Name"] for b in client.list_buckets()["Buckets"]}
     assert {config.bucket, config.audit_bucket} <= names
-    block = client.get_public_access_block(Bucket=config.audit_bucket)
-    assert all(block["PublicAccessBlockConfiguration"].values())
+    stranger = boto3.client(
+        "s3",
+        endpoint_url=config.endpoint_url,
+        aws_access_key_id="stranger",
+        aws_secret_access_key="stranger",
+        region_name=config.region,
+    )
+    with pytest.raises(ClientError, match="InvalidAccessKeyId"):
+        stranger.list_objects_v2(Bucket=config.audit_bucket)
+    request = urllib.request.Request(f"{config.endpoint_url}/{config.audit_bucket}")
+    with pytest.raises(urllib.error.HTTPError, match="403"):
+        urllib.request.urlopen(request, timeout=10)  # anonymous
     rules = client.get_bucket_encryption(Bucket=config.audit_bucket)
     assert (
         rules["ServerSideEncryptionConfiguration"]["Rules"][0][

@@ -6,9 +6,10 @@ stderr: exit 2 for bad input or a refused analysis, 3 for an infeasible target.
 
 Only the module of the command being run is imported (torch, MLflow and dp_accounting take
 seconds to import), so ``dpmerge --help`` and every command start fast. The library's commands
-live here and import no Prefect; the workflow commands (``policy``, ``demo``) live in
-``flows.cli``, which adds them to this table: the console script enters there, so the
-dependency direction stays flows → tasks → dpmerge.
+live here and import no Prefect; the workflow commands (``policy``, ``demo``) and the local
+stack's (``stack``, in the ``devstack`` package) live outside the library, and ``flows.cli``
+adds them to this table: the console script enters there, so the dependencies keep pointing
+at the library (flows → tasks → dpmerge, devstack → dpmerge).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("dpmerge.cli.models", "evaluate a model directory on a split"),
     "candidates": ("dpmerge.cli.models", "print the candidates file of candidate directories"),
     "registry": ("dpmerge.cli.registry", "the MLflow model registry"),
-    "stack": ("dpmerge.cli.stack", "the local stack (S3, MLflow, Prefect)"),
 }
 """Command name → (module defining it, one-line help)."""
 

@@ -17,8 +17,6 @@ import json
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -304,11 +302,9 @@ def _default_artifact_location(tracking_uri: str) -> str | None:
 
 
 def _check_server(url: str) -> None:
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5) as response:
-            response.read()
-    except (urllib.error.URLError, OSError) as error:
+    health = probe(f"{url.rstrip('/')}/health", timeout_s=5)
+    if not health.ok:
         raise RegistryUnavailableError(
-            f"MLflow server {url} unreachable ({error}); start it (`dpmerge stack up`) "
+            f"MLflow server {url} unreachable ({health.error}); start it (`dpmerge stack up`) "
             "or point MLFLOW_TRACKING_URI elsewhere"
-        ) from None
+        )

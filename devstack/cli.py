@@ -1,4 +1,7 @@
-"""``dpmerge stack up|down|status|env``: the local S3 + MLflow + Prefect stack on loopback."""
+"""``dpmerge stack up|down|status|env``: the local S3 + MLflow + Prefect stack on loopback.
+
+Routed by the console script (``flows/cli.py``); the library's command table does not know it.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +9,28 @@ import argparse
 import json
 import time
 
-from dpmerge import stack
+import devstack as stack
+from devstack import store
+from devstack.config import ADMIN_GRPC_OFFSET, DEFAULT_STORE_PORTS, STORE_PORT_NAMES
+from dpmerge.storage import S3Store, StorageError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "stack",
-        help="start/stop the local stack (moto S3, MLflow, Prefect, workers) on 127.0.0.1",
+        help="start/stop the local stack (S3, MLflow, Prefect, workers) on 127.0.0.1",
         description=(
-            "Run the local stack on loopback. State (pid files, logs, databases) lives in "
-            "--state-dir (default $DPMERGE_STACK_DIR or .stack/ in the repository); the ports "
-            "given to 'up' are saved there and reused by down, status and env."
+            "Run the local stack on loopback under supervisord. State (S3 objects, databases, "
+            "logs, supervisord's configuration and socket) lives in --state-dir (default "
+            "$DPMERGE_STACK_DIR or .stack/ in the repository); the ports given to 'up' are "
+            "saved there (stack.json) and reused by down, status and env."
         ),
     )
     actions = parser.add_subparsers(dest="stack_command", required=True)
     for name, text in (
         ("up", "start every service not already running (idempotent)"),
-        ("down", "stop workers, then servers"),
-        ("status", "show what runs"),
+        ("down", "stop workers, then servers, then supervisord"),
+        ("status", "show what runs and whether the registry and the S3 store are in step"),
         ("env", 'print the export lines a shell needs: eval "$(dpmerge stack env)"'),
     ):
         sub = actions.add_parser(name, help=text, description=text)
@@ -33,6 +40,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 sub.add_argument(
                     f"--{service}-port", type=int, default=None, help=f"default {port}"
                 )
+            sub.add_argument(
+                "--store-port-base",
+                type=int,
+                default=None,
+                help=f"first of the {len(STORE_PORT_NAMES)} consecutive ports SeaweedFS uses "
+                f"inside, and the last + {ADMIN_GRPC_OFFSET} (default {DEFAULT_STORE_PORTS[0]})",
+            )
             sub.add_argument(
                 "--no-prefect",
                 dest="prefect",
@@ -53,6 +67,9 @@ def _handle(args: argparse.Namespace) -> int:
             mlflow_port=args.mlflow_port,
             prefect_port=args.prefect_port,
             prefect=args.prefect,
+            store_ports=None
+            if args.store_port_base is None
+            else tuple(range(args.store_port_base, args.store_port_base + len(STORE_PORT_NAMES))),
         )
         start = time.monotonic()
         statuses = stack.up(config)
@@ -66,8 +83,31 @@ def _handle(args: argparse.Namespace) -> int:
         print("\n".join(stack.export_lines(config)))
         return 0
     statuses = stack.status(config)
+    if any(s.name == "s3" and s.healthy for s in statuses):
+        in_step = _store_line(config, args.json)
+    else:
+        in_step = False
+        if not args.json:
+            print("registry/store: unknown (S3 is not running)")
     _print_status(statuses, args.json, f"state directory {config.state_dir}")
-    return 0 if all(s.healthy for s in statuses) else 1
+    return 0 if in_step and all(s.healthy for s in statuses) else 1
+
+
+def _store_line(config: stack.StackConfig, as_json: bool) -> bool:
+    """Print whether the registry and the S3 store are in step (not with ``--json``, whose
+    output stays the list of services); False when they are not, or S3 cannot be read."""
+    try:
+        found = store.check(config, S3Store(config.s3_config()))
+    except (StorageError, stack.StackError) as error:
+        line, in_step = f"registry/store: unknown ({error})", False
+    else:
+        in_step = found.verdict is not store.Verdict.OUT_OF_STEP
+        line = f"registry/store: {found.verdict.value} (store generation {found.store_generation})"
+        if not in_step:
+            line = "registry/store: " + store.out_of_step_message(config, found)
+    if not as_json:
+        print(line)
+    return in_step
 
 
 def _print_status(statuses: list[stack.ServiceStatus], as_json: bool, header: str) -> int:
@@ -78,7 +118,7 @@ def _print_status(statuses: list[stack.ServiceStatus], as_json: bool, header: st
     rows = [
         (
             s.name,
-            "healthy" if s.healthy else ("running, unhealthy" if s.running else "stopped"),
+            "healthy" if s.healthy else ("running, unhealthy" if s.running else s.state.lower()),
             f"pid {s.pid}" if s.pid else "",
             s.url or "",
             f"log {s.log}",

@@ -1,0 +1,236 @@
+"""Where one local stack lives: ports, buckets, the state directory and ``stack.json``.
+
+``stack.json`` in the state directory holds the configuration ``up`` used; ``down``,
+``status``, ``env`` and any client that wants the tracking URI read it
+(:meth:`StackConfig.load`). :meth:`StackConfig.client_env` is what a shell, a worker's flow run
+or a test needs to use the stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dpmerge.environment import TELEMETRY_OFF
+from dpmerge.errors import DPMergeError
+from dpmerge.storage import DEFAULT_AUDIT_BUCKET, DEFAULT_BUCKET, S3Config
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_PORTS = {"s3": 5001, "mlflow": 5000, "prefect": 4200}
+STORE_PORT_NAMES = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port.grpc",
+    "admin.port",
+)
+"""``weed mini``'s flags for its internal listeners besides the S3 port (``store_ports``).
+The admin server's gRPC port is ``admin.port`` + :data:`ADMIN_GRPC_OFFSET`: weed's maintenance
+worker dials it there whatever ``-admin.port.grpc`` says."""
+ADMIN_GRPC_OFFSET = 10000
+DEFAULT_STORE_PORTS = tuple(range(5002, 5002 + len(STORE_PORT_NAMES)))
+POOLS = ("cpu", "gpu")
+CONFIG_FILE = "stack.json"
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "devstack",
+    "AWS_SECRET_ACCESS_KEY": "devstack-local-only",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+"""The one identity the local S3 server accepts (it refuses anonymous and other requests)."""
+
+
+class StackError(DPMergeError):
+    """A stack service failed to start or stop; the message points at its log."""
+
+
+def repo_root() -> Path:
+    """The source checkout holding this package, else the working directory."""
+    candidate = Path(__file__).resolve().parents[1]
+    return candidate if (candidate / "pyproject.toml").is_file() else Path.cwd()
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("DPMERGE_STACK_DIR") or repo_root() / ".stack")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on the loopback interface right now."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((LOOPBACK, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _free_admin_port() -> int:
+    """A free port whose admin gRPC partner (+ :data:`ADMIN_GRPC_OFFSET`) is free too."""
+    for _ in range(200):
+        port = random.randrange(20000, 30000)  # below the kernel's ephemeral range
+        if port_free(port) and port_free(port + ADMIN_GRPC_OFFSET):
+            return port
+    raise StackError("no free port pair for SeaweedFS's admin server in 20000–40000")
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Ports, buckets and the state directory of one local stack. ``prefect=False`` starts
+    only S3 and MLflow (what the registry tests need)."""
+
+    state_dir: Path = field(default_factory=default_state_dir)
+    s3_port: int = DEFAULT_PORTS["s3"]
+    mlflow_port: int = DEFAULT_PORTS["mlflow"]
+    prefect_port: int = DEFAULT_PORTS["prefect"]
+    store_ports: tuple[int, ...] = DEFAULT_STORE_PORTS
+    bucket: str = DEFAULT_BUCKET
+    audit_bucket: str = DEFAULT_AUDIT_BUCKET
+    prefect: bool = True
+    pools: tuple[str, ...] = POOLS
+    worker_query_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
+        object.__setattr__(self, "pools", tuple(self.pools))
+        object.__setattr__(self, "store_ports", tuple(self.store_ports))
+        if len(self.store_ports) != len(STORE_PORT_NAMES):
+            raise StackError(
+                f"store_ports needs {len(STORE_PORT_NAMES)} ports "
+                f"({', '.join(STORE_PORT_NAMES)}), got {len(self.store_ports)}"
+            )
+        raw = [self.s3_port, self.mlflow_port, self.prefect_port, *self.store_ports]
+        if not all(type(p) is int for p in raw):
+            raise StackError(f"ports must be integers, got {raw}")
+        ports = self.ports
+        if len(set(ports)) != len(ports) or not all(0 < p < 65536 for p in ports):
+            raise StackError(f"ports must be distinct and in 1–65535, got {ports}")
+
+    @classmethod
+    def on_free_ports(cls, state_dir: str | Path, **fields: Any) -> StackConfig:
+        """A configuration whose ports are all free on loopback right now (tests, benchmarks)."""
+        s3, mlflow, prefect, *store = free_ports(2 + len(STORE_PORT_NAMES))
+        return cls(
+            state_dir=Path(state_dir),
+            s3_port=s3,
+            mlflow_port=mlflow,
+            prefect_port=prefect,
+            store_ports=(*store, _free_admin_port()),
+            **fields,
+        )
+
+    @property
+    def store_flags(self) -> dict[str, int]:
+        """``weed mini``'s internal port flags and their ports."""
+        flags = dict(zip(STORE_PORT_NAMES, self.store_ports, strict=True))
+        return {**flags, "admin.port.grpc": flags["admin.port"] + ADMIN_GRPC_OFFSET}
+
+    @property
+    def ports(self) -> list[int]:
+        """Every port this stack listens on."""
+        servers = [self.s3_port, *self.store_flags.values(), self.mlflow_port]
+        return servers + ([self.prefect_port] if self.prefect else [])
+
+    @property
+    def s3_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.s3_port}"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.mlflow_port}"
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.prefect_port}/api"
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.state_dir / "prefect"
+
+    @property
+    def mlflow_dir(self) -> Path:
+        return self.state_dir / "mlflow"
+
+    @property
+    def s3_dir(self) -> Path:
+        return self.state_dir / "s3"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    def s3_config(self) -> S3Config:
+        return S3Config(
+            endpoint_url=self.s3_url,
+            bucket=self.bucket,
+            audit_bucket=self.audit_bucket,
+            access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            block_public_access=False,
+        )
+
+    def client_env(self) -> dict[str, str]:
+        """What a shell (or a worker's flow run) needs to use this stack."""
+        env = {
+            "MLFLOW_TRACKING_URI": self.mlflow_url,
+            "DPMERGE_S3_ENDPOINT_URL": self.s3_url,
+            "DPMERGE_S3_BUCKET": self.bucket,
+            "DPMERGE_S3_AUDIT_BUCKET": self.audit_bucket,
+            **CREDENTIALS,
+            **TELEMETRY_OFF,
+        }
+        if self.prefect:
+            env["PREFECT_API_URL"] = self.prefect_api_url
+        return env
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state_dir"] = str(self.state_dir)
+        data["pools"] = list(self.pools)
+        data["store_ports"] = list(self.store_ports)
+        return data
+
+    def save(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / CONFIG_FILE
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        temporary.replace(path)
+
+    @classmethod
+    def load(cls, state_dir: str | Path) -> StackConfig | None:
+        """The configuration ``up`` saved in ``state_dir``, or ``None``."""
+        path = Path(state_dir) / CONFIG_FILE
+        if not path.is_file():
+            return None
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError) as error:
+            raise StackError(f"{path} is not a stack configuration ({error})") from None
+
+
+def resolve_config(state_dir: str | Path | None = None, **overrides: Any) -> StackConfig:
+    """The saved configuration of ``state_dir`` (default :func:`default_state_dir`) with
+    ``overrides`` (``None`` values ignored) applied, else defaults with the overrides."""
+    directory = Path(state_dir) if state_dir is not None else default_state_dir()
+    given = {k: v for k, v in overrides.items() if v is not None}
+    saved = StackConfig.load(directory)
+    return replace(saved, **given) if saved else StackConfig(state_dir=directory, **given)

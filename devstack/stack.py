@@ -1,0 +1,181 @@
+"""``up``, ``down`` and ``status`` of the local stack, on supervisord (docs/stack.md).
+
+``up`` writes ``stack.json``, starts supervisord and then the services stage by stage
+(:mod:`devstack.services`), waiting for each stage to be healthy: S3, then the buckets and the
+registry/store check (:mod:`devstack.store`), then MLflow and the Prefect server, then the work
+pools, then the workers. ``down`` stops the stages in reverse (workers first) and then
+supervisord. supervisord restarts a service that crashes.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import asdict, dataclass
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+from devstack import store as registry_store
+from devstack.config import LOOPBACK, StackConfig, StackError, port_free
+from devstack.services import Service, services
+from devstack.supervisor import Supervisor, log_tail
+from dpmerge.environment import probe
+from dpmerge.storage import S3Store
+
+POLL_S = 0.25
+KILL_GRACE_S = 15.0  # after SIGKILL, how long a stopping process may take to be reaped
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    name: str
+    state: str  # supervisord's: RUNNING, STOPPED, BACKOFF, FATAL, …
+    pid: int | None
+    running: bool
+    healthy: bool
+    url: str | None
+    log: Path
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "log": str(self.log)}
+
+
+def _stages(config: StackConfig) -> list[list[Service]]:
+    return [list(group) for _, group in groupby(services(config), key=lambda s: s.stage)]
+
+
+def _await_healthy(supervisor: Supervisor, service: Service) -> None:
+    log = supervisor.log_of(service.name)
+    deadline = time.monotonic() + service.start_timeout_s
+    while time.monotonic() < deadline:
+        if service.health():
+            return
+        if supervisor.info(service.name).state == "FATAL":
+            raise StackError(
+                f"{service.name} exited repeatedly while starting; log {log}:\n{log_tail(log)}"
+            )
+        time.sleep(POLL_S)
+    raise StackError(
+        f"{service.name} not healthy after {service.start_timeout_s:.0f} s; "
+        f"log {log}:\n{log_tail(log)}"
+    )
+
+
+def _ensure_pools(config: StackConfig) -> None:
+    """Create the ``process`` work pools the workers poll (an existing pool is kept)."""
+    for pool in config.pools:
+        answer = probe(
+            f"{config.prefect_api_url}/work_pools/",
+            method="POST",
+            body={"name": pool, "type": "process"},
+            timeout_s=30.0,
+        )
+        if not (answer.ok or answer.status == 409):
+            raise StackError(f"creating work pool {pool!r} failed: {answer.error} {answer.body}")
+
+
+def _after_stage(config: StackConfig, stage: list[Service]) -> None:
+    names = {service.name for service in stage}
+    if "s3" in names:
+        s3 = S3Store(config.s3_config())
+        s3.bootstrap()
+        registry_store.reconcile(config, s3)
+    if "prefect" in names:
+        _ensure_pools(config)
+
+
+def up(config: StackConfig) -> list[ServiceStatus]:
+    """Start every service not already running, stage by stage; on a failure stop what this
+    call started and raise :class:`StackError` naming the log."""
+    stages = _stages(config)
+    supervisor = Supervisor(config)
+    started_supervisor = supervisor.ensure_running([s for stage in stages for s in stage])
+    config.save()  # after the check that a running supervisord has these settings
+    config.mlflow_dir.mkdir(parents=True, exist_ok=True)
+    started: list[Service] = []
+    try:
+        for stage in stages:
+            for service in stage:
+                if supervisor.info(service.name).active:
+                    continue  # running or (re)starting: wait for its health below
+                busy = [port for port in service.ports if not port_free(port)]
+                if busy:
+                    raise StackError(
+                        f"{service.name}: port {LOOPBACK}:{busy[0]} is in use by another "
+                        "process; stop it or choose other ports (dpmerge stack up --help)"
+                    )
+                supervisor.start(service.name)
+                started.append(service)
+            for service in stage:
+                _await_healthy(supervisor, service)
+            _after_stage(config, stage)
+    except BaseException:
+        _stop(supervisor, list(reversed(started)))
+        if started_supervisor:
+            supervisor.shutdown()
+        raise
+    return status(config)
+
+
+def _stop(supervisor: Supervisor, stage: list[Service]) -> list[str]:
+    """Stop the services of one stage together; their names, ``" (killed)"`` added where the
+    stop took the whole ``stopwaitsecs`` (supervisord then sent SIGKILL)."""
+    pending = [s for s in stage if supervisor.info(s.name).active]
+    for service in pending:
+        supervisor.stop(service.name)
+    start = time.monotonic()
+    finished: dict[str, float] = {}
+    while len(finished) < len(pending):
+        for service in pending:
+            if service.name not in finished and not supervisor.info(service.name).active:
+                finished[service.name] = time.monotonic() - start
+        elapsed = time.monotonic() - start
+        late = [
+            s.name
+            for s in pending
+            if s.name not in finished and elapsed > s.stop_timeout_s + KILL_GRACE_S
+        ]
+        if late:
+            raise StackError(f"{', '.join(late)} did not stop; log {supervisor.log_path}")
+        time.sleep(POLL_S)
+    return [s.name + (" (killed)" if finished[s.name] >= s.stop_timeout_s else "") for s in pending]
+
+
+def down(config: StackConfig) -> list[str]:
+    """Stop workers first, then the servers, then supervisord. Returns what it stopped, with
+    ``" (killed)"`` where SIGTERM was not enough."""
+    supervisor = Supervisor(config)
+    if not supervisor.running():
+        return []
+    stopped = []
+    for stage in reversed(_stages(config)):
+        stopped += _stop(supervisor, list(reversed(stage)))
+    supervisor.shutdown()
+    return stopped
+
+
+def status(config: StackConfig) -> list[ServiceStatus]:
+    supervisor = Supervisor(config)
+    result = []
+    for stage in _stages(config):
+        for service in stage:
+            info = supervisor.info(service.name)
+            running = info.state in ("RUNNING", "STARTING")
+            result.append(
+                ServiceStatus(
+                    name=service.name,
+                    state=info.state,
+                    pid=info.pid,
+                    running=running,
+                    healthy=running and service.health(),
+                    url=service.url,
+                    log=supervisor.log_of(service.name),
+                )
+            )
+    return result
+
+
+def export_lines(config: StackConfig) -> list[str]:
+    """``export NAME=value`` lines for a POSIX shell (``eval "$(dpmerge stack env)"``)."""
+    return [f"export {k}={shlex.quote(v)}" for k, v in config.client_env().items()]
