@@ -42,6 +42,7 @@ from dpmerge.artifacts import (
     WEIGHTS_FILE,
     ModelDir,
 )
+from dpmerge.environment import probe
 from dpmerge.privacy_card import PrivacyCard
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
 from dpmerge.registry.tags import ROLE_CANDIDATE, STATUS_FAILED, tag_float
