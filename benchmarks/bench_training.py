@@ -1,6 +1,7 @@
 """DP-SGD throughput against non-private SGD, per model and grad_sample_mode (engine).
 
-Run: ``.venv/bin/python benchmarks/bench_training.py [--threads 1 2] [--repeats 3]``
+Run: ``.venv/bin/python benchmarks/bench_training.py [--threads 1 2] [--repeats 3]
+[--device cuda] [--models logreg cnn resnet18_gn] [--dataset fashion-mnist|cifar10-synthetic]``
 
 Both sides train the same architecture on Fashion-MNIST rows with B = 256 and plain SGD; the
 DP side is ``dpmerge.training.train_candidate`` (Poisson sampling, clipping, noise, accounting),
@@ -19,11 +20,13 @@ import time
 import warnings
 from dataclasses import replace
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from dpmerge.data import DatasetSplits, Split, collate_batch, load_dataset
+from dpmerge.data.splits import make_splits
 from dpmerge.models import build_model, model_spec
 from dpmerge.training import (
     GRAD_SAMPLE_MODES,
@@ -34,13 +37,13 @@ from dpmerge.training import (
 )
 
 BATCH = 256
-STEPS = {"logreg": 200, "cnn": 30}
+STEPS = {"logreg": 200, "cnn": 30, "resnet18_gn": 20}
 WARMUP_STEPS = 3
 
 
-def non_private(data: DatasetSplits, model_name: str, steps: int) -> float:
+def non_private(data: DatasetSplits, model_name: str, steps: int, device: str = "cpu") -> float:
     """Examples per second of plain SGD on shuffled fixed-size batches (loading included)."""
-    model = build_model(model_spec(model_name, data), seed=0)
+    model = build_model(model_spec(model_name, data), seed=0).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(
         data.train.as_dataset(),
@@ -56,14 +59,19 @@ def non_private(data: DatasetSplits, model_name: str, steps: int) -> float:
         if step == WARMUP_STEPS:
             examples, start = 0, time.perf_counter()
         x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         criterion(model(x), y).backward()
         optimizer.step()
         examples += len(y)
+    if device != "cpu":
+        torch.cuda.synchronize()
     return examples / (time.perf_counter() - start)
 
 
-def private(data: DatasetSplits, model_name: str, mode: str, steps: int) -> float:
+def private(
+    data: DatasetSplits, model_name: str, mode: str, steps: int, device: str = "cpu"
+) -> float:
     """Examples per second (expected batch × steps / loop time) of a DP-SGD run."""
     config = TrainConfig(
         dataset=data.name,
@@ -74,10 +82,28 @@ def private(data: DatasetSplits, model_name: str, mode: str, steps: int) -> floa
         batch_seed=0,
         grad_sample_mode=mode,
         max_steps=steps,
+        device=device,
     )
     train_candidate(replace(config, max_steps=WARMUP_STEPS), data)
     result = train_candidate(config, data)
     return result.record.steps * result.record.expected_batch_size / result.metrics["train_seconds"]
+
+
+def cifar_shaped(n: int = 50_000) -> DatasetSplits:
+    """Random CIFAR-10-shaped rows: throughput does not depend on pixel values."""
+    rng = np.random.default_rng(0)
+    return make_splits(
+        "cifar10",
+        train_images=rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
+        train_labels=rng.integers(0, 10, n),
+        test_images=np.zeros((0, 3, 32, 32), np.uint8),
+        test_labels=np.zeros(0, np.int64),
+        num_classes=10,
+        scale=255.0,
+        seed=0,
+        validation_fraction=0.0,
+        root=None,
+    )
 
 
 def variants(model_name: str) -> list[str]:
@@ -90,11 +116,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", nargs="+", default=list(STEPS))
+    parser.add_argument("--models", nargs="+", default=["logreg", "cnn"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--dataset",
+        default="fashion-mnist",
+        choices=("fashion-mnist", "cifar10-shaped"),
+        help="cifar10-shaped: 50 000 random 3×32×32 images (throughput only; for resnet18_gn)",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
 
-    data = load_dataset("fashion-mnist")
+    data = load_dataset("fashion-mnist") if args.dataset == "fashion-mnist" else cifar_shaped()
     empty = Split(data.test.features[:0], data.test.labels[:0])
     data = replace(data, validation=empty, test=empty)  # skip evaluation: time training only
     samples: dict[tuple[int, str, str], list[float]] = {}
@@ -105,14 +138,15 @@ def main() -> None:
                 for variant in variants(model_name):
                     steps = STEPS[model_name]
                     rate = (
-                        non_private(data, model_name, steps)
+                        non_private(data, model_name, steps, args.device)
                         if variant == "non-private"
-                        else private(data, model_name, variant, steps)
+                        else private(data, model_name, variant, steps, args.device)
                     )
                     samples.setdefault((threads, model_name, variant), []).append(rate)
 
-    print(f"Fashion-MNIST, B = {BATCH}, n = {data.dataset_size}, medians of {args.repeats}")
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print(f"{data.name}, B = {BATCH}, n = {data.dataset_size}, medians of {args.repeats}")
+    device = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, device {device}")
     print()
     print("| threads | model | variant | examples/s | ratio to non-private |")
     print("|---|---|---|---|---|")

@@ -1,6 +1,5 @@
 """The MLflow registry adapter against a real MLflow server (S3 artifacts on the local store)
-and against
-an embedded sqlite store: registration, privacy card, gates (the card against the tags),
+and against an embedded sqlite store: registration, privacy card, gates (the card against the tags),
 idempotency, RS secrecy, search quoting, and which failures are transient."""
 
 from __future__ import annotations
