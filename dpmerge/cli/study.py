@@ -50,6 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     studies = parser.add_subparsers(dest="study", required=True, parser_class=OneLineParser)
     _mean_estimation(studies)
     _frontier(studies)
+    _non_convex(studies)
+    _pretrained(studies)
 
 
 def _common(parser: argparse.ArgumentParser, handler: Callable[[argparse.Namespace], int]) -> None:
@@ -115,6 +117,56 @@ def _frontier(studies: argparse._SubParsersAction) -> None:
     _common(front, run_frontier)
 
 
+def _models(parser: argparse.ArgumentParser) -> None:
+    """Options of the model studies (non-convex, pretrained)."""
+    parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist, cifar10, …")
+    parser.add_argument("--model", default="cnn", help="cnn or resnet18-gn")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--sigmas", type=float_tuple, default=(0.8, 1.2, 2.0))
+    parser.add_argument("--grid", type=positive_int, default=4, help="number of targets")
+    parser.add_argument("--targets", type=float_tuple, help="explicit targets instead of a grid")
+    parser.add_argument("--seeds", type=positive_int, default=1)
+    parser.add_argument("--no-structured", action="store_true", help="skip LC (structured)")
+
+
+def _non_convex(studies: argparse._SubParsersAction) -> None:
+    parser = studies.add_parser(
+        "non-convex",
+        help="CNN candidates from shared and independent initialisations: where LC degrades",
+        description=(
+            "GroupNorm CNN DP-SGD candidates (ResNet-18-GN with --model resnet18-gn --dataset "
+            "cifar10 --data-root DIR --device cuda) from one shared and from independent "
+            "initialisations; RS and LC merges at a grid of targets, a retrain at each target, "
+            "and the accuracy along the weight path and of the equal-weight average."
+        ),
+    )
+    _models(parser)
+    parser.add_argument("--max-steps", type=positive_int, help="stop each run after these steps")
+    parser.add_argument("--path-points", type=positive_int, default=11)
+    parser.add_argument("--no-retrain", action="store_true", help="skip the retrains")
+    _training(parser, epochs=2, batch=256)
+    _common(parser, run_non_convex)
+
+
+def _pretrained(studies: argparse._SubParsersAction) -> None:
+    parser = studies.add_parser(
+        "pretrained",
+        help="DP fine-tuning from a public initialisation: does a merge beat every candidate?",
+        description=(
+            "Pre-trains the model without privacy on the first --public-rows training rows "
+            "(declared public, removed from the private set), fine-tunes DP-SGD candidates "
+            "from it, and compares RS and LC merges at a grid of targets with every candidate "
+            "and with a retrain (DP fine-tuning at the target) from the same initialisation."
+        ),
+    )
+    _models(parser)
+    parser.add_argument("--public-rows", type=positive_int, default=6000)
+    parser.add_argument("--pretrain-epochs", type=positive_int, default=3)
+    parser.add_argument("--pretrain-learning-rate", type=positive_float, default=0.1)
+    _training(parser, epochs=1, batch=256)
+    _common(parser, run_pretrained)
+
+
 def _tracking_uri(args: argparse.Namespace) -> str:
     if args.tracking_uri:
         return str(args.tracking_uri)
@@ -125,9 +177,10 @@ def _tracking_uri(args: argparse.Namespace) -> str:
     return embedded_tracking_uri()
 
 
-def _finish(args: argparse.Namespace, result: Any) -> int:
-    """Log the study's run to MLflow (unless --no-mlflow) and print what was written."""
-    document = result.to_dict()
+def _finish(args: argparse.Namespace, result: Any, document: dict[str, Any] | None = None) -> int:
+    """Log the study's run to MLflow (unless --no-mlflow) and print what was written (with
+    --json: ``document``, by default the result's summary)."""
+    document = document or result.to_dict()
     if not args.no_mlflow:
         from dpmerge.registry.studies import log_study
 
@@ -163,7 +216,11 @@ def _threads(args: argparse.Namespace) -> None:
 
 
 def run_mean_estimation(args: argparse.Namespace) -> int:
-    from dpmerge.studies.mean_estimation import MeanEstimationStudy, run_mean_estimation_study
+    from dpmerge.studies.mean_estimation_study import (
+        MeanEstimationStudy,
+        rows_document,
+        run_mean_estimation_study,
+    )
 
     study = MeanEstimationStudy(
         sigmas=tuple(args.sigmas),
@@ -172,7 +229,8 @@ def run_mean_estimation(args: argparse.Namespace) -> int:
         monte_carlo=args.monte_carlo,
         seed=args.seed,
     )
-    return _finish(args, run_mean_estimation_study(study, _folder(args, "mean-estimation")))
+    result = run_mean_estimation_study(study, _folder(args, "mean-estimation"))
+    return _finish(args, result, rows_document(result) if args.json else None)
 
 
 def run_frontier(args: argparse.Namespace) -> int:
@@ -200,3 +258,48 @@ def run_frontier(args: argparse.Namespace) -> int:
     )
     _threads(args)
     return _finish(args, run_frontier_study(study, _folder(args, "frontier")))
+
+
+def _model_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        dataset=args.dataset,
+        data_root=args.data_root,
+        limit=args.limit,
+        model=args.model,
+        device=args.device,
+        sigmas=args.sigmas,
+        grid=args.grid,
+        targets=args.targets,
+        seeds=args.seeds,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        delta=args.delta,
+        structured=not args.no_structured,
+    )
+
+
+def run_non_convex(args: argparse.Namespace) -> int:
+    from dpmerge.studies.nonconvex import NonConvexStudy, run_nonconvex_study
+
+    study = NonConvexStudy(
+        **_model_settings(args),
+        max_steps=args.max_steps,
+        retrain=not args.no_retrain,
+        path_points=args.path_points,
+    )
+    _threads(args)
+    return _finish(args, run_nonconvex_study(study, _folder(args, "non-convex")))
+
+
+def run_pretrained(args: argparse.Namespace) -> int:
+    from dpmerge.studies.pretrained import PretrainedStudy, run_pretrained_study
+
+    study = PretrainedStudy(
+        **_model_settings(args),
+        public_rows=args.public_rows,
+        pretrain_epochs=args.pretrain_epochs,
+        pretrain_learning_rate=args.pretrain_learning_rate,
+    )
+    _threads(args)
+    return _finish(args, run_pretrained_study(study, _folder(args, "pretrained")))

@@ -1,0 +1,270 @@
+"""The non-convex study (docs/design.md#studies): CNN candidates (ResNet-18-GN on CIFAR-10 with
+``--model resnet18-gn --dataset cifar10 --device cuda``) trained from one shared initialisation
+and from independent initialisations; RS and LC merges at a grid of targets, a retrain at each
+target, and the accuracy along the weight path between the two least noisy candidates and of
+the equal-weight average of all of them, which show where averaging weights breaks down.
+
+The calibrated LC picks its weights on validation accuracy, so where averaging hurts it falls
+back to fewer candidates (a single one at worst): the path and the equal-weight average show
+what it avoided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+
+from dpmerge.accounting.account import account
+from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.artifacts import WEIGHTS_FILE, ModelDir
+from dpmerge.data import DatasetSplits, load_dataset
+from dpmerge.evaluation import evaluate
+from dpmerge.merging import linear_combination
+from dpmerge.studies import engine
+from dpmerge.studies.engine import RETRAIN, Group, StudyConfigError
+from dpmerge.studies.frontier import LC_GENERIC, LC_STRUCTURED, RS, plot_frontier
+from dpmerge.studies.output import StudyFolder, StudyResult, markdown_table
+
+STUDY = "non-convex"
+INITIALISATIONS = ("shared", "independent")
+MODEL_ALIASES = {"resnet18-gn": "resnet18_gn"}
+
+
+@dataclass(frozen=True)
+class NonConvexStudy:
+    dataset: str = "fashion-mnist"
+    data_root: str | None = None
+    limit: int | None = None
+    model: str = "cnn"
+    device: str = "cpu"
+    sigmas: tuple[float, ...] = (0.8, 1.2, 2.0)
+    grid: int = 4
+    targets: tuple[float, ...] | None = None
+    seeds: int = 1
+    epochs: int = 2
+    batch_size: int = 256
+    learning_rate: float | None = None
+    clip_norm: float = 1.0
+    delta: float = 1e-5
+    max_steps: int | None = None
+    structured: bool = True
+    retrain: bool = True
+    path_points: int = 11
+
+    def __post_init__(self) -> None:
+        if len(self.sigmas) < 2 or any(not s > 0 for s in self.sigmas):
+            raise StudyConfigError(f"give at least two positive σ values, got {self.sigmas}")
+        for name in ("grid", "seeds", "epochs", "batch_size", "path_points"):
+            if getattr(self, name) < 1:
+                raise StudyConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.targets is not None:
+            engine.check_targets(self.targets)
+
+    def setup(self, init_checkpoint: str | None = None) -> engine.TrainingSetup:
+        return engine.TrainingSetup(
+            dataset=self.dataset,
+            model=MODEL_ALIASES.get(self.model, self.model),
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            learning_rate=self.learning_rate,
+            clip_norm=self.clip_norm,
+            delta=self.delta,
+            device=self.device,
+            init_checkpoint=init_checkpoint,
+            max_steps=self.max_steps,
+        )
+
+
+def groups_of(study: NonConvexStudy, seed: int) -> list[Group]:
+    k = len(study.sigmas)
+    return [
+        Group("shared", seed, study.sigmas, (seed,) * k),
+        Group("independent", seed, study.sigmas, tuple(1000 * (seed + 1) + i for i in range(k))),
+    ]
+
+
+def merge_probes(
+    folder: StudyFolder,
+    data: DatasetSplits,
+    group: Group,
+    candidates: list[ModelDir],
+    points: int,
+    delta: float,
+) -> list[dict[str, object]]:
+    """Test accuracy along (1−t)·θ_a + t·θ_b for the two least noisy candidates, and of the
+    equal-weight average of all (with its generic ε): fixed weights, no calibration."""
+    files = [c.path / WEIGHTS_FILE for c in candidates]
+    spec = candidates[0].spec
+    order = np.argsort([c.record.noise_multiplier for c in candidates])  # type: ignore[union-attr]
+    a, b = int(order[0]), int(order[1])
+    k = len(candidates)
+
+    def accuracy(weights: tuple[float, ...]) -> float:
+        state = linear_combination(files, weights)
+        return float(evaluate((spec, state), data.test)["accuracy"])
+
+    def compute() -> dict[str, object]:
+        rows = []
+        for t in np.linspace(0.0, 1.0, points):
+            weights = tuple(
+                float(t) if n == b else (1 - float(t) if n == a else 0.0) for n in range(k)
+            )
+            rows.append(dict(probe="path", t=float(t), test_accuracy=accuracy(weights)))
+        uniform = tuple(1.0 / k for _ in range(k))
+        bound = account([c.record for c in candidates], "lc", uniform, delta).gating  # type: ignore[misc]
+        rows.append(
+            dict(
+                probe="uniform",
+                t=None,
+                test_accuracy=accuracy(uniform),
+                epsilon=bound.epsilon,
+                epsilon_pld=bound.epsilon_pld,
+                epsilon_rdp=bound.epsilon_rdp,
+            )
+        )
+        return {"rows": rows}
+
+    identity = {"candidates": [c.path.name for c in candidates], "points": points, "delta": delta}
+    found = folder.cached("probes", identity, compute)["rows"]
+    names = [candidates[a].record.name, candidates[b].record.name]  # type: ignore[union-attr]
+    return [{"group": group.label, "seed": group.seed, "pair": "/".join(names), **r} for r in found]
+
+
+def run_nonconvex_study(study: NonConvexStudy, folder: StudyFolder) -> StudyResult:
+    data = load_dataset(study.dataset, study.data_root, limit=study.limit)
+    setup = study.setup()
+    methods = (RS, LC_GENERIC, *((LC_STRUCTURED,) if study.structured else ()))
+    k, grid = len(study.sigmas), len(study.targets or ()) or study.grid
+    per_seed = 2 * (k + grid + 1) + (grid if study.retrain else 0)
+    folder.start(study.seeds * per_seed, STUDY)
+    rows, probes, targets = [], [], list(study.targets or ())
+    try:
+        for seed in range(study.seeds):
+            for group in groups_of(study, seed):
+                candidates = engine.train_group(folder, data, setup, group)
+                if not targets:
+                    epsilons = [candidate_bound(c.record, study.delta).epsilon for c in candidates]
+                    targets = engine.target_grid(epsilons, study.grid)
+                retrains = (RETRAIN,) if study.retrain and group.label == "shared" else ()
+                rows += engine.group_rows(
+                    folder, data, setup, group, candidates, targets, methods, retrains
+                )
+                probes += merge_probes(
+                    folder, data, group, candidates, study.path_points, study.delta
+                )
+    finally:
+        folder.close()
+    table, probe_table = engine.as_table(rows), pd.DataFrame(probes)
+    summary = engine.summarise(table)
+    title = f"{study.dataset} {study.model}: test accuracy vs ε (δ = {study.delta:g})"
+    files = [
+        folder.write_table("nonconvex", table),
+        folder.write_table("summary", summary),
+        folder.write_table("probes", probe_table),
+        plot_frontier(summary, folder.root / "frontier.png", title),
+        _plot_paths(probe_table, folder.root / "paths.png", study),
+    ]
+    verdict = _verdict(summary, probe_table)
+    files.append(
+        folder.write_text(
+            "nonconvex.md",
+            _markdown(study, summary, probe_table, [m.kind for m in methods], verdict),
+        )
+    )
+    return StudyResult(
+        study=STUDY,
+        folder=folder.root,
+        files=tuple(files),
+        params={**asdict(study), "targets": targets},
+        metrics=engine.series_metrics(summary),
+        computed=folder.computed,
+        reused=folder.reused,
+        summary=verdict,
+    )
+
+
+def _verdict(summary: pd.DataFrame, probes: pd.DataFrame) -> dict[str, object]:
+    """Per initialisation: the mid-path and equal-weight accuracies against the best
+    candidate, and at how many targets calibrated LC (generic) is below RS."""
+    out: dict[str, object] = {}
+    for group in INITIALISATIONS:
+        best = summary[(summary.group == group) & (summary.kind == "candidate")].test_accuracy.max()
+        part = probes[probes.group == group]
+        middle = part[(part.probe == "path")].iloc[len(part[part.probe == "path"]) // 2]
+        uniform = part[part.probe == "uniform"].test_accuracy.mean()
+        merges = summary[summary.group == group].pivot_table(
+            index="target_epsilon", columns="kind", values="test_accuracy"
+        )
+        below = int((merges.get(LC_GENERIC.kind) < merges.get(RS.kind) - 1e-12).sum())
+        out[f"{group}: best candidate"] = float(best)
+        out[f"{group}: path midpoint"] = float(middle.test_accuracy)
+        out[f"{group}: equal-weight average"] = float(uniform)
+        out[f"{group}: targets where lc-generic < rs"] = below
+    return out
+
+
+def _markdown(study, summary, probes, kinds, verdict) -> str:  # type: ignore[no-untyped-def]
+    lines = [
+        f"# Non-convex: {study.dataset}, {study.model}",
+        "",
+        f"{len(study.sigmas)} candidates per initialisation (σ = "
+        f"{', '.join(f'{s:g}' for s in study.sigmas)}), {study.epochs} epochs, expected batch "
+        f"{study.batch_size}, {study.seeds} seed(s), δ = {study.delta:g}; *shared*: every "
+        "candidate starts from one seeded initialisation, *independent*: each from its own. "
+        "Test accuracy in %.",
+        "",
+    ]
+    for group in INITIALISATIONS:
+        extra = [RETRAIN] if group == "shared" and study.retrain else []
+        lines += [
+            f"## {group} initialisation",
+            "",
+            markdown_table(engine.accuracy_table(summary, group, [*kinds, *extra])),
+            "",
+            markdown_table(engine.epsilon_table(summary, group)),
+            "",
+        ]
+    lines += [
+        "## Fixed-weight probes (test accuracy)",
+        "",
+        markdown_table(
+            probes.groupby(["group", "probe", "t"], dropna=False).test_accuracy.mean().reset_index()
+        ),
+        "",
+        "## Verdict",
+        "",
+    ]
+    lines += [
+        f"* {key}: {value:.4f}" if isinstance(value, float) else f"* {key}: {value}"
+        for key, value in verdict.items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_paths(probes: pd.DataFrame, path, study: NonConvexStudy):  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for group, rows in probes[probes.probe == "path"].groupby("group", sort=False):
+        mean = rows.groupby("t").test_accuracy.mean()
+        axes.plot(
+            mean.index,
+            mean.values,
+            marker="o",
+            markersize=3,
+            label=f"{group} initialisation ({rows.pair.iloc[0]})",
+        )
+    axes.set_xlabel("t in (1 − t)·θ_a + t·θ_b (θ_a the least noisy candidate)")
+    axes.set_ylabel("test accuracy")
+    axes.set_title(f"{study.dataset} {study.model}: accuracy along the weight path")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
