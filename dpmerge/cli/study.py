@@ -90,6 +90,12 @@ def _mean_estimation(studies: argparse._SubParsersAction) -> None:
     mean.add_argument("--delta", type=positive_float, required=True)
     mean.add_argument("--monte-carlo", type=positive_int, help="releases simulated per point")
     mean.add_argument("--seed", type=int, default=0, help="seed of the simulated releases")
+    mean.add_argument(
+        "--dimensions",
+        type=lambda text: tuple(positive_int(v) for v in text.split(",")),
+        default=(2, 10, 100),
+        help="release dimensions d ≥ 2 for the lower bounds on RS's exact ε (default 2,10,100)",
+    )
     _common(mean, run_mean_estimation)
 
 
@@ -228,6 +234,7 @@ def run_mean_estimation(args: argparse.Namespace) -> int:
         delta=args.delta,
         monte_carlo=args.monte_carlo,
         seed=args.seed,
+        dimensions=args.dimensions,
     )
     result = run_mean_estimation_study(study, _folder(args, "mean-estimation"))
     return _finish(args, result, rows_document(result) if args.json else None)
