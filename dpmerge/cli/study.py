@@ -183,10 +183,9 @@ def _tracking_uri(args: argparse.Namespace) -> str:
     return embedded_tracking_uri()
 
 
-def _finish(args: argparse.Namespace, result: Any, document: dict[str, Any] | None = None) -> int:
-    """Log the study's run to MLflow (unless --no-mlflow) and print what was written (with
-    --json: ``document``, by default the result's summary)."""
-    document = document or result.to_dict()
+def _finish(args: argparse.Namespace, result: Any) -> int:
+    """Log the study's run to MLflow (unless --no-mlflow) and print what was written."""
+    document = result.to_dict()
     if not args.no_mlflow:
         from dpmerge.registry.studies import log_study
 
@@ -224,7 +223,6 @@ def _threads(args: argparse.Namespace) -> None:
 def run_mean_estimation(args: argparse.Namespace) -> int:
     from dpmerge.studies.mean_estimation_study import (
         MeanEstimationStudy,
-        rows_document,
         run_mean_estimation_study,
     )
 
@@ -236,8 +234,7 @@ def run_mean_estimation(args: argparse.Namespace) -> int:
         seed=args.seed,
         dimensions=args.dimensions,
     )
-    result = run_mean_estimation_study(study, _folder(args, "mean-estimation"))
-    return _finish(args, result, rows_document(result) if args.json else None)
+    return _finish(args, run_mean_estimation_study(study, _folder(args, "mean-estimation")))
 
 
 def run_frontier(args: argparse.Namespace) -> int:

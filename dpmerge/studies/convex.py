@@ -13,44 +13,26 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
-from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.data import load_dataset
 from dpmerge.studies import engine
-from dpmerge.studies.engine import RETRAIN, RETRAIN_MATCHED, Group, StudyConfigError
-from dpmerge.studies.frontier import LC_GENERIC, LC_STRUCTURED, RS, plot_frontier
+from dpmerge.studies.engine import RETRAIN, RETRAIN_MATCHED, Group
+from dpmerge.studies.frontier import plot_frontier
 from dpmerge.studies.output import StudyFolder, StudyResult, markdown_table
+from dpmerge.studies.settings import CandidateStudy
 
 STUDY = "frontier"
 
 
 @dataclass(frozen=True)
-class FrontierStudy:
+class FrontierStudy(CandidateStudy):
     """Settings of the convex study (defaults: Fashion-MNIST as in the utility experiment)."""
 
-    dataset: str = "fashion-mnist"
-    data_root: str | None = None
-    limit: int | None = None
     model: str = "logreg"
     sigmas: tuple[float, ...] = (0.6, 0.8, 1.0, 1.5, 2.0, 3.0)
     grid: int = 8
-    targets: tuple[float, ...] | None = None
     seeds: int = 3
     epochs: int = 10
-    batch_size: int = 256
-    learning_rate: float | None = None
-    clip_norm: float = 1.0
-    delta: float = 1e-5
-    structured: bool = True
     compute_matched: bool = True
-
-    def __post_init__(self) -> None:
-        if len(self.sigmas) < 2 or any(not s > 0 for s in self.sigmas):
-            raise StudyConfigError(f"give at least two positive σ values, got {self.sigmas}")
-        for name in ("grid", "seeds", "epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise StudyConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.targets is not None:
-            engine.check_targets(self.targets)
 
 
 QUICK = dict(dataset="digits", sigmas=(0.8, 1.0, 1.5, 2.0, 3.0), grid=5, batch_size=64)
@@ -59,27 +41,17 @@ QUICK = dict(dataset="digits", sigmas=(0.8, 1.0, 1.5, 2.0, 3.0), grid=5, batch_s
 
 def run_frontier_study(study: FrontierStudy, folder: StudyFolder) -> StudyResult:
     data = load_dataset(study.dataset, study.data_root, limit=study.limit)
-    setup = engine.TrainingSetup(
-        dataset=study.dataset,
-        model=study.model,
-        epochs=study.epochs,
-        batch_size=study.batch_size,
-        learning_rate=study.learning_rate,
-        clip_norm=study.clip_norm,
-        delta=study.delta,
-    )
-    methods = (RS, LC_GENERIC, *((LC_STRUCTURED,) if study.structured else ()))
+    setup = engine.training_setup(study)
+    methods = engine.merge_methods(study)
     retrains = (RETRAIN, *((RETRAIN_MATCHED,) if study.compute_matched else ()))
-    k, grid = len(study.sigmas), len(study.targets or ()) or study.grid
+    k, grid = len(study.sigmas), study.points
     folder.start(study.seeds * (k + grid * (1 + len(retrains))), STUDY)
-    rows, targets = [], list(study.targets or ())
+    rows, targets = [], []
     try:
         for seed in range(study.seeds):
             group = Group("convex", seed, study.sigmas, (0,) * k)
             candidates = engine.train_group(folder, data, setup, group)
-            if not targets:
-                epsilons = [candidate_bound(c.record, study.delta).epsilon for c in candidates]
-                targets = engine.target_grid(epsilons, study.grid)
+            targets = targets or engine.study_targets(study, candidates)
             rows += engine.group_rows(
                 folder, data, setup, group, candidates, targets, methods, retrains
             )
@@ -105,15 +77,8 @@ def run_frontier_study(study: FrontierStudy, folder: StudyFolder) -> StudyResult
     ]
     markdown = _markdown(study, summary, kinds, gaps, verdict)
     files.append(folder.write_text("frontier.md", markdown))
-    return StudyResult(
-        study=STUDY,
-        folder=folder.root,
-        files=tuple(files),
-        params={**asdict(study), "targets": targets},
-        metrics=engine.series_metrics(summary),
-        computed=folder.computed,
-        reused=folder.reused,
-        summary=verdict,
+    return folder.result(
+        STUDY, files, {**asdict(study), "targets": targets}, engine.series_metrics(summary), verdict
     )
 
 

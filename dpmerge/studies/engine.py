@@ -27,25 +27,28 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelDir, load_model_dir
 from dpmerge.data import DatasetSplits
-from dpmerge.errors import DPMergeError
-from dpmerge.studies.frontier import COLUMNS, LC_GENERIC, FrontierContext, MergeMethod
+from dpmerge.studies.frontier import (
+    COLUMNS,
+    LC_GENERIC,
+    LC_STRUCTURED,
+    RS,
+    FrontierContext,
+    MergeMethod,
+)
 from dpmerge.studies.output import StudyFolder, mean_std
+from dpmerge.studies.plots import figure, log_epsilon_axis
+from dpmerge.studies.settings import CandidateStudy, StudyConfigError
 from dpmerge.training import TrainConfig, save_candidate, train_candidate
 
 RETRAIN, RETRAIN_MATCHED = "retrain", "retrain-matched"
 STUDY_COLUMNS = ["group", "seed", *COLUMNS, "noise_multiplier", "batch_size", "seconds"]
 SUMMARY_VALUES = ("test_accuracy", "drawn_test_accuracy", "epsilon", "epsilon_pld", "epsilon_rdp")
-
-
-class StudyConfigError(DPMergeError, ValueError):
-    """A study setting that cannot run (the message names it)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,35 @@ class TrainingSetup:
             max_steps=self.max_steps,
             name=name,
         )
+
+
+def training_setup(study: CandidateStudy, init_checkpoint: str | None = None) -> TrainingSetup:
+    """The DP-SGD setup of ``study``'s models, checked (see :func:`check_setup`)."""
+    setup = TrainingSetup(
+        dataset=study.dataset,
+        model=study.model_name,
+        epochs=study.epochs,
+        batch_size=study.batch_size,
+        learning_rate=study.learning_rate,
+        clip_norm=study.clip_norm,
+        delta=study.delta,
+        device=study.device,
+        init_checkpoint=init_checkpoint,
+        max_steps=study.max_steps,
+    )
+    check_setup(setup)
+    return setup
+
+
+def check_setup(setup: TrainingSetup) -> None:
+    """Refuse a setup that could not train (model, device, hyper-parameters) before any
+    unit starts: ``TrainConfig`` validates the settings, and a CUDA device must exist."""
+    setup.config("check", init_seed=0, stream_seed=0, noise_multiplier=1.0)
+    if setup.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise StudyConfigError(f"device {setup.device!r} requested but CUDA is not available")
 
 
 @dataclass(frozen=True)
@@ -220,6 +252,19 @@ def group_rows(
     return rows
 
 
+def merge_methods(study: CandidateStudy) -> tuple[MergeMethod, ...]:
+    """RS and LC under the generic gate, and under the structured one unless switched off."""
+    return (RS, LC_GENERIC, *((LC_STRUCTURED,) if study.structured else ()))
+
+
+def study_targets(study: CandidateStudy, candidates: Sequence[ModelDir]) -> list[float]:
+    """The study's explicit targets, else its grid between the candidates' ε."""
+    if study.targets:
+        return list(study.targets)
+    epsilons = [candidate_bound(c.record, study.delta).epsilon for c in candidates]
+    return target_grid(epsilons, study.grid)
+
+
 def target_grid(epsilons: Sequence[float], count: int) -> list[float]:
     """``count`` targets, geometric from the most private candidate's ε to the least
     private's (both ends included)."""
@@ -227,11 +272,6 @@ def target_grid(epsilons: Sequence[float], count: int) -> list[float]:
     if count < 2 or high <= low:
         return [low]
     return [float(low * (high / low) ** (i / (count - 1))) for i in range(count)]
-
-
-def check_targets(targets: Sequence[float]) -> None:
-    if not targets or any(not (np.isfinite(t) and t > 0) for t in targets):
-        raise StudyConfigError(f"targets must be positive numbers, got {list(targets)}")
 
 
 def summarise(table: pd.DataFrame) -> pd.DataFrame:
@@ -333,33 +373,22 @@ def paired_gaps(table: pd.DataFrame, kinds: Sequence[str], reference: str) -> pd
 
 def plot_gaps(gaps: pd.DataFrame, path: Any, title: str) -> Any:
     """Accuracy gap to a reference per target (percentage points), one line per kind."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for (kind, reference), rows in gaps.groupby(["kind", "reference"], sort=False):
-        rows = rows.sort_values("target_epsilon")
-        axes.errorbar(
-            rows.target_epsilon,
-            100 * rows.gap,
-            yerr=100 * rows.gap_std,
-            fmt="-o",
-            markersize=3,
-            capsize=2,
-            label=f"{kind} − {reference}",
-        )
-    axes.axhline(0, color="black", linewidth=0.8)
-    axes.set_xscale("log")
-    axes.set_xlabel("target ε")
-    axes.set_ylabel("test accuracy difference (pp)")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    with figure(path, size=(7, 4.2)) as (axes,):
+        for (kind, reference), rows in gaps.groupby(["kind", "reference"], sort=False):
+            rows = rows.sort_values("target_epsilon")
+            axes.errorbar(
+                rows.target_epsilon,
+                100 * rows.gap,
+                yerr=100 * rows.gap_std,
+                fmt="-o",
+                markersize=3,
+                capsize=2,
+                label=f"{kind} − {reference}",
+            )
+        axes.axhline(0, color="black", linewidth=0.8)
+        log_epsilon_axis(axes, "target ε")
+        axes.set_ylabel("test accuracy difference (pp)")
+        axes.set_title(title)
     return path
 
 

@@ -35,6 +35,7 @@ from dpmerge.data import DatasetSplits
 from dpmerge.errors import InfeasibleTargetError, RecordError
 from dpmerge.evaluation import evaluate, expected_accuracy
 from dpmerge.merging import draw_index, linear_combination
+from dpmerge.studies.plots import figure, log_epsilon_axis
 
 
 @dataclass(frozen=True)
@@ -210,38 +211,22 @@ def plot_frontier(table: pd.DataFrame, path: str | Path, title: str = "") -> Pat
     """Accuracy versus certified ε: candidates as points, one line per method (merges and
     retrains). With a ``test_accuracy_std`` column (a study's mean over seeds) each point gets
     an error bar; with a ``group`` column, one panel per group."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
-
     path = Path(path)
     groups = list(table.group.unique()) if "group" in table else [None]
-    figure, panels = plt.subplots(
-        1, len(groups), figsize=(7 * len(groups), 4.8), squeeze=False, sharey=True
-    )
-    for axes, label in zip(panels[0], groups, strict=True):
-        part = table if label is None else table[table.group == label]
-        for kind, rows in part.groupby("kind", sort=False):
-            rows = rows.sort_values("epsilon")
-            spread = rows.test_accuracy_std if "test_accuracy_std" in rows else None
-            style = (
-                dict(fmt="o", color="black", zorder=3, label="candidates")
-                if kind == "candidate"
-                else dict(fmt="-o", markersize=3, capsize=2, label=kind)
-            )
-            axes.errorbar(rows.epsilon, rows.test_accuracy, yerr=spread, **style)
-        axes.set_xscale("log")
-        axes.xaxis.set_major_formatter(ScalarFormatter())
-        axes.set_xlabel(f"certified ε (δ = {table.delta.iloc[0]:g})")
-        axes.set_title(label or title or "privacy–utility frontier")
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize=8)
-    panels[0][0].set_ylabel("test accuracy (RS: expected)")
-    if title and groups != [None]:
-        figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    several = groups != [None]
+    with figure(path, len(groups), size=(7, 4.8), title=title if several else "") as panels:
+        for axes, label in zip(panels, groups, strict=True):
+            part = table if label is None else table[table.group == label]
+            for kind, rows in part.groupby("kind", sort=False):
+                rows = rows.sort_values("epsilon")
+                spread = rows.test_accuracy_std if "test_accuracy_std" in rows else None
+                style = (
+                    dict(fmt="o", color="black", zorder=3, label="candidates")
+                    if kind == "candidate"
+                    else dict(fmt="-o", markersize=3, capsize=2, label=kind)
+                )
+                axes.errorbar(rows.epsilon, rows.test_accuracy, yerr=spread, **style)
+            log_epsilon_axis(axes, f"certified ε (δ = {table.delta.iloc[0]:g})")
+            axes.set_title(label or title or "privacy–utility frontier")
+        panels[0].set_ylabel("test accuracy (RS: expected)")
     return path

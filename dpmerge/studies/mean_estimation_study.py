@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 
-from dpmerge.studies.engine import StudyConfigError
 from dpmerge.studies.mean_estimation import (
     best_lc_mse,
     best_rs_mse,
@@ -33,11 +32,13 @@ from dpmerge.studies.mean_estimation import (
     lc_weights_for_mse,
 )
 from dpmerge.studies.output import StudyFolder, StudyResult, markdown_table
+from dpmerge.studies.plots import figure, log_epsilon_axis
 from dpmerge.studies.rs_exact import (
     MixtureAccountant,
     dimension_lower_epsilon,
     mixture_bound_epsilon,
 )
+from dpmerge.studies.settings import StudyConfigError
 
 STUDY = "mean-estimation"
 DATA_POINTS = 1000
@@ -213,25 +214,7 @@ def run_mean_estimation_study(study: MeanEstimationStudy, folder: StudyFolder) -
     for d in study.dimensions:
         invalid = table[f"rs_epsilon_of_best_d{d}_lower"] > table.target_epsilon
         summary[f"scalar-exact RS choice over its target at d = {d}"] = int(invalid.sum())
-    return StudyResult(
-        study=STUDY,
-        folder=folder.root,
-        files=tuple(files),
-        params=asdict(study),
-        metrics=metrics,
-        computed=folder.computed,
-        reused=folder.reused,
-        summary=summary,
-    )
-
-
-def rows_document(result: StudyResult) -> dict[str, object]:
-    """The JSON document of ``--json``: the study's settings and its rows."""
-    table = pd.read_csv(result.folder / "mean_estimation.csv")
-    return {
-        **result.to_dict(),
-        "rows": table.astype(object).where(table.notna(), None).to_dict("records"),
-    }
+    return folder.result(STUDY, files, asdict(study), metrics, summary, rows)
 
 
 def _markdown(table: pd.DataFrame, study: MeanEstimationStudy) -> str:
@@ -297,73 +280,60 @@ def _dimension_view(table: pd.DataFrame, study: MeanEstimationStudy) -> pd.DataF
     return pd.DataFrame(view)
 
 
-def _axes():  # type: ignore[no-untyped-def]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    return plt, *plt.subplots(figsize=(7, 4.5))
-
-
 def _plot_mse(table: pd.DataFrame, path, study: MeanEstimationStudy):  # type: ignore[no-untyped-def]
-    plt, figure, axes = _axes()
-    for column, label in (
-        ("lc_mse_pld", "LC (PLD, exact Gaussian)"),
-        ("rs_mse_pld", "RS (PLD, mixture bound)"),
-        ("lc_mse_rdp", "LC (RDP)"),
-        ("rs_mse_rdp", "RS (RDP)"),
-        ("rs_mse_exact", "RS (exact ε of the scalar release)"),
-    ):
-        rows = table.dropna(subset=[column])
-        axes.plot(rows.target_epsilon, rows[column], marker="o", markersize=3, label=label)
-    for name in ("lc", "rs"):
-        if f"{name}_mse_measured" in table:
-            rows = table.dropna(subset=[f"{name}_mse_measured"])
-            axes.errorbar(
-                rows.target_epsilon,
-                rows[f"{name}_mse_measured"],
-                yerr=2 * rows[f"{name}_mse_measured_se"],
-                fmt="x",
-                color="black",
-                label=f"{name.upper()} measured (±2 se)" if name == "lc" else None,
-            )
-    axes.set_xscale("log")
-    axes.set_yscale("log")
-    axes.set_xlabel(f"target ε (δ = {study.delta:g})")
-    axes.set_ylabel("MSE per coordinate / Δ²")
-    axes.set_title(f"mean estimation, σ = {', '.join(f'{s:g}' for s in study.sigmas)}")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    with figure(path) as (axes,):
+        for column, label in (
+            ("lc_mse_pld", "LC (PLD, exact Gaussian)"),
+            ("rs_mse_pld", "RS (PLD, mixture bound)"),
+            ("lc_mse_rdp", "LC (RDP)"),
+            ("rs_mse_rdp", "RS (RDP)"),
+            ("rs_mse_exact", "RS (exact ε of the scalar release)"),
+        ):
+            rows = table.dropna(subset=[column])
+            axes.plot(rows.target_epsilon, rows[column], marker="o", markersize=3, label=label)
+        for name in ("lc", "rs"):
+            if f"{name}_mse_measured" in table:
+                rows = table.dropna(subset=[f"{name}_mse_measured"])
+                axes.errorbar(
+                    rows.target_epsilon,
+                    rows[f"{name}_mse_measured"],
+                    yerr=2 * rows[f"{name}_mse_measured_se"],
+                    fmt="x",
+                    color="black",
+                    label="measured (±2 se)" if name == "lc" else None,
+                )
+        log_epsilon_axis(axes, f"target ε (δ = {study.delta:g})")
+        axes.set_yscale("log")
+        axes.set_ylabel("MSE per coordinate / Δ²")
+        axes.set_title(f"mean estimation, σ = {', '.join(f'{s:g}' for s in study.sigmas)}")
     return path
 
 
 def _plot_exact(table: pd.DataFrame, path, study: MeanEstimationStudy):  # type: ignore[no-untyped-def]
-    plt, figure, axes = _axes()
     rows = table.dropna(subset=["rs_epsilon_exact"])
-    axes.plot(
-        rows.target_epsilon,
-        rows.rs_epsilon_mixture_bound,
-        marker="o",
-        label="mixture bound Σπδ_i (what RS is calibrated with)",
-    )
-    axes.plot(
-        rows.target_epsilon,
-        rows.rs_epsilon_exact,
-        marker="o",
-        label="exact ε of the same π (scalar release)",
-    )
-    axes.set_xscale("log")
-    axes.set_yscale("log")
-    axes.set_xlabel("target ε")
-    axes.set_ylabel(f"ε of the chosen RS (δ = {study.delta:g})")
-    axes.set_title("RS: mixture bound against the exact mixture")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    with figure(path) as (axes,):
+        axes.plot(
+            rows.target_epsilon,
+            rows.rs_epsilon_mixture_bound,
+            marker="o",
+            label="mixture bound Σπδ_i (what RS is calibrated with)",
+        )
+        axes.plot(
+            rows.target_epsilon,
+            rows.rs_epsilon_exact,
+            marker="o",
+            label="exact ε of the same π, scalar release",
+        )
+        for d in study.dimensions:
+            axes.plot(
+                rows.target_epsilon,
+                rows[f"rs_epsilon_d{d}_lower"],
+                marker=".",
+                linestyle=":",
+                label=f"same π, {d}-dimensional release (lower bound)",
+            )
+        log_epsilon_axis(axes, "target ε")
+        axes.set_yscale("log")
+        axes.set_ylabel(f"ε of the chosen RS (δ = {study.delta:g})")
+        axes.set_title("RS: mixture bound against the exact mixture")
     return path

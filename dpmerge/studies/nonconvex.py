@@ -17,64 +17,28 @@ import numpy as np
 import pandas as pd
 
 from dpmerge.accounting.account import account
-from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.artifacts import WEIGHTS_FILE, ModelDir
 from dpmerge.data import DatasetSplits, load_dataset
 from dpmerge.evaluation import evaluate
 from dpmerge.merging import linear_combination
 from dpmerge.studies import engine
-from dpmerge.studies.engine import RETRAIN, Group, StudyConfigError
-from dpmerge.studies.frontier import LC_GENERIC, LC_STRUCTURED, RS, plot_frontier
+from dpmerge.studies.engine import RETRAIN, Group
+from dpmerge.studies.frontier import LC_GENERIC, RS, plot_frontier
 from dpmerge.studies.output import StudyFolder, StudyResult, markdown_table
+from dpmerge.studies.plots import figure
+from dpmerge.studies.settings import CandidateStudy
 
 STUDY = "non-convex"
 INITIALISATIONS = ("shared", "independent")
-MODEL_ALIASES = {"resnet18-gn": "resnet18_gn"}
 
 
 @dataclass(frozen=True)
-class NonConvexStudy:
-    dataset: str = "fashion-mnist"
-    data_root: str | None = None
-    limit: int | None = None
-    model: str = "cnn"
-    device: str = "cpu"
-    sigmas: tuple[float, ...] = (0.8, 1.2, 2.0)
-    grid: int = 4
-    targets: tuple[float, ...] | None = None
-    seeds: int = 1
+class NonConvexStudy(CandidateStudy):
     epochs: int = 2
-    batch_size: int = 256
-    learning_rate: float | None = None
-    clip_norm: float = 1.0
-    delta: float = 1e-5
-    max_steps: int | None = None
-    structured: bool = True
     retrain: bool = True
     path_points: int = 11
 
-    def __post_init__(self) -> None:
-        if len(self.sigmas) < 2 or any(not s > 0 for s in self.sigmas):
-            raise StudyConfigError(f"give at least two positive σ values, got {self.sigmas}")
-        for name in ("grid", "seeds", "epochs", "batch_size", "path_points"):
-            if getattr(self, name) < 1:
-                raise StudyConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.targets is not None:
-            engine.check_targets(self.targets)
-
-    def setup(self, init_checkpoint: str | None = None) -> engine.TrainingSetup:
-        return engine.TrainingSetup(
-            dataset=self.dataset,
-            model=MODEL_ALIASES.get(self.model, self.model),
-            epochs=self.epochs,
-            batch_size=self.batch_size,
-            learning_rate=self.learning_rate,
-            clip_norm=self.clip_norm,
-            delta=self.delta,
-            device=self.device,
-            init_checkpoint=init_checkpoint,
-            max_steps=self.max_steps,
-        )
+    COUNTS = (*CandidateStudy.COUNTS, "path_points")
 
 
 def groups_of(study: NonConvexStudy, seed: int) -> list[Group]:
@@ -134,19 +98,17 @@ def merge_probes(
 
 def run_nonconvex_study(study: NonConvexStudy, folder: StudyFolder) -> StudyResult:
     data = load_dataset(study.dataset, study.data_root, limit=study.limit)
-    setup = study.setup()
-    methods = (RS, LC_GENERIC, *((LC_STRUCTURED,) if study.structured else ()))
-    k, grid = len(study.sigmas), len(study.targets or ()) or study.grid
+    setup = engine.training_setup(study)
+    methods = engine.merge_methods(study)
+    k, grid = len(study.sigmas), study.points
     per_seed = 2 * (k + grid + 1) + (grid if study.retrain else 0)
     folder.start(study.seeds * per_seed, STUDY)
-    rows, probes, targets = [], [], list(study.targets or ())
+    rows, probes, targets = [], [], []
     try:
         for seed in range(study.seeds):
             for group in groups_of(study, seed):
                 candidates = engine.train_group(folder, data, setup, group)
-                if not targets:
-                    epsilons = [candidate_bound(c.record, study.delta).epsilon for c in candidates]
-                    targets = engine.target_grid(epsilons, study.grid)
+                targets = targets or engine.study_targets(study, candidates)
                 retrains = (RETRAIN,) if study.retrain and group.label == "shared" else ()
                 rows += engine.group_rows(
                     folder, data, setup, group, candidates, targets, methods, retrains
@@ -173,15 +135,8 @@ def run_nonconvex_study(study: NonConvexStudy, folder: StudyFolder) -> StudyResu
             _markdown(study, summary, probe_table, [m.kind for m in methods], verdict),
         )
     )
-    return StudyResult(
-        study=STUDY,
-        folder=folder.root,
-        files=tuple(files),
-        params={**asdict(study), "targets": targets},
-        metrics=engine.series_metrics(summary),
-        computed=folder.computed,
-        reused=folder.reused,
-        summary=verdict,
+    return folder.result(
+        STUDY, files, {**asdict(study), "targets": targets}, engine.series_metrics(summary), verdict
     )
 
 
@@ -244,27 +199,17 @@ def _markdown(study, summary, probes, kinds, verdict) -> str:  # type: ignore[no
 
 
 def _plot_paths(probes: pd.DataFrame, path, study: NonConvexStudy):  # type: ignore[no-untyped-def]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for group, rows in probes[probes.probe == "path"].groupby("group", sort=False):
-        mean = rows.groupby("t").test_accuracy.mean()
-        axes.plot(
-            mean.index,
-            mean.values,
-            marker="o",
-            markersize=3,
-            label=f"{group} initialisation ({rows.pair.iloc[0]})",
-        )
-    axes.set_xlabel("t in (1 − t)·θ_a + t·θ_b (θ_a the least noisy candidate)")
-    axes.set_ylabel("test accuracy")
-    axes.set_title(f"{study.dataset} {study.model}: accuracy along the weight path")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    with figure(path, size=(7, 4.2)) as (axes,):
+        for group, rows in probes[probes.probe == "path"].groupby("group", sort=False):
+            mean = rows.groupby("t").test_accuracy.mean()
+            axes.plot(
+                mean.index,
+                mean.values,
+                marker="o",
+                markersize=3,
+                label=f"{group} initialisation ({rows.pair.iloc[0]})",
+            )
+        axes.set_xlabel("t in (1 − t)·θ_a + t·θ_b (θ_a the least noisy candidate)")
+        axes.set_ylabel("test accuracy")
+        axes.set_title(f"{study.dataset} {study.model}: accuracy along the weight path")
     return path

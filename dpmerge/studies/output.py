@@ -104,6 +104,28 @@ class StudyFolder:
         self.done(True, kind)
         return path
 
+    def result(
+        self,
+        study: str,
+        files: Sequence[Path],
+        params: Mapping[str, Any],
+        metrics: Sequence[tuple[str, float, int]],
+        summary: Mapping[str, Any],
+        rows: Sequence[Mapping[str, Any]] = (),
+    ) -> StudyResult:
+        """What the study wrote, with this folder's count of units computed and reused."""
+        return StudyResult(
+            study,
+            self.root,
+            tuple(files),
+            params,
+            metrics,
+            self.computed,
+            self.reused,
+            summary,
+            rows,
+        )
+
     def write_table(self, name: str, table: pd.DataFrame) -> Path:
         path = self.root / f"{name}.csv"
         write_atomic(path, table.to_csv(index=False))
@@ -140,9 +162,10 @@ class StudyResult:
     computed: int
     reused: int
     summary: Mapping[str, Any] = field(default_factory=dict)
+    rows: Sequence[Mapping[str, Any]] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        document = {
             "study": self.study,
             "folder": str(self.folder),
             "files": [str(f) for f in self.files],
@@ -150,6 +173,7 @@ class StudyResult:
             "units_reused": self.reused,
             "summary": dict(self.summary),
         }
+        return {**document, "rows": [dict(r) for r in self.rows]} if self.rows else document
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

@@ -19,61 +19,45 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.artifacts import ModelSpec
 from dpmerge.data import DatasetSplits, Split, fingerprint, load_dataset
 from dpmerge.evaluation import evaluate
 from dpmerge.models import build_model, model_spec
 from dpmerge.studies import engine
-from dpmerge.studies.engine import RETRAIN, Group, StudyConfigError
-from dpmerge.studies.frontier import LC_GENERIC, LC_STRUCTURED, RS, plot_frontier
-from dpmerge.studies.nonconvex import MODEL_ALIASES
+from dpmerge.studies.engine import RETRAIN, Group
+from dpmerge.studies.frontier import plot_frontier
 from dpmerge.studies.output import StudyFolder, StudyResult, markdown_table
+from dpmerge.studies.settings import CandidateStudy, StudyConfigError
 
 STUDY = "pretrained"
 PUBLIC_INIT = "public-init"
+PRETRAINING = (
+    "dataset",
+    "data_root",
+    "limit",
+    "model",
+    "device",
+    "public_rows",
+    "pretrain_epochs",
+    "pretrain_learning_rate",
+    "pretrain_batch_size",
+)
+"""The settings the pre-trained initialisation depends on (its cache key, with the seed)."""
 
 
 @dataclass(frozen=True)
-class PretrainedStudy:
-    dataset: str = "fashion-mnist"
-    data_root: str | None = None
-    limit: int | None = None
-    model: str = "cnn"
-    device: str = "cpu"
+class PretrainedStudy(CandidateStudy):
     public_rows: int = 6000
     pretrain_epochs: int = 3
     pretrain_learning_rate: float = 0.1
     pretrain_batch_size: int = 64
-    sigmas: tuple[float, ...] = (0.8, 1.2, 2.0)
-    grid: int = 4
-    targets: tuple[float, ...] | None = None
-    seeds: int = 1
-    epochs: int = 1
-    batch_size: int = 256
-    learning_rate: float | None = None
-    clip_norm: float = 1.0
-    delta: float = 1e-5
-    structured: bool = True
+
+    COUNTS = (*CandidateStudy.COUNTS, "public_rows", "pretrain_epochs", "pretrain_batch_size")
 
     def __post_init__(self) -> None:
-        if len(self.sigmas) < 2 or any(not s > 0 for s in self.sigmas):
-            raise StudyConfigError(f"give at least two positive σ values, got {self.sigmas}")
-        for name in (
-            "public_rows",
-            "pretrain_epochs",
-            "pretrain_batch_size",
-            "grid",
-            "seeds",
-            "epochs",
-            "batch_size",
-        ):
-            if getattr(self, name) < 1:
-                raise StudyConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        super().__post_init__()
         if not self.pretrain_learning_rate > 0:
             raise StudyConfigError("pretrain_learning_rate must be positive")
-        if self.targets is not None:
-            engine.check_targets(self.targets)
 
 
 def split_public(data: DatasetSplits, rows: int) -> tuple[Split, DatasetSplits]:
@@ -107,31 +91,16 @@ def pretrain(spec: ModelSpec, public: Split, study: PretrainedStudy, seed: int) 
 def run_pretrained_study(study: PretrainedStudy, folder: StudyFolder) -> StudyResult:
     data = load_dataset(study.dataset, study.data_root, limit=study.limit)
     public, private = split_public(data, study.public_rows)
-    spec = model_spec(MODEL_ALIASES.get(study.model, study.model), private)
-    methods = (RS, LC_GENERIC, *((LC_STRUCTURED,) if study.structured else ()))
-    k, grid = len(study.sigmas), len(study.targets or ()) or study.grid
+    base = engine.training_setup(study)
+    spec = model_spec(study.model_name, private)
+    methods = engine.merge_methods(study)
+    k, grid = len(study.sigmas), study.points
     folder.start(study.seeds * (1 + k + 2 * grid), STUDY)
-    rows, targets = [], list(study.targets or ())
+    rows, targets = [], []
     try:
         for seed in range(study.seeds):
-            identity = {**asdict(study), "seed": seed, "public": fingerprint(data.name, public)}
-            identity = {
-                key: identity[key]
-                for key in identity
-                if key
-                not in (
-                    "sigmas",
-                    "grid",
-                    "targets",
-                    "seeds",
-                    "epochs",
-                    "batch_size",
-                    "learning_rate",
-                    "clip_norm",
-                    "delta",
-                    "structured",
-                )
-            }
+            identity = {key: getattr(study, key) for key in PRETRAINING}
+            identity.update(seed=seed, public=fingerprint(data.name, public))
 
             def build(path, seed=seed) -> None:  # type: ignore[no-untyped-def]
                 model = pretrain(spec, public, study, seed)
@@ -140,12 +109,10 @@ def run_pretrained_study(study: PretrainedStudy, folder: StudyFolder) -> StudyRe
                 save_file(state, str(path / "pretrained.safetensors"))
 
             checkpoint = folder.cached_dir("pretrain", identity, build) / "pretrained.safetensors"
-            setup = replace(_setup(study), init_checkpoint=str(checkpoint))
+            setup = replace(base, init_checkpoint=str(checkpoint))
             group = Group("pretrained", seed, study.sigmas, (seed,) * k)
             candidates = engine.train_group(folder, private, setup, group)
-            if not targets:
-                epsilons = [candidate_bound(c.record, study.delta).epsilon for c in candidates]
-                targets = engine.target_grid(epsilons, study.grid)
+            targets = targets or engine.study_targets(study, candidates)
             rows += engine.group_rows(
                 folder, private, setup, group, candidates, targets, methods, (RETRAIN,)
             )
@@ -162,28 +129,8 @@ def run_pretrained_study(study: PretrainedStudy, folder: StudyFolder) -> StudyRe
         plot_frontier(summary[summary.kind != PUBLIC_INIT], folder.root / "frontier.png", title),
     ]
     files.append(folder.write_text("pretrained.md", _markdown(study, summary, methods, verdict)))
-    return StudyResult(
-        study=STUDY,
-        folder=folder.root,
-        files=tuple(files),
-        params={**asdict(study), "targets": targets},
-        metrics=engine.series_metrics(summary),
-        computed=folder.computed,
-        reused=folder.reused,
-        summary=verdict,
-    )
-
-
-def _setup(study: PretrainedStudy) -> engine.TrainingSetup:
-    return engine.TrainingSetup(
-        dataset=study.dataset,
-        model=MODEL_ALIASES.get(study.model, study.model),
-        epochs=study.epochs,
-        batch_size=study.batch_size,
-        learning_rate=study.learning_rate,
-        clip_norm=study.clip_norm,
-        delta=study.delta,
-        device=study.device,
+    return folder.result(
+        STUDY, files, {**asdict(study), "targets": targets}, engine.series_metrics(summary), verdict
     )
 
 
