@@ -215,8 +215,14 @@ def group_rows(
     context = FrontierContext(candidates, data, setup.delta)
     tag = {"group": group.label, "seed": group.seed}
     rows = [
-        {**tag, **row, "noise_multiplier": r.noise_multiplier, "batch_size": r.expected_batch_size}
-        for row, r in zip(context.candidate_rows(), context.records, strict=True)
+        {
+            **tag,
+            **row,
+            "noise_multiplier": c.record.noise_multiplier,  # type: ignore[union-attr]
+            "batch_size": c.record.expected_batch_size,  # type: ignore[union-attr]
+            "seconds": c.metrics.get("train_seconds"),
+        }
+        for row, c in zip(context.candidate_rows(), candidates, strict=True)
     ]
     identity = {
         "candidates": [c.path.name for c in candidates],

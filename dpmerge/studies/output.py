@@ -38,6 +38,7 @@ def write_atomic(path: Path, text: str) -> Path:
         "w", dir=path.parent, prefix=f".{path.name}.", delete=False
     ) as handle:
         handle.write(text)
+    os.chmod(handle.name, 0o644)  # results are for reading (the temporary file was 0600)
     os.replace(handle.name, path)
     return path
 
