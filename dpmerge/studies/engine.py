@@ -23,13 +23,15 @@ import hashlib
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import pandas as pd
 
 from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.pld import set_disk_cache
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelDir, load_model_dir
 from dpmerge.data import DatasetSplits
@@ -47,6 +49,7 @@ from dpmerge.studies.settings import CandidateStudy, StudyConfigError
 from dpmerge.training import TrainConfig, save_candidate, train_candidate
 
 RETRAIN, RETRAIN_MATCHED = "retrain", "retrain-matched"
+PLD_CACHE = "pld-cache"
 STUDY_COLUMNS = ["group", "seed", *COLUMNS, "noise_multiplier", "batch_size", "seconds"]
 SUMMARY_VALUES = ("test_accuracy", "drawn_test_accuracy", "epsilon", "epsilon_pld", "epsilon_rdp")
 
@@ -98,7 +101,7 @@ class TrainingSetup:
         )
 
 
-def training_setup(study: CandidateStudy, init_checkpoint: str | None = None) -> TrainingSetup:
+def training_setup(study: CandidateStudy) -> TrainingSetup:
     """The DP-SGD setup of ``study``'s models, checked (see :func:`check_setup`)."""
     setup = TrainingSetup(
         dataset=study.dataset,
@@ -109,11 +112,23 @@ def training_setup(study: CandidateStudy, init_checkpoint: str | None = None) ->
         clip_norm=study.clip_norm,
         delta=study.delta,
         device=study.device,
-        init_checkpoint=init_checkpoint,
         max_steps=study.max_steps,
     )
     check_setup(setup)
     return setup
+
+
+@contextmanager
+def running(folder: StudyFolder, total: int, description: str) -> Iterator[None]:
+    """The study's units run: a progress bar over ``total`` units, and the models' PLDs kept
+    as files beside the results (a rerun reads them back instead of recomposing them)."""
+    folder.start(total, description)
+    set_disk_cache(folder.root / PLD_CACHE)
+    try:
+        yield
+    finally:
+        set_disk_cache(None)
+        folder.close()
 
 
 def check_setup(setup: TrainingSetup) -> None:
@@ -346,6 +361,10 @@ def epsilon_table(summary: pd.DataFrame, group: str) -> pd.DataFrame:
             "ε PLD": part.epsilon_pld,
             "ε RDP": part.epsilon_rdp,
             "δ": [f"{d:g}" for d in part.delta],
+            "test %": [
+                percent(m, d)
+                for m, d in zip(part.test_accuracy, part.test_accuracy_std, strict=True)
+            ],
             "seeds": part.seeds,
         }
     )

@@ -102,9 +102,8 @@ def run_nonconvex_study(study: NonConvexStudy, folder: StudyFolder) -> StudyResu
     methods = engine.merge_methods(study)
     k, grid = len(study.sigmas), study.points
     per_seed = 2 * (k + grid + 1) + (grid if study.retrain else 0)
-    folder.start(study.seeds * per_seed, STUDY)
     rows, probes, targets = [], [], []
-    try:
+    with engine.running(folder, study.seeds * per_seed, STUDY):
         for seed in range(study.seeds):
             for group in groups_of(study, seed):
                 candidates = engine.train_group(folder, data, setup, group)
@@ -116,8 +115,6 @@ def run_nonconvex_study(study: NonConvexStudy, folder: StudyFolder) -> StudyResu
                 probes += merge_probes(
                     folder, data, group, candidates, study.path_points, study.delta
                 )
-    finally:
-        folder.close()
     table, probe_table = engine.as_table(rows), pd.DataFrame(probes)
     summary = engine.summarise(table)
     title = f"{study.dataset} {study.model}: test accuracy vs ε (δ = {study.delta:g})"

@@ -95,9 +95,8 @@ def run_pretrained_study(study: PretrainedStudy, folder: StudyFolder) -> StudyRe
     spec = model_spec(study.model_name, private)
     methods = engine.merge_methods(study)
     k, grid = len(study.sigmas), study.points
-    folder.start(study.seeds * (1 + k + 2 * grid), STUDY)
     rows, targets = [], []
-    try:
+    with engine.running(folder, study.seeds * (1 + k + 2 * grid), STUDY):
         for seed in range(study.seeds):
             identity = {key: getattr(study, key) for key in PRETRAINING}
             identity.update(seed=seed, public=fingerprint(data.name, public))
@@ -117,8 +116,6 @@ def run_pretrained_study(study: PretrainedStudy, folder: StudyFolder) -> StudyRe
                 folder, private, setup, group, candidates, targets, methods, (RETRAIN,)
             )
             rows.append(_public_row(spec, checkpoint, private, group, study.delta))
-    finally:
-        folder.close()
     table = engine.as_table(rows)
     summary = engine.summarise(table)
     verdict = _verdict(table, [m.kind for m in methods])
