@@ -343,7 +343,9 @@ def test_pretrained_fine_tunes_from_public_rows(tmp_path, capsys):
     merges = table[~table.kind.isin(["candidate", "public-init"])]
     assert (merges.epsilon <= merges.target_epsilon + 1e-12).all()
     summary = json.loads(out)["summary"]
-    assert summary["points (seed × target)"] == 2
+    assert summary["points (seed × target)"] == 3  # the grid of 2 and the top rung
+    top = merges.target_epsilon.max()
+    assert top > table[table.kind == "candidate"].epsilon.max()  # all candidates composed
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -36,10 +36,11 @@ def figure(
 
 
 def log_epsilon_axis(axes: Any, label: str) -> None:
-    """A log ε axis with plain numbers on the major ticks and none on the minor ones."""
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    """A log ε axis with plain numbers at 1, 2 and 5 × 10^k and no minor labels."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     axes.set_xscale("log")
+    axes.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     axes.xaxis.set_major_formatter(ScalarFormatter())
     axes.xaxis.set_minor_formatter(NullFormatter())
     axes.set_xlabel(label)

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dpmerge.artifacts import ModelSpec
+from dpmerge.accounting.account import account
+from dpmerge.artifacts import ModelDir, ModelSpec
 from dpmerge.data import DatasetSplits, Split, fingerprint, load_dataset
 from dpmerge.evaluation import evaluate
 from dpmerge.models import build_model, model_spec
@@ -94,9 +95,9 @@ def run_pretrained_study(study: PretrainedStudy, folder: StudyFolder) -> StudyRe
     base = engine.training_setup(study)
     spec = model_spec(study.model_name, private)
     methods = engine.merge_methods(study)
-    k, grid = len(study.sigmas), study.points
+    k, points = len(study.sigmas), study.points + (0 if study.targets else 1)
     rows, targets = [], []
-    with engine.running(folder, study.seeds * (1 + k + 2 * grid), STUDY):
+    with engine.running(folder, study.seeds * (1 + k + 2 * points), STUDY):
         for seed in range(study.seeds):
             identity = {key: getattr(study, key) for key in PRETRAINING}
             identity.update(seed=seed, public=fingerprint(data.name, public))
@@ -111,7 +112,7 @@ def run_pretrained_study(study: PretrainedStudy, folder: StudyFolder) -> StudyRe
             setup = replace(base, init_checkpoint=str(checkpoint))
             group = Group("pretrained", seed, study.sigmas, (seed,) * k)
             candidates = engine.train_group(folder, private, setup, group)
-            targets = targets or engine.study_targets(study, candidates)
+            targets = targets or _targets(study, candidates)
             rows += engine.group_rows(
                 folder, private, setup, group, candidates, targets, methods, (RETRAIN,)
             )
@@ -129,6 +130,18 @@ def run_pretrained_study(study: PretrainedStudy, folder: StudyFolder) -> StudyRe
     return folder.result(
         STUDY, files, {**asdict(study), "targets": targets}, engine.series_metrics(summary), verdict
     )
+
+
+def _targets(study: PretrainedStudy, candidates: list[ModelDir]) -> list[float]:
+    """The study's targets; by default the grid between the candidates' ε and the top rung of
+    the generic ladder (every candidate composed), where one merge may use all of them."""
+    targets = engine.study_targets(study, candidates)
+    if study.targets:
+        return targets
+    records = [c.record for c in candidates]
+    uniform = [1.0 / len(records)] * len(records)
+    top = account(records, "lc", uniform, study.delta, gating_bound="generic")  # type: ignore[arg-type]
+    return [*targets, top.epsilon]
 
 
 def _public_row(spec, checkpoint, data, group, delta) -> dict[str, object]:  # type: ignore[no-untyped-def]
