@@ -138,20 +138,22 @@ def run_nonconvex_study(study: NonConvexStudy, folder: StudyFolder) -> StudyResu
 
 
 def _verdict(summary: pd.DataFrame, probes: pd.DataFrame) -> dict[str, object]:
-    """Per initialisation: the mid-path and equal-weight accuracies against the best
-    candidate, and at how many targets calibrated LC (generic) is below RS."""
+    """Per initialisation (means over seeds): the best candidate, the lowest point of the path
+    and its middle, the equal-weight average, and at how many targets calibrated LC (generic
+    gate) is below RS."""
     out: dict[str, object] = {}
     for group in INITIALISATIONS:
         best = summary[(summary.group == group) & (summary.kind == "candidate")].test_accuracy.max()
         part = probes[probes.group == group]
-        middle = part[(part.probe == "path")].iloc[len(part[part.probe == "path"]) // 2]
+        path = part[part.probe == "path"].groupby("t").test_accuracy.mean()
         uniform = part[part.probe == "uniform"].test_accuracy.mean()
         merges = summary[summary.group == group].pivot_table(
             index="target_epsilon", columns="kind", values="test_accuracy"
         )
         below = int((merges.get(LC_GENERIC.kind) < merges.get(RS.kind) - 1e-12).sum())
         out[f"{group}: best candidate"] = float(best)
-        out[f"{group}: path midpoint"] = float(middle.test_accuracy)
+        out[f"{group}: path minimum"] = float(path.min())
+        out[f"{group}: path midpoint"] = float(path.iloc[(abs(path.index - 0.5)).argmin()])
         out[f"{group}: equal-weight average"] = float(uniform)
         out[f"{group}: targets where lc-generic < rs"] = below
     return out
