@@ -42,6 +42,9 @@ class NonConvexStudy(CandidateStudy):
 
 
 def groups_of(study: NonConvexStudy, seed: int) -> list[Group]:
+    """The shared- and the independent-initialisation set of one seed. Candidate i of both
+    draws the same noise and batches (its stream seed), so the sets differ only in their
+    initialisations; each set is merged on its own."""
     k = len(study.sigmas)
     return [
         Group("shared", seed, study.sigmas, (seed,) * k),
