@@ -13,11 +13,12 @@ from prefect.artifacts import create_markdown_artifact
 
 from dpmerge import policy_merge as pm
 from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.studies.frontier import LC_GENERIC, LC_STRUCTURED, RS
 from tasks import policy as policy_steps
 from tasks import reports as steps
 
 FLOW_NAME = "pareto-report"
-DEFAULT_METHODS = (("rs", "generic"), ("lc", "generic"))
+DEFAULT_METHODS = (RS, LC_GENERIC)
 
 
 def default_targets(epsilons: list[float], count: int = 6) -> list[float]:
@@ -52,7 +53,7 @@ def pareto_report(
         if not targets:
             epsilons = [candidate_bound(c.model_dir.record, delta).epsilon for c in candidates]
             targets = default_targets([e for e in epsilons if math.isfinite(e)])
-        methods = (*DEFAULT_METHODS, *((("lc", "structured"),) if structured else ()))
+        methods = (*DEFAULT_METHODS, *((LC_STRUCTURED,) if structured else ()))
         table = steps.compute_frontier(candidates, data, targets, delta, methods)
         title = f"{pool.registered_model}: accuracy vs certified ε (δ = {delta:g})"
         logged = steps.log_frontier(workspace, pool, table, title)

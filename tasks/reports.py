@@ -6,27 +6,19 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 
 from dpmerge import policy_merge as pm
 from dpmerge.registry import RegisteredCandidate
+from dpmerge.studies.output import markdown_table
 from tasks.common import LOCAL, REMOTE
 
+if TYPE_CHECKING:
+    from dpmerge.studies.frontier import MergeMethod
+
 REPORT_EXPERIMENT = "dpmerge-reports"
-
-
-def markdown_table(table: Any) -> str:
-    """A Markdown table of a DataFrame (no optional dependency)."""
-
-    def cell(value: Any) -> str:
-        return f"{value:.4f}" if isinstance(value, float) else str(value)
-
-    rows = [list(table.columns)] + [[cell(v) for v in row] for row in table.itertuples(False)]
-    lines = ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    lines.insert(1, "|" + "---|" * len(table.columns))
-    return "\n".join(lines)
 
 
 @task(name="compute-frontier", **LOCAL)
@@ -35,7 +27,7 @@ def compute_frontier(
     data: pm.EvaluationData,
     targets: Sequence[float],
     delta: float,
-    methods: Sequence[tuple[str, str]],
+    methods: Sequence[MergeMethod],
 ) -> Any:
     from dpmerge.studies.frontier import frontier
 

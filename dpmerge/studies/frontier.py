@@ -1,36 +1,73 @@
-"""The utility–privacy frontier of a set of candidates (SPEC §8.2–8.4): for each target ε, the
-best RS and LC merges and their test accuracy, beside the candidates themselves.
+"""The utility–privacy frontier of a set of candidates (docs/design.md#studies): for each
+target ε, the best merge of each method and its test accuracy, beside the candidates themselves.
 
-Calibration utilities come from the validation split (disjoint from training, SPEC §4): the
-candidates' validation accuracies for RS, the merged weights' validation accuracy for LC.
-Reported accuracies are on the test split; for RS the expected accuracy Σ π_i·acc_i (the
-released model is one draw). Every ε is the certified gating bound of the calibration.
+Calibration follows docs/design.md#calibration: every choice beyond the released subset (RS
+probabilities, the generic gate's subset, the structured path) is data-independent; the
+validation split (disjoint from training) only tunes the LC weights within the generic gate's
+subset. Reported accuracies are on the test split; for RS the expected accuracy Σ π_i·acc_i
+and, where asked, the accuracy of one simulated draw. Every ε is the certified gating bound of
+the calibration, reported under PLD and RDP beside it.
+
+A merge method is a :class:`MergeMethod`: adding one (say, a new option of ``calibrate``) is one
+more entry in :data:`METHODS` (or in the ``methods`` a caller passes). ``lc-generic+rs`` may
+calibrate to a secret draw between two subset merges; its accuracy is the expectation over the
+draw.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
+from dpmerge.accounting.bounds import PairBound
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelDir
 from dpmerge.data import DatasetSplits
 from dpmerge.errors import InfeasibleTargetError, RecordError
 from dpmerge.evaluation import MergeAccuracy, expected_accuracy
+from dpmerge.merging import draw_index
+from dpmerge.studies.plots import figure, log_epsilon_axis
+from dpmerge.vocabulary import GatingBound, Method
 
-METHODS = (("rs", "generic"), ("lc", "generic"), ("lc", "structured"))
+
+@dataclass(frozen=True)
+class MergeMethod:
+    """One merge method of the frontier: ``calibrate(records, method, target, delta,
+    gating_bound=…, **options)``, reported under ``kind``."""
+
+    kind: str
+    method: Method
+    gating_bound: GatingBound = "generic"
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+RS = MergeMethod("rs", "rs")
+LC_GENERIC = MergeMethod("lc-generic", "lc", "generic")
+LC_GENERIC_INTERPOLATED = MergeMethod("lc-generic+rs", "lc", "generic", (("interpolate", True),))
+"""LC under the generic gate that may release one of two subset merges, drawn secretly."""
+LC_STRUCTURED = MergeMethod("lc-structured", "lc", "structured")
+METHODS = (RS, LC_GENERIC, LC_GENERIC_INTERPOLATED, LC_STRUCTURED)
 COLUMNS = [
     "kind",
     "target_epsilon",
     "epsilon",
     "accountant",
+    "epsilon_pld",
+    "epsilon_rdp",
     "delta",
     "test_accuracy",
     "validation_accuracy",
+    "drawn_test_accuracy",
+    "members",
+    "per_example_gradients",
     "weights",
     "candidates",
 ]
@@ -47,11 +84,123 @@ class _Evaluator:
         self.merges = MergeAccuracy(specs.pop(), [c.weights_file for c in candidates])
         self.data = data
 
-    def accuracy(self, weights: tuple[float, ...], split: str) -> float:
+    def accuracy(self, weights: Sequence[float], split: str) -> float:
         return self.merges.accuracy(weights, getattr(self.data, split))
 
     def merge_utility(self, weights: tuple[float, ...]) -> float:
         return self.accuracy(weights, "validation")
+
+
+class FrontierContext:
+    """The candidates of one frontier, their accuracies, and the rows of their merges."""
+
+    def __init__(self, candidates: Sequence[ModelDir], data: DatasetSplits, delta: float) -> None:
+        records = [c.record for c in candidates]
+        if any(r is None for r in records):
+            raise RecordError("the frontier needs candidate directories (with mechanism records)")
+        if any(r.dataset != data.fingerprint for r in records):  # type: ignore[union-attr]
+            raise RecordError("the data's fingerprint differs from the candidates' training data")
+        self.records: list[MechanismRecord] = records  # type: ignore[assignment]
+        self.delta = delta
+        self.evaluator = _Evaluator(candidates, data)
+        self.names = [r.name for r in self.records]
+        k = len(candidates)
+        self.one_hot = [tuple(1.0 if n == i else 0.0 for n in range(k)) for i in range(k)]
+        self.val_acc = [self.evaluator.accuracy(w, "validation") for w in self.one_hot]
+        self.test_acc = [self.evaluator.accuracy(w, "test") for w in self.one_hot]
+
+    def _row(
+        self,
+        kind: str,
+        target: float | None,
+        bound: PairBound,
+        weights: Sequence[float],
+        test: float,
+        validation: float,
+        drawn: float | None = None,
+    ) -> dict[str, Any]:
+        used = [r for r, w in zip(self.records, weights, strict=True) if w > 0]
+        return dict(
+            kind=kind,
+            target_epsilon=target,
+            epsilon=bound.epsilon,
+            accountant=bound.accountant,
+            epsilon_pld=bound.epsilon_pld,
+            epsilon_rdp=bound.epsilon_rdp,
+            delta=self.delta,
+            test_accuracy=test,
+            validation_accuracy=validation,
+            drawn_test_accuracy=drawn,
+            members=len(used),
+            per_example_gradients=sum(r.expected_batch_size * r.steps for r in used),
+            weights=json.dumps([round(w, 6) for w in weights]),
+            candidates=json.dumps(self.names),
+        )
+
+    def candidate_rows(self) -> list[dict[str, Any]]:
+        return [
+            self._row(
+                "candidate",
+                None,
+                candidate_bound(record, self.delta),
+                self.one_hot[i],
+                self.test_acc[i],
+                self.val_acc[i],
+            )
+            for i, record in enumerate(self.records)
+        ]
+
+    def rows_at(
+        self,
+        target: float,
+        methods: Sequence[MergeMethod] = METHODS,
+        draw: random.Random | None = None,
+    ) -> list[dict[str, Any]]:
+        """One row per method feasible at ``target``. With ``draw`` (a seeded generator: a
+        study's simulated release, not a secret draw), RS rows also hold the test accuracy
+        of one drawn candidate."""
+        rows = []
+        for spec in methods:
+            tunable = (spec.method, spec.gating_bound) == ("lc", "generic")
+            try:
+                result = calibrate(
+                    self.records,
+                    spec.method,
+                    float(target),
+                    self.delta,
+                    gating_bound=spec.gating_bound,
+                    merge_utility=self.evaluator.merge_utility if tunable else None,
+                    **dict(spec.options),
+                )
+            except InfeasibleTargetError:
+                continue
+            drawn = None
+            if result.mixture is not None:  # one of two LC merges, drawn with these odds
+                merges, odds = result.mixture.weights, result.mixture.probabilities
+                test = expected_accuracy([self.evaluator.accuracy(w, "test") for w in merges], odds)
+                validation = expected_accuracy(
+                    [self.evaluator.accuracy(w, "validation") for w in merges], odds
+                )
+                if draw is not None:
+                    drawn = self.evaluator.accuracy(merges[draw_index(odds, rng=draw)], "test")
+                weights = tuple(max(a, b) for a, b in zip(*merges, strict=True))  # members used
+            elif spec.method == "rs":
+                weights = tuple(result.weights)
+                test = expected_accuracy(self.test_acc, weights)
+                validation = expected_accuracy(self.val_acc, weights)
+                if draw is not None:
+                    drawn = self.test_acc[draw_index(weights, rng=draw)]
+            else:
+                weights = tuple(result.weights)
+                test = self.evaluator.accuracy(weights, "test")
+                validation = self.evaluator.accuracy(weights, "validation")
+            row = self._row(
+                spec.kind, float(target), result.report.gating, weights, test, validation, drawn
+            )
+            if result.mixture is not None:
+                row["weights"] = json.dumps(result.mixture.to_dict()["merges"])
+            rows.append(row)
+        return rows
 
 
 def frontier(
@@ -59,101 +208,36 @@ def frontier(
     data: DatasetSplits,
     targets: Sequence[float],
     delta: float,
-    methods: Sequence[tuple[str, str]] = METHODS,
+    methods: Sequence[MergeMethod] = METHODS,
 ) -> pd.DataFrame:
     """One row per candidate and per (target, method); infeasible targets get no row."""
-    records = [c.record for c in candidates]
-    if any(r is None for r in records):
-        raise RecordError("the frontier needs candidate directories (with mechanism records)")
-    if any(r.dataset != data.fingerprint for r in records):  # type: ignore[union-attr]
-        raise RecordError("the data's fingerprint differs from the candidates' training data")
-    evaluator = _Evaluator(candidates, data)
-    names = [r.name for r in records]  # type: ignore[union-attr]
-    k = len(candidates)
-    one_hot = [tuple(1.0 if n == i else 0.0 for n in range(k)) for i in range(k)]
-    val_acc = [evaluator.accuracy(w, "validation") for w in one_hot]
-    test_acc = [evaluator.accuracy(w, "test") for w in one_hot]
-    rows = []
-    for i, record in enumerate(records):
-        bound = candidate_bound(record, delta)  # type: ignore[arg-type]
-        rows.append(
-            dict(
-                kind="candidate",
-                target_epsilon=None,
-                epsilon=bound.epsilon,
-                accountant=bound.accountant,
-                delta=delta,
-                test_accuracy=test_acc[i],
-                validation_accuracy=val_acc[i],
-                weights=json.dumps(one_hot[i]),
-                candidates=json.dumps(names),
-            )
-        )
+    context = FrontierContext(candidates, data, delta)
+    rows = context.candidate_rows()
     for target in targets:
-        for method, bound in methods:
-            try:
-                result = calibrate(
-                    records,  # type: ignore[arg-type]
-                    method,  # type: ignore[arg-type]
-                    float(target),
-                    delta,
-                    gating_bound=bound,  # type: ignore[arg-type]
-                    merge_utility=evaluator.merge_utility
-                    if (method, bound) == ("lc", "generic")
-                    else None,
-                )
-            except InfeasibleTargetError:
-                continue
-            weights = tuple(result.weights)
-            if method == "rs":
-                test, val = (
-                    expected_accuracy(test_acc, weights),
-                    expected_accuracy(val_acc, weights),
-                )
-            else:
-                test, val = (
-                    evaluator.accuracy(weights, "test"),
-                    evaluator.accuracy(weights, "validation"),
-                )
-            rows.append(
-                dict(
-                    kind=f"{method}-{bound}" if method == "lc" else "rs",
-                    target_epsilon=float(target),
-                    epsilon=result.epsilon,
-                    accountant=result.report.gating.accountant,
-                    delta=delta,
-                    test_accuracy=test,
-                    validation_accuracy=val,
-                    weights=json.dumps([round(w, 6) for w in weights]),
-                    candidates=json.dumps(names),
-                )
-            )
+        rows += context.rows_at(target, methods)
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def plot_frontier(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """Accuracy versus certified ε: candidates as points, one line per merge method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+    """Accuracy versus certified ε: candidates as points, one line per method (merges and
+    retrains). With a ``test_accuracy_std`` column (a study's mean over seeds) each point gets
+    an error bar; with a ``group`` column, one panel per group."""
     path = Path(path)
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    candidates = table[table.kind == "candidate"]
-    axes.scatter(
-        candidates.epsilon, candidates.test_accuracy, color="black", zorder=3, label="candidates"
-    )
-    for kind, group in table[table.kind != "candidate"].groupby("kind"):
-        group = group.sort_values("epsilon")
-        axes.plot(group.epsilon, group.test_accuracy, marker="o", label=kind)
-    axes.set_xscale("log")
-    axes.set_xlabel(f"certified ε (δ = {table.delta.iloc[0]:g})")
-    axes.set_ylabel("test accuracy (RS: expected)")
-    axes.set_title(title or "privacy–utility frontier")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    groups = list(table.group.unique()) if "group" in table else [None]
+    several = groups != [None]
+    with figure(path, len(groups), size=(7, 4.8), title=title if several else "") as panels:
+        for axes, label in zip(panels, groups, strict=True):
+            part = table if label is None else table[table.group == label]
+            for kind, rows in part.groupby("kind", sort=False):
+                rows = rows.sort_values("epsilon")
+                spread = rows.test_accuracy_std if "test_accuracy_std" in rows else None
+                style = (
+                    dict(fmt="o", color="black", zorder=3, label="candidates")
+                    if kind == "candidate"
+                    else dict(fmt="-o", markersize=3, capsize=2, label=kind)
+                )
+                axes.errorbar(rows.epsilon, rows.test_accuracy, yerr=spread, **style)
+            log_epsilon_axis(axes, f"certified ε (δ = {table.delta.iloc[0]:g})")
+            axes.set_title(label or title or "privacy–utility frontier")
+        panels[0].set_ylabel("test accuracy (RS: expected)")
     return path

@@ -47,15 +47,21 @@ def best_lc_mse(
     return max(needed, floor) ** 2
 
 
-def best_rs_mse(
+def best_rs_weights(
     sigmas: Sequence[float], target: float, delta: float, accountant: Accountant
-) -> float | None:
+) -> tuple[float, ...] | None:
+    """π of the best RS under the mixture bound (the linear programme), None if infeasible."""
     utilities = [-(s**2) for s in sigmas]
     if accountant == "pld":
         costs = [gaussian_delta(s, target) for s in sigmas]
-        pi = best_two_point_mixture(utilities, costs, delta * (1 - LP_SLACK))
-    else:
-        pi = rs_programme_rdp([rdp_mod.gaussian_rdp(s) for s in sigmas], utilities, target, delta)
+        return best_two_point_mixture(utilities, costs, delta * (1 - LP_SLACK))
+    return rs_programme_rdp([rdp_mod.gaussian_rdp(s) for s in sigmas], utilities, target, delta)
+
+
+def best_rs_mse(
+    sigmas: Sequence[float], target: float, delta: float, accountant: Accountant
+) -> float | None:
+    pi = best_rs_weights(sigmas, target, delta, accountant)
     return None if pi is None else float(np.dot(pi, [s**2 for s in sigmas]))
 
 
@@ -89,3 +95,23 @@ def rows_to_document(
         "units": "MSE per coordinate, in units of the squared sensitivity (no clipping bias)",
         "rows": [asdict(r) for r in rows],
     }
+
+
+def lc_weights_for_mse(sigmas: Sequence[float], mse: float) -> tuple[float, ...]:
+    """λ on the simplex with Σλ_i²σ_i² = ``mse``: along λ(u) = (1−u)·inverse-variance + u·(one-
+    hot on the largest σ), whose variance rises from the floor (Σσ_i⁻²)⁻¹ to max σ² in u."""
+    s = np.asarray(sigmas, float)
+    ivw = s**-2 / np.sum(s**-2)
+    corner = (s == s.max()).astype(float) / np.sum(s == s.max())
+
+    def variance(u: float) -> float:
+        lam = (1 - u) * ivw + u * corner
+        return float(np.sum(lam**2 * s**2))
+
+    if not variance(0.0) * (1 - 1e-9) <= mse <= variance(1.0) * (1 + 1e-9):
+        raise RecordError(f"MSE {mse} outside the LC range [{variance(0.0)}, {variance(1.0)}]")
+    low, high = 0.0, 1.0
+    for _ in range(100):
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if variance(mid) < mse else (low, mid)
+    return tuple(float(v) for v in (1 - high) * ivw + high * corner)

@@ -262,7 +262,7 @@ def test_structured_refusal_is_a_clear_error(capsys, tmp_path):
     assert code == 2 and "share noise lineage" in err
 
 
-def test_study_mean_estimation_json(capsys):
+def test_study_mean_estimation_json(capsys, tmp_path):
     code, out, _ = run(
         capsys,
         "study",
@@ -273,18 +273,28 @@ def test_study_mean_estimation_json(capsys):
         "1,2,4,8",
         "--delta",
         "1e-5",
+        "--dimensions",
+        "2",
+        "--results",
+        str(tmp_path),
+        "--no-mlflow",
+        "--no-progress",
         "--json",
     )
     doc = json.loads(out)
     assert code == 0
     assert [r["target_epsilon"] for r in doc["rows"]] == [1, 2, 4, 8]
-    assert set(doc["rows"][0]) == {
+    assert {
         "target_epsilon",
         "lc_mse_pld",
         "rs_mse_pld",
         "lc_mse_rdp",
         "rs_mse_rdp",
-    }
+        "rs_epsilon_mixture_bound",
+        "rs_epsilon_exact",
+        "rs_mse_exact",
+    } <= set(doc["rows"][0])
+    assert "lc_mse_measured" not in doc["rows"][0]  # only with --monte-carlo
     assert doc["rows"][0]["lc_mse_rdp"] is None  # RDP cannot reach ε = 1 with σ ≤ 4
 
 

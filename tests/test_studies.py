@@ -1,0 +1,405 @@
+"""``dpmerge study …`` end to end on tiny configurations: the files, their values, MLflow,
+resumability and bad input (docs/design.md#studies)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+import dpmerge.cli
+from dpmerge.accounting.candidate import candidate_bound, dpsgd_epsilon_pld
+from dpmerge.artifacts import load_model_dir
+from dpmerge.data import load_dataset
+from dpmerge.registry.studies import STUDIES_EXPERIMENT
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = dpmerge.cli.main(["study", *argv])
+    except SystemExit as stop:  # argparse's refusals exit (with one line, see OneLineParser)
+        code = int(stop.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def tracking(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+def logged_run(tracking: str, run_id: str) -> tuple[dict, list[str]]:
+    client = MlflowClient(tracking)
+    run = client.get_run(run_id)
+    assert client.get_experiment(run.info.experiment_id).name == STUDIES_EXPERIMENT
+    assert run.info.status == "FINISHED"
+    return run.data.metrics, [f.path for f in client.list_artifacts(run_id)]
+
+
+def unit_times(folder: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in (folder / "units").rglob("*") if p.is_file()}
+
+
+# --- mean estimation ------------------------------------------------------------------------
+
+
+def test_mean_estimation_measures_the_formula_and_brackets_rs(tmp_path, capsys, tracking):
+    argv = [
+        "mean-estimation",
+        "--sigmas",
+        "1,2,4",
+        "--targets",
+        "0.5,1,3",
+        "--delta",
+        "1e-5",
+        "--monte-carlo",
+        "4000",
+        "--dimensions",
+        "10",
+        "--results",
+        str(tmp_path / "me"),
+        "--tracking-uri",
+        tracking,
+        "--json",
+        "--no-progress",
+    ]
+    code, out, _ = run(capsys, *argv)
+    document = json.loads(out)
+    assert code == 0 and document["units_computed"] == 3
+    rows = {r["target_epsilon"]: r for r in document["rows"]}
+    assert rows[0.5]["lc_mse_pld"] is None and rows[0.5]["rs_mse_exact"] is None  # infeasible
+    for target in (1, 3):
+        row = rows[target]
+        for name in ("lc", "rs"):
+            formula, measured = row[f"{name}_mse_pld"], row[f"{name}_mse_measured"]
+            assert abs(measured - formula) <= 5 * row[f"{name}_mse_measured_se"]
+        # the chosen RS meets its target under the bound; the exact ε is no larger
+        assert row["rs_epsilon_mixture_bound"] <= target + 1e-6
+        assert row["rs_epsilon_exact_lower"] <= row["rs_epsilon_exact"]
+        assert row["rs_epsilon_exact"] <= row["rs_epsilon_mixture_bound"] + 1e-6
+        # a 10-dimensional release lies between the scalar release and the bound (its lower
+        # bound is binned in two dimensions, so slightly looser than the scalar one)
+        assert row["rs_epsilon_exact_lower"] - 1e-4 <= row["rs_epsilon_d10_lower"]
+        assert row["rs_epsilon_d10_lower"] <= row["rs_epsilon_mixture_bound"] + 1e-6
+        assert row["rs_epsilon_exact_of_best"] <= target
+        assert row["rs_mse_exact"] <= row["rs_mse_pld"] + 1e-9
+        assert row["lc_mse_rdp"] is None or row["lc_mse_rdp"] >= row["lc_mse_pld"]
+    folder = tmp_path / "me"
+    for name in (
+        "mean_estimation.csv",
+        "mean_estimation.md",
+        "mse_vs_epsilon.png",
+        "rs_exact_vs_bound.png",
+    ):
+        assert (folder / name).stat().st_size > 500
+    metrics, artifacts = logged_run(tracking, document["mlflow_run_id"])
+    assert metrics["lc_mse_pld"] > 0 and "mean_estimation.csv" in artifacts
+    before = unit_times(folder)
+    code, out, _ = run(capsys, *argv)
+    again = json.loads(out)
+    assert again["units_computed"] == 0 and again["units_reused"] == 3
+    assert again["rows"] == document["rows"] and unit_times(folder) == before
+
+
+# --- convex frontier ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_frontier(tmp_path_factory, tracking):
+    folder = tmp_path_factory.mktemp("frontier")
+    argv = [
+        "frontier",
+        "--quick",
+        "--seeds",
+        "2",
+        "--grid",
+        "3",
+        "--epochs",
+        "4",
+        "--results",
+        str(folder),
+        "--tracking-uri",
+        tracking,
+        "--json",
+        "--no-progress",
+    ]
+    code = dpmerge.cli.main(["study", *argv])
+    assert code == 0
+    return folder, argv
+
+
+def test_frontier_points_meet_their_targets(quick_frontier, capsys):
+    folder, _ = quick_frontier
+    table = pd.read_csv(folder / "frontier.csv")
+    assert set(table.kind) == {
+        "candidate",
+        "rs",
+        "lc-generic",
+        "lc-structured",
+        "retrain",
+        "retrain-matched",
+    }
+    assert set(table.seed) == {0, 1}
+    targets = sorted(table.target_epsilon.dropna().unique())
+    assert len(targets) == 3
+    candidates = table[table.kind == "candidate"]
+    assert targets[0] == pytest.approx(candidates.epsilon.min())
+    assert targets[-1] == pytest.approx(candidates.epsilon.max())
+    points = table[table.kind != "candidate"]
+    assert (points.epsilon <= points.target_epsilon + 1e-12).all()
+    assert points.epsilon_pld.notna().all() and points.epsilon_rdp.notna().all()
+    assert ((table.test_accuracy > 0.1) & (table.test_accuracy <= 1)).all()
+    rs = points[points.kind == "rs"]
+    assert rs.drawn_test_accuracy.isin(candidates.test_accuracy.values).all()
+
+
+def test_frontier_retrains_are_calibrated_to_the_target(quick_frontier):
+    folder, _ = quick_frontier
+    table = pd.read_csv(folder / "frontier.csv")
+    candidate = table[table.kind == "candidate"].iloc[0]
+    models = {
+        load_model_dir(p).record.name: load_model_dir(p)
+        for p in (folder / "units").iterdir()
+        if p.is_dir() and p.name.startswith("model-retrain")
+    }
+    assert models
+    for model in models.values():
+        record = model.record
+        row = table[table.candidates == json.dumps([record.name])].iloc[0]
+        target = row.target_epsilon
+        assert candidate_bound(record, 1e-5).epsilon_pld <= target  # σ meets the target …
+        assert (
+            dpsgd_epsilon_pld(  # … and is not much larger than needed
+                record.noise_multiplier * 0.99, record.sample_rate, record.steps, 1e-5
+            )
+            > target
+        )
+    for row in table[table.kind == "retrain-matched"].itertuples():
+        merge = table[
+            (table.kind == "lc-generic")
+            & (table.seed == row.seed)
+            & (table.target_epsilon == row.target_epsilon)
+        ].iloc[0]
+        share = row.per_example_gradients / (merge.members * candidate.per_example_gradients)
+        assert share == pytest.approx(1.0, rel=0.05)
+
+
+def test_frontier_files_logging_and_resume(quick_frontier, capsys, tracking):
+    folder, argv = quick_frontier
+    for name in ("frontier.csv", "summary.csv", "frontier.md", "frontier.png", "gap.png"):
+        assert (folder / name).stat().st_size > 500
+    summary = pd.read_csv(folder / "summary.csv")
+    merges = summary[summary.kind == "lc-structured"]
+    assert (merges.seeds == 2).all() and merges.test_accuracy_std.notna().all()
+    assert "± " in (folder / "frontier.md").read_text()
+    before = unit_times(folder)
+    code, out, _ = run(capsys, *argv)
+    document = json.loads(out)
+    assert code == 0 and document["units_computed"] == 0 and document["units_reused"] > 0
+    assert unit_times(folder) == before
+    metrics, artifacts = logged_run(tracking, document["mlflow_run_id"])
+    assert 0 < metrics["convex/lc-generic/test_accuracy"] <= 1
+    assert {"frontier.csv", "frontier.md", "frontier.png", "gap.png"} <= set(artifacts)
+
+
+# --- non-convex and pretrained --------------------------------------------------------------
+
+
+def test_non_convex_probes_start_and_end_at_the_candidates(tmp_path, capsys):
+    argv = [
+        "non-convex",
+        "--dataset",
+        "digits",
+        "--sigmas",
+        "0.8,1.5",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "64",
+        "--grid",
+        "2",
+        "--path-points",
+        "3",
+        "--results",
+        str(tmp_path / "nc"),
+        "--no-mlflow",
+        "--json",
+        "--no-progress",
+    ]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    table = pd.read_csv(tmp_path / "nc" / "nonconvex.csv")
+    probes = pd.read_csv(tmp_path / "nc" / "probes.csv")
+    for group in ("shared", "independent"):
+        candidates = table[(table.group == group) & (table.kind == "candidate")]
+        path = probes[(probes.group == group) & (probes.probe == "path")].sort_values("t")
+        least_noisy = candidates.sort_values("epsilon").test_accuracy.tolist()
+        assert path.test_accuracy.iloc[0] == pytest.approx(least_noisy[-1])
+        assert path.test_accuracy.iloc[-1] == pytest.approx(least_noisy[-2])
+        merges = table[(table.group == group) & (table.kind != "candidate")]
+        assert (merges.epsilon <= merges.target_epsilon + 1e-12).all()
+    inits = {
+        load_model_dir(p).record.initialisation
+        for p in (tmp_path / "nc" / "units").iterdir()
+        if p.is_dir() and "-independent-" in p.name
+    }
+    assert len(inits) == 2  # independent initialisations
+    assert (tmp_path / "nc" / "paths.png").stat().st_size > 500
+    code, out, _ = run(capsys, *argv)
+    assert json.loads(out)["units_computed"] == 0
+
+
+def write_cifar(folder: Path, per_batch: int) -> None:
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {
+            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            b"labels": rng.integers(0, 10, per_batch).tolist(),
+        }
+        (folder / name).write_bytes(pickle.dumps(batch))
+
+
+def test_non_convex_runs_resnet18_gn_on_cifar_format_data(tmp_path, capsys):
+    write_cifar(tmp_path, 8)
+    code, _, _ = run(
+        capsys,
+        "non-convex",
+        "--model",
+        "resnet18-gn",
+        "--dataset",
+        "cifar10",
+        "--data-root",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--sigmas",
+        "1,2",
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "8",
+        "--grid",
+        "1",
+        "--path-points",
+        "2",
+        "--no-structured",
+        "--no-retrain",
+        "--results",
+        str(tmp_path / "r"),
+        "--no-mlflow",
+        "--json",
+        "--no-progress",
+    )
+    assert code == 0
+    table = pd.read_csv(tmp_path / "r" / "nonconvex.csv")
+    assert set(table.kind) == {"candidate", "rs", "lc-generic"}
+    model = next(p for p in (tmp_path / "r" / "units").iterdir() if p.is_dir())
+    assert load_model_dir(model).spec.name == "resnet18_gn"
+
+
+def test_pretrained_fine_tunes_from_public_rows(tmp_path, capsys):
+    argv = [
+        "pretrained",
+        "--dataset",
+        "digits",
+        "--model",
+        "logreg",
+        "--public-rows",
+        "300",
+        "--sigmas",
+        "0.8,2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "64",
+        "--grid",
+        "2",
+        "--results",
+        str(tmp_path / "pt"),
+        "--no-mlflow",
+        "--json",
+        "--no-progress",
+    ]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    table = pd.read_csv(tmp_path / "pt" / "pretrained.csv")
+    public = table[table.kind == "public-init"]
+    assert len(public) == 1 and public.epsilon.iloc[0] == 0 and public.test_accuracy.iloc[0] > 0.3
+    models = [
+        load_model_dir(p)
+        for p in (tmp_path / "pt" / "units").iterdir()
+        if p.is_dir() and p.name.startswith("model-")
+    ]
+    assert {m.record.initialisation for m in models} == {
+        models[0].record.initialisation
+    } and models[0].record.initialisation.startswith("checkpoint:")
+    private_rows = load_dataset("digits").dataset_size - 300
+    assert {m.record.dataset_size for m in models} == {private_rows}
+    merges = table[~table.kind.isin(["candidate", "public-init"])]
+    assert (merges.epsilon <= merges.target_epsilon + 1e-12).all()
+    summary = json.loads(out)["summary"]
+    assert summary["points (seed × target)"] == 3  # the grid of 2 and the top rung
+    top = merges.target_epsilon.max()
+    assert top > table[table.kind == "candidate"].epsilon.max()  # all candidates composed
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["frontier", "--seeds", "0"], "--seeds"),
+        (["frontier", "--sigmas", "1"], "at least two positive σ"),
+        (["frontier", "--dataset", "nope"], "unknown dataset 'nope'"),
+        (["frontier", "--quick", "--targets=-1,2"], "targets must be positive"),
+        (["frontier", "--grid", "2.5"], "--grid"),
+        (
+            ["mean-estimation", "--sigmas", "1,-1", "--targets", "1", "--delta", "1e-5"],
+            "noise multipliers must be positive",
+        ),
+        (
+            [
+                "mean-estimation",
+                "--sigmas",
+                "1",
+                "--targets",
+                "1",
+                "--delta",
+                "1e-5",
+                "--monte-carlo",
+                "true",
+            ],
+            "--monte-carlo",
+        ),
+        (
+            [
+                "mean-estimation",
+                "--sigmas",
+                "1",
+                "--targets",
+                "1",
+                "--delta",
+                "1e-5",
+                "--dimensions",
+                "1",
+            ],
+            "dimensions must be at least 2",
+        ),
+        (["non-convex", "--dataset", "digits", "--model", "mlp"], "unknown model 'mlp'"),
+        (["non-convex", "--dataset", "cifar10"], "no folder given for cifar10"),
+        (["non-convex", "--dataset", "digits", "--device", "cuda"], "CUDA is not available"),
+        (["pretrained", "--dataset", "digits", "--public-rows", "5000"], "no private training"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
+    code, _, err = run(capsys, *argv, "--results", str(tmp_path / "out"), "--no-mlflow")
+    lines = err.strip().splitlines()
+    assert code == dpmerge.cli.EXIT_BAD_INPUT
+    assert len(lines) == 1 and lines[0].startswith("dpmerge: error:") and message in lines[0]
+    assert not (tmp_path / "out").exists()
