@@ -44,7 +44,7 @@ def test_frontier_rows_are_certified_and_evaluated(digits_candidates, tmp_path):
     candidates = table[table.kind == "candidate"]
     assert len(candidates) == 3
     merges = table[table.kind != "candidate"]
-    assert set(merges.kind) == {"rs", "lc-generic", "lc-structured"}
+    assert set(merges.kind) == {"rs", "lc-generic", "lc-generic-rs", "lc-structured"}
     assert targets[0] not in set(merges.target_epsilon)  # below the most private: infeasible
     for row in merges.itertuples():
         assert row.epsilon <= row.target_epsilon

@@ -140,6 +140,7 @@ def test_frontier_points_meet_their_targets(quick_frontier, capsys):
         "candidate",
         "rs",
         "lc-generic",
+        "lc-generic-rs",
         "lc-structured",
         "retrain",
         "retrain-matched",
@@ -156,6 +157,11 @@ def test_frontier_points_meet_their_targets(quick_frontier, capsys):
     assert ((table.test_accuracy > 0.1) & (table.test_accuracy <= 1)).all()
     rs = points[points.kind == "rs"]
     assert rs.drawn_test_accuracy.isin(candidates.test_accuracy.values).all()
+    # LC with RS between two subset merges: a mixture row names both merges and their odds.
+    for row in points[points.kind == "lc-generic-rs"].itertuples():
+        merges = json.loads(row.weights)
+        if isinstance(merges[0], dict):
+            assert sum(m["probability"] for m in merges) == pytest.approx(1.0)
 
 
 def test_frontier_retrains_are_calibrated_to_the_target(quick_frontier):
@@ -297,7 +303,7 @@ def test_non_convex_runs_resnet18_gn_on_cifar_format_data(tmp_path, capsys):
     )
     assert code == 0
     table = pd.read_csv(tmp_path / "r" / "nonconvex.csv")
-    assert set(table.kind) == {"candidate", "rs", "lc-generic"}
+    assert set(table.kind) == {"candidate", "rs", "lc-generic", "lc-generic-rs"}
     model = next(p for p in (tmp_path / "r" / "units").iterdir() if p.is_dir())
     assert load_model_dir(model).spec.name == "resnet18_gn"
 
@@ -361,7 +367,7 @@ def test_pretrained_fine_tunes_from_public_rows(tmp_path, capsys):
         (["frontier", "--grid", "2.5"], "--grid"),
         (
             ["mean-estimation", "--sigmas", "1,-1", "--targets", "1", "--delta", "1e-5"],
-            "noise multipliers must be positive",
+            "noise multipliers must lie in",
         ),
         (
             [

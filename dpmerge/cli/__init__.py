@@ -41,11 +41,13 @@ EXIT_INFEASIBLE = 3
 
 
 class _Parser(argparse.ArgumentParser):
-    """Bad options print one line (``dpmerge <command>: error: …``), exit 2; ``--help`` shows
-    the usage."""
+    """Bad options print one line (``dpmerge: error: <command>: …``), exit 2, like every other
+    refusal; ``--help`` shows the usage."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+        command = self.prog.removeprefix("dpmerge").strip()
+        where = f"{command}: " if command else ""
+        self.exit(EXIT_BAD_INPUT, f"dpmerge: error: {where}{message}\n")
 
 
 def build_parser(

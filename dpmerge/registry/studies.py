@@ -32,7 +32,7 @@ def log_study(
     if tracking_uri.startswith("sqlite:///"):
         Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     connection = MlflowConnection(tracking_uri, STUDIES_EXPERIMENT, None)
-    client = connection.client
+    client = connection._client  # the registry package is the one door to MLflow
     run_id = None
     try:
         run = client.create_run(connection._experiment(), run_name=study, tags={"dp.study": study})

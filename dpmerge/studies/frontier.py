@@ -9,7 +9,7 @@ and, where asked, the accuracy of one simulated draw. Every ε is the certified 
 the calibration, reported under PLD and RDP beside it.
 
 A merge method is a :class:`MergeMethod`: adding one (say, a new option of ``calibrate``) is one
-more entry in :data:`METHODS` (or in the ``methods`` a caller passes). ``lc-generic+rs`` may
+more entry in :data:`METHODS` (or in the ``methods`` a caller passes). ``lc-generic-rs`` may
 calibrate to a secret draw between two subset merges; its accuracy is the expectation over the
 draw.
 """
@@ -51,7 +51,7 @@ class MergeMethod:
 
 RS = MergeMethod("rs", "rs")
 LC_GENERIC = MergeMethod("lc-generic", "lc", "generic")
-LC_GENERIC_INTERPOLATED = MergeMethod("lc-generic+rs", "lc", "generic", (("interpolate", True),))
+LC_GENERIC_INTERPOLATED = MergeMethod("lc-generic-rs", "lc", "generic", (("interpolate", True),))
 """LC under the generic gate that may release one of two subset merges, drawn secretly."""
 LC_STRUCTURED = MergeMethod("lc-structured", "lc", "structured")
 METHODS = (RS, LC_GENERIC, LC_GENERIC_INTERPOLATED, LC_STRUCTURED)

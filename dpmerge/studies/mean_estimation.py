@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from dpmerge.accounting import rdp as rdp_mod
-from dpmerge.accounting.account import check_delta
 from dpmerge.accounting.bounds import Accountant
 from dpmerge.accounting.calibrated import LP_SLACK
 from dpmerge.accounting.gaussian import gaussian_delta, gaussian_noise_for_epsilon
@@ -26,15 +24,6 @@ from dpmerge.errors import RecordError
 MAX_SIGMA = 1e4
 """Beyond this the Gaussian profile underflows; such noise releases nothing anyway."""
 MAX_TARGET = 1e3
-
-
-@dataclass(frozen=True)
-class MeanEstimationRow:
-    target_epsilon: float
-    lc_mse_pld: float | None
-    rs_mse_pld: float | None
-    lc_mse_rdp: float | None
-    rs_mse_rdp: float | None
 
 
 def best_lc_mse(
@@ -63,38 +52,6 @@ def best_rs_mse(
 ) -> float | None:
     pi = best_rs_weights(sigmas, target, delta, accountant)
     return None if pi is None else float(np.dot(pi, [s**2 for s in sigmas]))
-
-
-def mean_estimation_study(
-    sigmas: Sequence[float], targets: Sequence[float], delta: float
-) -> list[MeanEstimationRow]:
-    if not sigmas or any(not (math.isfinite(s) and 0 < s <= MAX_SIGMA) for s in sigmas):
-        raise RecordError(f"noise multipliers must lie in (0, {MAX_SIGMA:g}], got {list(sigmas)}")
-    if not targets or any(not (math.isfinite(t) and 0 < t <= MAX_TARGET) for t in targets):
-        raise RecordError(f"targets must lie in (0, {MAX_TARGET:g}], got {list(targets)}")
-    delta = check_delta(delta)
-    return [
-        MeanEstimationRow(
-            target_epsilon=t,
-            lc_mse_pld=best_lc_mse(sigmas, t, delta, "pld"),
-            rs_mse_pld=best_rs_mse(sigmas, t, delta, "pld"),
-            lc_mse_rdp=best_lc_mse(sigmas, t, delta, "rdp"),
-            rs_mse_rdp=best_rs_mse(sigmas, t, delta, "rdp"),
-        )
-        for t in targets
-    ]
-
-
-def rows_to_document(
-    rows: Sequence[MeanEstimationRow], sigmas: Sequence[float], delta: float
-) -> dict:
-    return {
-        "study": "mean-estimation",
-        "sigmas": list(sigmas),
-        "delta": delta,
-        "units": "MSE per coordinate, in units of the squared sensitivity (no clipping bias)",
-        "rows": [asdict(r) for r in rows],
-    }
 
 
 def lc_weights_for_mse(sigmas: Sequence[float], mse: float) -> tuple[float, ...]:

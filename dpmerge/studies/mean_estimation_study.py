@@ -26,6 +26,8 @@ import numpy as np
 import pandas as pd
 
 from dpmerge.studies.mean_estimation import (
+    MAX_SIGMA,
+    MAX_TARGET,
     best_lc_mse,
     best_rs_mse,
     best_rs_weights,
@@ -55,10 +57,18 @@ class MeanEstimationStudy:
     dimensions: tuple[int, ...] = (2, 10, 100)
 
     def __post_init__(self) -> None:
-        if not self.sigmas or any(not (math.isfinite(s) and s > 0) for s in self.sigmas):
-            raise StudyConfigError(f"noise multipliers must be positive, got {list(self.sigmas)}")
-        if any(not (math.isfinite(t) and t > 0) for t in self.targets):
-            raise StudyConfigError(f"targets must be positive numbers, got {list(self.targets)}")
+        if not self.sigmas or any(
+            not (math.isfinite(s) and 0 < s <= MAX_SIGMA) for s in self.sigmas
+        ):
+            raise StudyConfigError(
+                f"noise multipliers must lie in (0, {MAX_SIGMA:g}], got {list(self.sigmas)}"
+            )
+        if not self.targets or any(
+            not (math.isfinite(t) and 0 < t <= MAX_TARGET) for t in self.targets
+        ):
+            raise StudyConfigError(
+                f"targets must lie in (0, {MAX_TARGET:g}], got {list(self.targets)}"
+            )
         if not 0 < self.delta < 1:
             raise StudyConfigError(f"delta must lie in (0, 1), got {self.delta}")
         if any(d < 2 for d in self.dimensions):
