@@ -208,7 +208,9 @@ def calibrate_lc_generic(
         "search": search,
     }
     if interpolate:
-        mixed = _mixture(candidates, ladder, chosen, target, delta, merge_utility)
+        # RS may mix in a share of a rung whose members exceed the target alone.
+        everything, _ = rungs(candidates, math.inf, epsilons)
+        mixed = _mixture(candidates, everything, chosen, target, delta, merge_utility)
         if mixed is not None:
             mixture, report = mixed
             search["mixture_of_subsets"] = [
