@@ -113,3 +113,17 @@ class UnitKind(StrEnum):
     """Runs that drew identical Poisson batches with independent noise."""
     LABEL = "label"
     """A candidate known only by its privacy label."""
+
+
+class KeyPurpose(StrEnum):
+    """What the workflow's secret key is used for; each purpose derives its own sub-key
+    (domain separation, docs/design.md#security)."""
+
+    RECORD_SIGNATURE = "record-signature/v1"
+    """HMAC over a candidate's content hash: a record an artifact-store writer changed fails."""
+    DATASET_ID = "dataset-id/v1"
+    """The published dataset identifier: a keyed hash of the training-data fingerprint."""
+    LINEAGE_ID = "lineage-id/v1"
+    """Published noise and batch lineages and run ids: keyed hashes, so no seed shows."""
+    KEY_ID = "key-id/v1"
+    """A short public identifier of the key itself (which key signed a record)."""

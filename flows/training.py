@@ -20,6 +20,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from dpmerge import policy_merge as pm
 from dpmerge.training import TrainingConfigError
+from flows.runtime import load_workflow_secret
 from tasks import training as steps
 
 TRAIN_FLOW = "train-candidates"
@@ -95,6 +96,7 @@ def train_candidate(
         device=device,
         torch_threads=torch_threads,
     )
+    load_workflow_secret()  # registration signs the candidate's record
     workspace = pm.Workspace.from_env()
     workspace.use_caches()  # the candidate's PLD, computed for its record, is kept for merges
     scratch = workspace.scratch()
@@ -147,6 +149,7 @@ def train_candidates(
         torch_threads=torch_threads,
     )
     logger = get_run_logger()
+    load_workflow_secret()
     workspace = pm.Workspace.from_env()
     workspace.use_caches()
     if deployment:

@@ -26,7 +26,7 @@ from dpmerge.policies import Policy, PolicyError, policy_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
-EVENT_FIELDS = {"resource_id", "event_id", "occurred"}
+EVENT_FIELDS = {"resource_id", "event_id", "occurred", "received"}
 DELTA = 1e-5
 
 
@@ -174,6 +174,7 @@ def test_rendered_payload_gives_native_parameters_and_missing_keys_no_run() -> N
     assert rendered["cumulative_epsilon_cap"] == 3.0 and rendered["alias"] == "policy-eu"
     assert rendered["resource_id"] == "dpmerge.policy.eu"
     assert pm.parse_time(rendered["occurred"]) <= datetime.now(UTC)
+    assert pm.parse_time(rendered["received"]) <= datetime.now(UTC)  # the server's clock
     uuid.UUID(rendered["event_id"])
     fields = {k: v for k, v in rendered.items() if k not in EVENT_FIELDS}
     assert policy_from_dict(fields) == policy
