@@ -301,12 +301,33 @@ def test_infeasible_and_failed_gate_fail_the_run(env, trained) -> None:
     assert infeasible.value.outcome["revoked_version"] == first["version"]
     assert _alias(env, first["merged_model"], "policy-flow-gate") is None
     assert _versions(env) == before  # nothing registered
-    strict = _policy(name="flow-gate", target_epsilon=_eps(trained)[2] * 1.4, min_accuracy=0.999)
+    strict = _policy(
+        name="flow-gate", target_epsilon=_eps(trained)[2] * 1.4, method="rs", min_accuracy=0.999
+    )
     with pytest.raises(pm.PolicyNotMetError, match="not promoted") as gate:
         merge_on_policy(**strict.event_payload())
     assert gate.value.outcome["status"] == "not_promoted"
     assert len(_versions(env)) == len(before) + 1  # registered, but no alias
     assert _alias(env, first["merged_model"], "policy-flow-gate") is None
+
+
+def test_the_key_can_come_from_a_prefect_secret_block(env, monkeypatch) -> None:
+    from prefect.blocks.system import Secret
+
+    from flows.runtime import SECRET_BLOCK_ENV, ServerError, load_workflow_secret
+
+    Secret(value="33" * 32).save("dpmerge-test-key", overwrite=True)
+    monkeypatch.delenv("DPMERGE_SECRET_KEY")
+    monkeypatch.setenv(SECRET_BLOCK_ENV, "dpmerge-test-key")
+    load_workflow_secret()
+    assert os.environ["DPMERGE_SECRET_KEY"] == "33" * 32
+    monkeypatch.setenv("DPMERGE_SECRET_KEY", "44" * 32)  # an explicit key wins
+    load_workflow_secret()
+    assert os.environ["DPMERGE_SECRET_KEY"] == "44" * 32
+    monkeypatch.delenv("DPMERGE_SECRET_KEY")
+    monkeypatch.setenv(SECRET_BLOCK_ENV, "no-such-block")
+    with pytest.raises(ServerError, match="no-such-block"):
+        load_workflow_secret()
 
 
 def test_pareto_report_logs_the_frontier_to_mlflow(env, trained) -> None:
@@ -418,3 +439,5 @@ def test_demo_trains_registers_applies_and_promotes(tmp_path: Path) -> None:
     assert (home / "mlflow.db").is_file() and (home / "mlartifacts").is_dir()
     assert (home / "prefect" / "prefect.db").is_file()  # the runs, for `prefect server start`
     assert (home / "ledger.json").is_file()
+    # no key was given: the workflow generated its own, private, in the state directory
+    assert (home / "secret.key").stat().st_mode & 0o777 == 0o600
