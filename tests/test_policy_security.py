@@ -458,3 +458,36 @@ def test_runs_show_privacy_metrics_dataset_timing_and_names(fresh: pm.Workspace,
     assert merge_run.info.run_name == f"eu ε*={outcome.target_epsilon:g}"
     assert "epsilon_generic" in merge_run.data.metrics
     assert "**Accuracy** of this model: test" in merged.description
+
+
+def test_bad_inputs_to_the_repair_commands_change_nothing(
+    fresh: pm.Workspace, tmp_path: Path, capsys
+) -> None:
+    pool = _pool(fresh)
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    before = [(v.version, v.tags) for v in _versions(fresh, pool.registered_model)]
+    bad = [
+        ["registry", "quarantine", pool.registered_model, "abc", *uri],
+        ["registry", "quarantine", pool.registered_model, "0", *uri],
+        ["registry", "quarantine", pool.registered_model, "-1", *uri],
+        ["registry", "quarantine", pool.registered_model, "99", *uri],
+        ["registry", "quarantine", "no-such-model", "1", *uri],
+        ["registry", "quarantine", pool.registered_model, *uri],
+        ["registry", "sign", pool.registered_model, "x" * 5000, *uri],
+        ["registry", "sign", pool.merged_model, "1", *uri],
+        ["registry", "sign", pool.registered_model, "99", *uri],
+        ["ledger", "rebuild", "--home", str(tmp_path / "nowhere")],
+        ["ledger", "rebuild", "--bogus"],
+    ]
+    accepted = []
+    for argv in bad:
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+        err = capsys.readouterr().err
+        if code != 2 or len(err.strip().splitlines()) != 1 or len(err) > 400:
+            accepted.append((argv, code, err[-300:]))
+    assert accepted == []
+    assert [(v.version, v.tags) for v in _versions(fresh, pool.registered_model)] == before
+    assert not (tmp_path / "nowhere").exists()

@@ -27,9 +27,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _rebuild(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from dpmerge import policy_merge as pm
+    from dpmerge.errors import InputError
 
     workspace = pm.Workspace.from_env(args.home)
+    database = workspace.tracking_uri.removeprefix("sqlite:///")
+    if workspace.tracking_uri.startswith("sqlite:///") and not Path(database).is_file():
+        raise InputError(f"no registry at {workspace.tracking_uri}: nothing to rebuild from")
     added = pm.rebuild_ledger(workspace)
     print(f"release ledger: {len(added)} release(s) added back from {workspace.tracking_uri}")
     return 0
