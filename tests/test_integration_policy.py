@@ -133,7 +133,7 @@ def _wait_event(stack: stack_mod.StackConfig, event_id: str, timeout_s: float = 
 
 
 def _merged(client: MlflowClient, candidates: list[Any]) -> str:
-    return f"{candidates[0].name}-merged"
+    return candidates[0].name.replace("-candidates", "-releases")
 
 
 def _alias(client: MlflowClient, model: str, alias: str) -> str | None:
@@ -198,7 +198,7 @@ def test_policy_event_promotes_a_carded_release_stored_in_s3(stack, candidates) 
         json.loads(s3.get_object(Bucket=stack.audit_bucket, Key=o["Key"])["Body"].read())
         for o in audit
     ]
-    assert [r["notes"]["content_hash"] for r in records] == [mv.tags["dp.content_hash"]]
+    assert [r["release"] for r in records] == [mv.tags["dp.content_hash"]]
     assert "drawn_index" in records[0]
     public = json.dumps([mv.tags, mv.description, client.get_run(mv.run_id).data.params])
     assert "drawn_index" not in public and "drawn_candidate" not in public
@@ -208,7 +208,7 @@ def test_back_to_back_events_are_serialised_and_the_later_wins(stack, candidates
     client = MlflowClient(stack.mlflow_url)
     epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
     first = _policy(target_epsilon=epsilons[2] * 1.5, method="lc")
-    later = _policy(target_epsilon=epsilons[2] * 2.0, method="lc")
+    later = _policy(target_epsilon=epsilons[2] * 2.0, method="rs")  # another release
     ids = [_emit(stack, first.event_payload()), _emit(stack, later.event_payload())]
     runs = [_wait_event(stack, event_id) for event_id in ids]
     assert all(r is not None and r.state.is_completed() for r in runs)
@@ -218,7 +218,7 @@ def test_back_to_back_events_are_serialised_and_the_later_wins(stack, candidates
     version = _alias(client, merged, "policy-int")
     assert version is not None
     tags = client.get_model_version(merged, version).tags
-    assert float(tags["dp.target_epsilon"]) == later.target_epsilon
+    assert tags["dp.method"] == "rs"  # the later policy's release
 
 
 def test_bad_payload_creates_no_version_and_keeps_the_alias(stack, candidates) -> None:
