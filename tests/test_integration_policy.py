@@ -8,10 +8,7 @@ serialised second run starts promptly."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +16,9 @@ from typing import Any
 
 import boto3
 import pytest
+from deployed import deployed_stack
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from servers import environment, running_stack
 
 from dpmerge import stack as stack_mod
 from dpmerge.policies import policy_from_dict
@@ -37,31 +34,9 @@ RUN_TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackConfig]:
     """The stack with the deployments applied; afterwards nothing of it may still run."""
-    server_env = {
-        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
-        "DPMERGE_HOME": str(tmp_path_factory.mktemp("dpmerge-home")),
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-    }
     pids: list[int] = []
-    with (
-        environment(server_env),
-        running_stack(tmp_path_factory.mktemp("stack"), prefect=True) as config,
-        environment(config.client_env()),
-    ):
+    with deployed_stack(tmp_path_factory) as config:
         pids = [s.pid for s in stack_mod.status(config) if s.pid]
-        deployed = subprocess.run(
-            [
-                *(str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy"),
-                *("--all", "--prefect-file", "deployments/prefect.yaml"),
-            ],
-            cwd=REPO,
-            env=os.environ.copy(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
         yield config
     assert len(pids) == 5
     for pid in pids:  # workers first, then servers: and nothing left behind

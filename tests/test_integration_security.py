@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,9 +22,9 @@ from typing import Any
 import boto3
 import pytest
 import torch
+from deployed import deployed_stack
 from factories import DELTA, train_digits
 from mlflow import MlflowClient
-from servers import environment, running_stack
 
 from dpmerge import policy_merge as pm
 from dpmerge import stack as stack_mod
@@ -42,29 +40,7 @@ RUN_TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackConfig]:
-    server_env = {
-        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
-        "DPMERGE_HOME": str(tmp_path_factory.mktemp("dpmerge-home")),
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-    }
-    with (
-        environment(server_env),
-        running_stack(tmp_path_factory.mktemp("stack"), prefect=True) as config,
-        environment(config.client_env()),
-    ):
-        deployed = subprocess.run(
-            [
-                *(str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy"),
-                *("--name", "merge-on-policy/cpu", "--prefect-file", "deployments/prefect.yaml"),
-            ],
-            cwd=REPO,
-            env=os.environ.copy(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
+    with deployed_stack(tmp_path_factory) as config:
         yield config
 
 
