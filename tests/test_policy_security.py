@@ -455,7 +455,7 @@ def test_runs_show_privacy_metrics_dataset_timing_and_names(fresh: pm.Workspace,
     assert candidate_run.info.run_name == "train σ=1"
     assert abs(duration_s - record["train_seconds"]) < 0.01
     merge_run = client.get_run(merged.run_id)
-    assert merge_run.info.run_name == f"eu ε*={outcome.target_epsilon:g}"
+    assert merge_run.info.run_name == f"policy-eu ε*={outcome.target_epsilon:g}"
     assert "epsilon_generic" in merge_run.data.metrics
     assert "**Accuracy** of this model: test" in merged.description
 

@@ -242,9 +242,9 @@ class Registry(RegistryQueries):
         name = name or merged_model_name(dataset, model)
         card = merged.card(name, versions, ledger, notes)
         tags = merged.tags(parent_model, versions, self._accuracy_tags(merged.loaded.metrics))
-        policy_id = merged.policy_id or "merge"
+        requester = f"policy-{merged.policy_id}" if merged.policy_id else "merge"
         run = RunInfo(
-            name=f"{policy_id} ε*={merged.target_epsilon:g}",
+            name=f"{requester} ε*={merged.target_epsilon:g}",
             metrics=scalar_metrics(merged.loaded.metrics) | _privacy_metrics(tags),
             dataset=dataset,
             started_ms=started_ms,
