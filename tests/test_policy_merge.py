@@ -372,7 +372,9 @@ def test_a_later_event_during_the_merge_supersedes_the_promotion(
         ws.registry().mark_alias_time(first.merged_model, str(policy.alias), later)
         return pm.promote_release(ws, policy, *rest)
 
-    racing = _policy(name="race", target_epsilon=top * 1.5, method="rs")  # another release
+    # another release than any other test's: RS mixing two candidates at this target
+    middle = registry_home["epsilons"][1] * 1.1
+    racing = _policy(name="race", target_epsilon=middle, method="rs")
     calls: list[str] = []
     outcome = _apply(workspace, racing, now, _recording(calls, promote=later_event_first))
     assert calls == NEW_RELEASE
