@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, config, dataset: str, torch) -> int:
         print(f"merge caches primed in {time.perf_counter() - t0:.1f} s")
 
     client = MlflowClient(config.mlflow_url)
-    merged = f"{registered.name}-merged"
+    merged = registered.name.replace("-candidates", "-releases")
 
     def alias_version() -> str | None:
         try:

@@ -190,8 +190,10 @@ def save_model_dir(
     metrics: Mapping[str, Any] | None = None,
     privacy: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    weights_metadata: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write a model directory atomically. Exactly one of ``record`` and ``merge`` is given."""
+    """Write a model directory atomically. Exactly one of ``record`` and ``merge`` is given;
+    ``weights_metadata`` goes into the safetensors header."""
     path = Path(path)
     if (record is None) == (merge is None):
         raise ValueError("a model directory holds either a candidate record or a merge")
@@ -201,7 +203,7 @@ def save_model_dir(
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
-        save_file(tensors, str(staging / WEIGHTS_FILE))
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata=dict(weights_metadata or {}))
         (staging / MODEL_FILE).write_text(json.dumps(spec.to_dict(), indent=2))
         document: dict[str, Any] = {}
         if record is not None:

@@ -57,6 +57,12 @@ class InfeasibleTargetError(DPMergeError):
         self.reachable_epsilon_range = reachable_epsilon_range
 
 
+class IntegrityError(DPMergeError):
+    """Stored state fails a check that protects a privacy claim: a record whose signature does
+    not verify, a release ledger that cannot be read or disagrees with the registry. Never
+    retried, never read as empty; the message names the repair (docs/design.md#security)."""
+
+
 class DatasetError(DPMergeError):
     """A dataset is missing or malformed; the message says which package or folder provides it."""
 

@@ -13,6 +13,9 @@ back to the source dtype; λ is then used as a float32 number for float32 tensor
 RS validates every candidate completely before drawing and reads all of them afterwards, so
 neither an error nor the running time depends on the drawn index. The index goes to the caller
 (for an access-restricted audit record) and never into the released directory (SPEC §4).
+The released weights file is written afresh with a random nonce in its metadata, so its bytes
+(and an object store's ETag of them) never equal the drawn candidate's file
+(docs/design.md#rs-secrecy).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ from dpmerge.vocabulary import GatingBound, Method
 Metrics = Callable[[ModelSpec, Mapping[str, torch.Tensor]], Mapping[str, Any]]
 
 BATCHNORM_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+RELEASE_NONCE = "dpmerge.release_nonce"
+"""Safetensors metadata key of a released file's random nonce (its bytes differ from every
+candidate's, whatever the weights)."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +266,7 @@ def merge_model_dirs(
     audit_notes: Mapping[str, Any] | None = None,
     device: str | torch.device = "cpu",
     rng: random.Random | None = None,
+    draw: Callable[[Sequence[float]], int] | None = None,
 ) -> MergeResult:
     """Merge candidate directories by RS or LC and write the release to ``out_dir``.
 
@@ -268,7 +275,9 @@ def merge_model_dirs(
     candidate's record and source directory name), ``privacy.json`` (the PrivacyReport) and
     ``metrics.json`` (``metrics(spec, merged)`` if given). For RS, ``audit_path`` receives the
     drawn index (mode 0600, outside ``out_dir``) with ``audit_notes``; ``rng`` is a test hook
-    (see :func:`draw_index`). On any error nothing is written.
+    (see :func:`draw_index`). ``draw`` replaces the draw itself (given π, returns the index): a
+    policy merge passes one that reuses the draw stored for its release
+    (``dpmerge.policy_merge.draws``). On any error nothing is written.
     """
     if method not in ("rs", "lc"):
         raise RecordError(f"method must be 'rs' or 'lc', got {method!r}")
@@ -308,7 +317,7 @@ def merge_model_dirs(
     try:
         drawn = None
         if method == "rs":
-            drawn = draw_index(used, rng=rng)
+            drawn = draw(used) if draw is not None else draw_index(used, rng=rng)
             one_hot = [float(i == drawn) for i in range(len(files))]
             merged = linear_combination(files, one_hot, device=device)
         else:
@@ -334,7 +343,13 @@ def merge_model_dirs(
             **({"calibration": calibrated} if calibrated else {}),
         }
         save_model_dir(
-            out_dir, merged, spec, merge=record, privacy=report.to_dict(), metrics=scores
+            out_dir,
+            merged,
+            spec,
+            merge=record,
+            privacy=report.to_dict(),
+            metrics=scores,
+            weights_metadata={RELEASE_NONCE: secrets.token_hex(16)},
         )
         written = True
         if staging is not None and audit_path is not None:

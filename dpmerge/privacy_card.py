@@ -175,6 +175,22 @@ def _ledger_section(ledger: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+ACCURACY_KEYS = ("test_accuracy", "validation_accuracy")
+
+
+def _accuracy(metrics: Mapping[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _utility_lines(metrics: Mapping[str, Any]) -> list[str]:
+    """The released model's accuracy (the only accuracy a card shows: candidates' are
+    internal)."""
+    values = {key.split("_")[0]: _accuracy(metrics, key) for key in ACCURACY_KEYS}
+    shown = [f"{split} {value:.4f}" for split, value in values.items() if value is not None]
+    return [f"**Accuracy** of this model: {', '.join(shown)}.", ""] if shown else []
+
+
 def _bound_section(title: str, bound: Mapping[str, Any]) -> list[str]:
     lines = [f"### {title}", "", str(bound.get("description", "")), ""]
     if bound.get("epsilon") is None:
@@ -203,8 +219,13 @@ def build_privacy_card(
     model_name: str | None = None,
     policy_id: str | None = None,
     ledger: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    notes: Sequence[str] = (),
 ) -> PrivacyCard:
     """The card of one merge. ``candidates`` must be exactly the report's candidates;
+    ``metrics`` are the released model's (its ``test_accuracy`` and ``validation_accuracy`` are
+    shown); ``notes`` are added to the report's (e.g. why the merge spends less than the
+    target);
     ``ledger`` (optional) holds the cumulative release bound: ``epsilon``, ``delta`` and
     optionally ``accountant``, ``candidates``, ``releases``, ``cap`` — e.g.
     ``{**ReleaseLedger.check(...).to_dict(), "cap": cap, "releases": n}``."""
@@ -232,9 +253,10 @@ def build_privacy_card(
         f"({str(report.get('accountant')).upper()} accountant).",
         "",
         f"**Target** (ε\\*, δ\\*) = ({target_epsilon:g}, {target_delta:g})"
-        f"{f', policy `{policy_id}`' if policy_id else ''}: "
+        f"{f' of policy `{policy_id}`, which first asked for this release' if policy_id else ''}: "
         f"{'met' if meets else '**not met**'}.",
         "",
+        *_utility_lines(metrics or {}),
         "## Bounds",
         "",
         *_bound_section(
@@ -273,7 +295,8 @@ def build_privacy_card(
         )
     md.append("")
     md += _ledger_section(ledger) if ledger is not None else []
-    notes = [*report.get("notes", []), *([RS_NOTE] if method == "rs" else []), INTERNAL_NOTE]
+    notes = [*report.get("notes", []), *notes, *([RS_NOTE] if method == "rs" else [])]
+    notes.append(INTERNAL_NOTE)
     notes += [LEDGER_NOTE] if ledger is not None else []
     md += ["## Notes", "", *(f"- {n}" for n in notes), ""]
     md += [
@@ -307,6 +330,7 @@ def build_privacy_card(
             "candidates": [asdict(by_name[n]) for n in names],
         },
         "ledger": dict(ledger) if ledger is not None else None,
+        "accuracy": {k: _accuracy(metrics or {}, k) for k in ACCURACY_KEYS},
         "notes": notes,
         "libraries": versions,
     }

@@ -80,6 +80,10 @@ class ObjectExistsError(StorageError):
     """A create-only write found the key already there."""
 
 
+class ObjectChangedError(StorageError):
+    """A conditional write (``If-Match``) found the object changed or gone since it was read."""
+
+
 @dataclass(frozen=True)
 class S3Config:
     """Where the project's objects live. ``endpoint_url=None`` means AWS itself."""
@@ -251,19 +255,30 @@ class S3Store:
         *,
         bucket: str | None = None,
         if_absent: bool = False,
+        if_match: str | None = None,
         content_type: str = "application/octet-stream",
     ) -> str:
-        """Write one object; with ``if_absent`` refuse to replace an existing one. Returns its
-        ``s3://`` URI."""
+        """Write one object; with ``if_absent`` refuse to replace an existing one
+        (:class:`ObjectExistsError`), with ``if_match`` replace only the version with that ETag
+        (:class:`ObjectChangedError`: another writer came first). Returns its ``s3://`` URI."""
         bucket = bucket or self.config.bucket
+        if if_absent and if_match is not None:
+            raise StorageError("a write is either create-only or conditional on an ETag")
         extra: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
+        if if_match is not None:
+            extra["IfMatch"] = if_match
         with self._errors("writing", bucket, key):
             try:
                 self.client.put_object(
                     Bucket=bucket, Key=key, Body=data, ContentType=content_type, **extra
                 )
             except ClientError as error:
-                if error.response.get("Error", {}).get("Code") == "PreconditionFailed":
+                code = str(error.response.get("Error", {}).get("Code"))
+                if if_match is not None and code in {"PreconditionFailed", *_NOT_FOUND}:
+                    raise ObjectChangedError(
+                        f"s3://{bucket}/{key} changed since it was read"
+                    ) from None
+                if code == "PreconditionFailed":
                     raise ObjectExistsError(f"s3://{bucket}/{key} already exists") from None
                 raise
         return f"s3://{bucket}/{key}"
@@ -280,6 +295,17 @@ class S3Store:
         bucket = bucket or self.config.bucket
         with self._errors("reading", bucket, key):
             return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def get_versioned(self, key: str, *, bucket: str | None = None) -> tuple[bytes, str] | None:
+        """An object's bytes and ETag (for a later ``put_bytes(if_match=…)``), or ``None`` when
+        it does not exist."""
+        bucket = bucket or self.config.bucket
+        try:
+            with self._errors("reading", bucket, key):
+                response = self.client.get_object(Bucket=bucket, Key=key)
+                return response["Body"].read(), str(response["ETag"])
+        except ObjectNotFoundError:
+            return None
 
     def get_json(self, key: str, *, bucket: str | None = None) -> Any:
         return json.loads(self.get_bytes(key, bucket=bucket))

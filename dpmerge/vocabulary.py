@@ -152,3 +152,17 @@ class Engine(StrEnum):
 def values(vocabulary: type[StrEnum]) -> tuple[str, ...]:
     """The plain string values of ``vocabulary``, in declaration order (CLI ``choices``)."""
     return tuple(member.value for member in vocabulary)
+
+
+class KeyPurpose(StrEnum):
+    """What the workflow's secret key is used for; each purpose derives its own sub-key
+    (domain separation, docs/design.md#security)."""
+
+    RECORD_SIGNATURE = "record-signature/v1"
+    """HMAC over a candidate's content hash: a record an artifact-store writer changed fails."""
+    DATASET_ID = "dataset-id/v1"
+    """The published dataset identifier: a keyed hash of the training-data fingerprint."""
+    LINEAGE_ID = "lineage-id/v1"
+    """Published noise and batch lineages and run ids: keyed hashes, so no seed shows."""
+    KEY_ID = "key-id/v1"
+    """A short public identifier of the key itself (which key signed a record)."""

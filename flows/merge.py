@@ -4,8 +4,10 @@ library's ``dpmerge.policy_merge.apply_policy``; this flow runs its steps as Pre
 (``tasks.policy.STEPS``) and turns the outcome into the run's state.
 
 Triggered by the event ``dpmerge.policy.updated`` (deployments/prefect.yaml: one parameter per
-``Policy.event_payload()`` key, plus the event's resource id, id and time), or called in-process
-by ``dpmerge policy set|apply`` when no Prefect server is configured.
+``Policy.event_payload()`` key, plus the event's resource id, id, the sender's time and the
+server's received time), or called in-process by ``dpmerge policy set|apply`` when no Prefect
+server is configured. Alias changes are ordered by the received time; an event dated in the
+future beyond the clock-skew allowance is refused (docs/design.md#security).
 
 Outcomes. ``promoted`` / ``unchanged`` (the alias already named this release): the run
 completes. ``superseded`` (a later policy event already set the alias): completes, touching
@@ -26,6 +28,7 @@ from prefect.artifacts import create_markdown_artifact
 from dpmerge import policy_merge as pm
 from dpmerge.policies import Policy, PolicyError, policy_from_dict
 from dpmerge.policy_merge import Status
+from flows.runtime import load_workflow_secret
 from tasks import policy as steps
 
 FLOW_NAME = "merge-on-policy"
@@ -90,11 +93,15 @@ def merge_on_policy(
     resource_id: str | None = None,
     event_id: str | None = None,
     occurred: str | None = None,
+    received: str | None = None,
 ) -> dict[str, Any]:
     """Apply one policy (the fields of :class:`dpmerge.policies.Policy`). ``resource_id``,
-    ``event_id`` and ``occurred`` come from the triggering event: the resource must name this
-    policy, and ``occurred`` orders events (an older one never moves the alias back)."""
+    ``event_id``, ``occurred`` (the sender's time) and ``received`` (the server's) come from the
+    triggering event: the resource must name this policy, ``received`` orders events (an older
+    one never moves the alias back), and an ``occurred`` later than ``received`` by more than
+    the clock-skew allowance is refused."""
     logger = get_run_logger()
+    load_workflow_secret()
     policy = _policy(
         {
             "name": name,
@@ -111,7 +118,7 @@ def merge_on_policy(
         },
         resource_id,
     )
-    when = pm.parse_time(occurred)
+    when = pm.order_time(occurred, received)
     workspace = pm.Workspace.from_env()
     workspace.use_caches()
     logger.info(

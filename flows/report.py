@@ -14,6 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 from dpmerge import policy_merge as pm
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.studies.frontier import LC_GENERIC, LC_STRUCTURED, RS
+from flows.runtime import load_workflow_secret
 from tasks import policy as policy_steps
 from tasks import reports as steps
 
@@ -40,6 +41,7 @@ def pareto_report(
 ) -> dict[str, Any]:
     """Frontier at ``targets`` (default: 6 points from the most private candidate's ε to twice
     the least private's) for RS and generic LC (and structured LC with ``structured``)."""
+    load_workflow_secret()
     workspace = pm.Workspace.from_env()
     workspace.use_caches()
     workdir = workspace.scratch()
@@ -47,8 +49,8 @@ def pareto_report(
         pool = policy_steps.find_candidates(workspace, dataset, model)
         candidates = policy_steps.load_candidates(workspace, pool, str(workdir))
         first = candidates[0].model_dir.record
-        data = policy_steps.load_evaluation_data(
-            workspace, pool.dataset, getattr(first, "dataset_size", None)
+        data = policy_steps.load_evaluation_data(  # by the internal fingerprint
+            workspace, first.dataset, getattr(first, "dataset_size", None)
         )
         if not targets:
             epsilons = [candidate_bound(c.model_dir.record, delta).epsilon for c in candidates]

@@ -22,6 +22,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from dpmerge import policy_merge as pm
 from dpmerge.training import RunOptions, TrainConfig, TrainingConfigError, declared_parameters
+from flows.runtime import load_workflow_secret
 from tasks import training as steps
 
 TRAIN_FLOW = "train-candidates"
@@ -109,6 +110,7 @@ def plan_candidates(
 def train_candidate(**parameters: Any) -> dict[str, Any]:
     """Train one candidate and register it (the ``gpu`` pool's unit of work)."""
     spec = steps.CandidateSpec.from_parameters(parameters)
+    load_workflow_secret()  # registration signs the candidate's record
     workspace = pm.Workspace.from_env()
     workspace.use_caches()  # the candidate's PLD, computed for its record, is kept for merges
     scratch = workspace.scratch()
@@ -144,6 +146,7 @@ def train_candidates(
     dataset, model = parameters.pop("dataset"), parameters.pop("model")
     specs = plan_candidates(dataset, model, noise_multipliers, target_epsilons, **parameters)
     logger = get_run_logger()
+    load_workflow_secret()
     workspace = pm.Workspace.from_env()
     workspace.use_caches()
     if deployment:

@@ -3,8 +3,9 @@ function's signature, so that :data:`STEPS` runs ``dpmerge.policy_merge.apply_po
 Prefect tasks.
 
 Nothing here logs or returns the RS draw: :func:`merge` hands on a
-:class:`~dpmerge.policy_merge.Release` (public facts and the path of the 0600 audit file), and
-:func:`store_audit` moves that file to its access-restricted place.
+:class:`~dpmerge.policy_merge.Release` (public facts only); the draw is stored for its release
+in the access-restricted audit record, before it is used. Nothing here logs a candidate's
+accuracy (beside the release's it would name an RS draw, docs/design.md#rs-secrecy).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from dpmerge import policy_merge as pm
-from dpmerge.accounting.ledger import Release as LedgerRelease
 from dpmerge.errors import InfeasibleTargetError
 from dpmerge.policies import Policy
 from dpmerge.policy_merge import Status
@@ -63,18 +63,20 @@ def prepare(workspace: pm.Workspace, policy: Policy, occurred: datetime, dest: P
 
 @task(name="plan-release", **REMOTE)
 def plan_release(
-    workspace: pm.Workspace, request: pm.MergeRequest, entry: LedgerRelease, policy: Policy
+    workspace: pm.Workspace, request: pm.MergeRequest, entry: pm.LedgerEntry, policy: Policy
 ) -> pm.ReleasePlan:
-    """An existing release of this request (reused, no new merge or draw), else the ledger
-    bound for the new release's card."""
+    """An existing version of this release (reused, no new merge or draw), else the ledger
+    bound for the new release's card (or the cap's refusal, before any merge)."""
     planned = pm.plan_release(workspace, request, entry, policy)
     if planned.existing is not None:
         get_run_logger().info(
-            "merge request %s already registered as %s v%s: reusing it (no new merge)",
+            "release %s already registered as %s v%s: reusing it (no new merge)",
             request.content_hash[:12],
             planned.existing.name,
             planned.existing.version,
         )
+    if planned.refused:
+        get_run_logger().warning("not merged: %s", "; ".join(planned.refused))
     return planned
 
 
@@ -142,14 +144,6 @@ def merge(
     return release
 
 
-@task(name="store-audit-record", **REMOTE)
-def store_audit(workspace: pm.Workspace, release: pm.Release) -> str | None:
-    location = pm.store_audit(workspace, release)
-    if location is not None:
-        get_run_logger().info("RS audit record stored (access-restricted): %s", location)
-    return location
-
-
 @task(name="register-merged", **REMOTE)
 def register(
     workspace: pm.Workspace,
@@ -172,7 +166,7 @@ def promote(
     workspace: pm.Workspace,
     policy: Policy,
     registered: pm.Registered,
-    entry: LedgerRelease,
+    entry: pm.LedgerEntry,
     occurred: datetime,
 ) -> pm.PromotionResult:
     result = pm.promote_release(workspace, policy, registered, entry, occurred)
@@ -218,7 +212,6 @@ STEPS = pm.PolicySteps(
     handle_infeasible=handle_infeasible,
     plan_release=plan_release,
     merge=merge,
-    store_audit=store_audit,
     register=register,
     promote=promote,
     read_card=read_card,

@@ -4,6 +4,7 @@ started only when a test asks for them."""
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from dpmerge.storage import S3Store
 
 for _key, _value in {**TELEMETRY_OFF, **QUIET}.items():
     os.environ.setdefault(_key, _value)
+# the workflow's secret key (dpmerge.keys): one per test session, never a file in the repository
+os.environ.setdefault("DPMERGE_SECRET_KEY", secrets.token_hex(32))
 
 
 @pytest.fixture(scope="session")

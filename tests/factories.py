@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from dpmerge.accounting.records import MechanismRecord
 
+DELTA = 1e-5
 Q = 1 / 235  # what Opacus' DPDataLoader runs for 60 000 rows at batch 256
 T = 2350  # 10 epochs
 
@@ -43,3 +47,17 @@ def make_record(
         initialisation=initialisation,
         run_id=run_id,
     )
+
+
+def train_digits(root: Path, sigma: float, *, limit: int | None = None, **config: Any) -> Path:
+    """A small digits DP-SGD candidate (3 epochs, batch 64) trained and saved under ``root``."""
+    from dpmerge.data import load_dataset
+    from dpmerge.training import TrainConfig, save_candidate, train_candidate
+
+    data = load_dataset("digits", limit=limit)
+    name = f"digits-s{sigma}{'-l' if limit else ''}{config.pop('suffix', '')}"
+    settings = {"epochs": 3, "batch_size": 64, "learning_rate": 1.0, **config}
+    config_ = TrainConfig(
+        dataset="digits", model="logreg", noise_multiplier=sigma, name=name, **settings
+    )
+    return save_candidate(train_candidate(config_, data), root / name, DELTA)

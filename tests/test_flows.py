@@ -26,7 +26,7 @@ from dpmerge.policies import Policy, PolicyError, policy_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
-EVENT_FIELDS = {"resource_id", "event_id", "occurred"}
+EVENT_FIELDS = {"resource_id", "event_id", "occurred", "received"}
 DELTA = 1e-5
 
 
@@ -201,6 +201,7 @@ def test_rendered_payload_gives_native_parameters_and_missing_keys_no_run() -> N
     assert rendered["cumulative_epsilon_cap"] == 3.0 and rendered["alias"] == "policy-eu"
     assert rendered["resource_id"] == "dpmerge.policy.eu"
     assert pm.parse_time(rendered["occurred"]) <= datetime.now(UTC)
+    assert pm.parse_time(rendered["received"]) <= datetime.now(UTC)  # the server's clock
     uuid.UUID(rendered["event_id"])
     fields = {k: v for k, v in rendered.items() if k not in EVENT_FIELDS}
     assert policy_from_dict(fields) == policy
@@ -327,12 +328,33 @@ def test_infeasible_and_failed_gate_fail_the_run(env, trained) -> None:
     assert infeasible.value.outcome["revoked_version"] == first["version"]
     assert _alias(env, first["merged_model"], "policy-flow-gate") is None
     assert _versions(env) == before  # nothing registered
-    strict = _policy(name="flow-gate", target_epsilon=_eps(trained)[2] * 1.4, min_accuracy=0.999)
+    strict = _policy(
+        name="flow-gate", target_epsilon=_eps(trained)[2] * 1.4, method="rs", min_accuracy=0.999
+    )
     with pytest.raises(pm.PolicyNotMetError, match="not promoted") as gate:
         merge_on_policy(**strict.event_payload())
     assert gate.value.outcome["status"] == "not_promoted"
     assert len(_versions(env)) == len(before) + 1  # registered, but no alias
     assert _alias(env, first["merged_model"], "policy-flow-gate") is None
+
+
+def test_the_key_can_come_from_a_prefect_secret_block(env, monkeypatch) -> None:
+    from prefect.blocks.system import Secret
+
+    from flows.runtime import SECRET_BLOCK_ENV, ServerError, load_workflow_secret
+
+    Secret(value="33" * 32).save("dpmerge-test-key", overwrite=True)
+    monkeypatch.delenv("DPMERGE_SECRET_KEY")
+    monkeypatch.setenv(SECRET_BLOCK_ENV, "dpmerge-test-key")
+    load_workflow_secret()
+    assert os.environ["DPMERGE_SECRET_KEY"] == "33" * 32
+    monkeypatch.setenv("DPMERGE_SECRET_KEY", "44" * 32)  # an explicit key wins
+    load_workflow_secret()
+    assert os.environ["DPMERGE_SECRET_KEY"] == "44" * 32
+    monkeypatch.delenv("DPMERGE_SECRET_KEY")
+    monkeypatch.setenv(SECRET_BLOCK_ENV, "no-such-block")
+    with pytest.raises(ServerError, match="no-such-block"):
+        load_workflow_secret()
 
 
 def test_pareto_report_logs_the_frontier_to_mlflow(env, trained) -> None:
@@ -444,3 +466,5 @@ def test_demo_trains_registers_applies_and_promotes(tmp_path: Path) -> None:
     assert (home / "mlflow.db").is_file() and (home / "mlartifacts").is_dir()
     assert (home / "prefect" / "prefect.db").is_file()  # the runs, for `prefect server start`
     assert (home / "ledger.json").is_file()
+    # no key was given: the workflow generated its own, private, in the state directory
+    assert (home / "secret.key").stat().st_mode & 0o777 == 0o600

@@ -8,10 +8,7 @@ serialised second run starts promptly."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +16,9 @@ from typing import Any
 
 import boto3
 import pytest
+from deployed import deployed_stack
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from servers import environment, running_stack
 
 import devstack as stack_mod
 from dpmerge.policies import policy_from_dict
@@ -37,31 +34,9 @@ RUN_TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackConfig]:
     """The stack with the deployments applied; afterwards nothing of it may still run."""
-    server_env = {
-        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
-        "DPMERGE_HOME": str(tmp_path_factory.mktemp("dpmerge-home")),
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-    }
     pids: list[int] = []
-    with (
-        environment(server_env),
-        running_stack(tmp_path_factory.mktemp("stack"), prefect=True) as config,
-        environment(config.client_env()),
-    ):
+    with deployed_stack(tmp_path_factory) as config:
         pids = [s.pid for s in stack_mod.status(config) if s.pid]
-        deployed = subprocess.run(
-            [
-                *(str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy"),
-                *("--all", "--prefect-file", "deployments/prefect.yaml"),
-            ],
-            cwd=REPO,
-            env=os.environ.copy(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
         yield config
     assert len(pids) == 5
     for pid in pids:  # workers first, then servers: and nothing left behind
@@ -133,7 +108,7 @@ def _wait_event(stack: stack_mod.StackConfig, event_id: str, timeout_s: float = 
 
 
 def _merged(client: MlflowClient, candidates: list[Any]) -> str:
-    return f"{candidates[0].name}-merged"
+    return candidates[0].name.replace("-candidates", "-releases")
 
 
 def _alias(client: MlflowClient, model: str, alias: str) -> str | None:
@@ -198,7 +173,7 @@ def test_policy_event_promotes_a_carded_release_stored_in_s3(stack, candidates) 
         json.loads(s3.get_object(Bucket=stack.audit_bucket, Key=o["Key"])["Body"].read())
         for o in audit
     ]
-    assert [r["notes"]["content_hash"] for r in records] == [mv.tags["dp.content_hash"]]
+    assert [r["release"] for r in records] == [mv.tags["dp.content_hash"]]
     assert "drawn_index" in records[0]
     public = json.dumps([mv.tags, mv.description, client.get_run(mv.run_id).data.params])
     assert "drawn_index" not in public and "drawn_candidate" not in public
@@ -208,7 +183,7 @@ def test_back_to_back_events_are_serialised_and_the_later_wins(stack, candidates
     client = MlflowClient(stack.mlflow_url)
     epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
     first = _policy(target_epsilon=epsilons[2] * 1.5, method="lc")
-    later = _policy(target_epsilon=epsilons[2] * 2.0, method="lc")
+    later = _policy(target_epsilon=epsilons[2] * 2.0, method="rs")  # another release
     ids = [_emit(stack, first.event_payload()), _emit(stack, later.event_payload())]
     runs = [_wait_event(stack, event_id) for event_id in ids]
     assert all(r is not None and r.state.is_completed() for r in runs)
@@ -218,7 +193,7 @@ def test_back_to_back_events_are_serialised_and_the_later_wins(stack, candidates
     version = _alias(client, merged, "policy-int")
     assert version is not None
     tags = client.get_model_version(merged, version).tags
-    assert float(tags["dp.target_epsilon"]) == later.target_epsilon
+    assert tags["dp.method"] == "rs"  # the later policy's release
 
 
 def test_bad_payload_creates_no_version_and_keeps_the_alias(stack, candidates) -> None:

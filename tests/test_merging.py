@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from factories import make_record
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
@@ -20,7 +21,7 @@ from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelSpec, load_model_dir, save_model_dir
 from dpmerge.errors import RecordError
-from dpmerge.merging import draw_index, linear_combination, merge_model_dirs
+from dpmerge.merging import RELEASE_NONCE, draw_index, linear_combination, merge_model_dirs
 
 SPEC = ModelSpec("logreg", (4,), 3)
 DELTA = 1e-5
@@ -310,10 +311,12 @@ def test_rs_releases_the_drawn_candidate_and_keeps_the_index_out_of_public_files
             rng=random.Random(seed),
         )
         assert result.drawn_index == index and "drawn_index" not in repr(result)
-        assert_bitwise_equal(
-            load_file(str(result.path / "weights.safetensors")),
-            load_file(str(dirs[index] / "weights.safetensors")),
-        )
+        released, drawn = result.path / "weights.safetensors", dirs[index] / "weights.safetensors"
+        assert_bitwise_equal(load_file(str(released)), load_file(str(drawn)))
+        # the same tensors, written afresh: the file (an object store's ETag) differs
+        assert released.read_bytes() != drawn.read_bytes()
+        with safe_open(str(released), framework="pt") as handle:
+            assert len(handle.metadata()[RELEASE_NONCE]) == 32
         assert stat.S_IMODE(audit.stat().st_mode) == 0o600
         content = json.loads(audit.read_text())
         assert content["drawn_index"] == index and content["drawn_candidate"] == "abc"[index]

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from factories import train_digits
 from mlflow import MlflowClient
 
 from dpmerge import policy_merge as pm
@@ -27,24 +28,9 @@ from dpmerge.evaluation import MergeAccuracy
 from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.policy_merge.evaluation_data import _limits_for
 from dpmerge.registry import Registry, RegistryError
-from dpmerge.training import TrainConfig, save_candidate, train_candidate
 
 DELTA = 1e-5
 SIGMAS = (1.0, 1.6, 3.0)
-
-
-def _train(root: Path, sigma: float, limit: int | None = None) -> Path:
-    data = load_dataset("digits", limit=limit)
-    config = TrainConfig(
-        dataset="digits",
-        model="logreg",
-        noise_multiplier=sigma,
-        epochs=3,
-        batch_size=64,
-        learning_rate=1.0,
-        name=f"digits-s{sigma}{'-l' if limit else ''}",
-    )
-    return save_candidate(train_candidate(config, data), root / config.name, DELTA)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +42,7 @@ def registry_home(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("candidates")
     epsilons = []
     for sigma in SIGMAS:
-        path = _train(root, sigma)
+        path = train_digits(root, sigma)
         registry.register_candidate(path)
         epsilons.append(json.loads((path / "record.json").read_text())["privacy"]["epsilon"])
     return {"home": home, "uri": uri, "epsilons": sorted(epsilons)}
@@ -142,8 +128,9 @@ def test_find_candidates_and_refusals(workspace: pm.Workspace, registry_home, tm
     registry = workspace.registry()
     pool = pm.find_candidates(registry, "digits", "logreg")
     assert pool.versions == ("1", "2", "3")
-    assert pool.dataset.startswith("digits-sha256:")
-    assert pool.merged_model == f"{pool.registered_model}-merged"
+    assert pool.dataset.startswith("digits-hmac:")  # keyed: the fingerprint is never published
+    assert pool.registered_model.endswith("-logreg-candidates")
+    assert pool.merged_model == pool.registered_model.replace("-candidates", "-releases")
     with pytest.raises(RegistryError, match="no ready candidates"):
         pm.find_candidates(registry, "digits", "cnn")
     with pytest.raises(RegistryError, match="no ready candidates"):
@@ -151,14 +138,17 @@ def test_find_candidates_and_refusals(workspace: pm.Workspace, registry_home, tm
     # a second training set of the same name makes the plain name ambiguous
     other = Registry(f"sqlite:///{tmp_path / 'other.db'}")
     for sigma in SIGMAS[:2]:
-        other.register_candidate(_train(tmp_path, sigma))
-    other.register_candidate(_train(tmp_path, 2.0, limit=600))
+        other.register_candidate(train_digits(tmp_path, sigma))
+    other.register_candidate(train_digits(tmp_path, 2.0, limit=600))
     with pytest.raises(RegistryError, match="several trainings"):
         pm.find_candidates(other, "digits", "logreg")
     full = pm.find_candidates(other, pool.dataset, "logreg")
     assert full.versions == ("1", "2")
-    # the limited training is recognised from its number of training rows
     limited = load_dataset("digits", limit=600)
+    # the fingerprint names the same candidates (turned into the identifier with the key)
+    by_fingerprint = pm.find_candidates(other, limited.fingerprint, "logreg")
+    assert by_fingerprint.versions == ("1",) and by_fingerprint.dataset != full.dataset
+    # the limited training is recognised from its number of training rows
     found = pm.load_evaluation_data(limited.fingerprint, limited.dataset_size)
     assert torch.equal(found.validation.features, limited.validation.features)
     assert len(found.validation) == round(600 * 0.1)
@@ -210,7 +200,8 @@ def test_auto_keeps_the_smaller_noise_proxy_and_never_steers_by_accuracy(
     registry = workspace.registry()
     pool = pm.find_candidates(registry, "digits", "logreg")
     candidates = registry.load_candidates(pool.registered_model, pool.versions, dest=tmp_path)
-    data = pm.load_evaluation_data(pool.dataset, candidates[0].model_dir.record.dataset_size)
+    record = candidates[0].model_dir.record
+    data = pm.load_evaluation_data(record.dataset, record.dataset_size)
     plan = pm.calibrate_policy(_policy(target_epsilon=3.0), candidates, data)
     assert set(plan.compared) == {"rs", "lc"}
     best = min(plan.compared.values(), key=lambda c: c["noise_proxy"])
@@ -274,13 +265,13 @@ def test_rs_draw_goes_only_to_the_private_audit_file(workspace: pm.Workspace, re
     calls: list[str] = []
     outcome = _apply(workspace, policy, steps=_recording(calls))
     assert outcome.status == pm.Status.PROMOTED
-    assert calls == [*NEW_RELEASE[:4], "store_audit", *NEW_RELEASE[4:]]
+    assert calls == NEW_RELEASE
     (audit,) = set((workspace.home / "audit").glob("*.json")) - before
-    assert audit.name.startswith(_tags(workspace, outcome)["dp.content_hash"])
+    assert audit.name == _tags(workspace, outcome)["dp.content_hash"] + ".json"
     assert stat.S_IMODE(audit.stat().st_mode) == 0o600
     assert stat.S_IMODE((workspace.home / "audit").stat().st_mode) == 0o700
     record = json.loads(audit.read_text())
-    assert record["method"] == "rs" and "drawn_index" in record
+    assert record["schema"] == "dpmerge.rs_draw/1" and "drawn_index" in record
     client = _client(workspace)
     version = client.get_model_version(outcome.merged_model, outcome.version)
     run = client.get_run(version.run_id)
@@ -295,11 +286,12 @@ def test_each_gate_keeps_the_alias(workspace: pm.Workspace, registry_home) -> No
     """Not promoted by accuracy, ε, δ, a card that disagrees with the tags, or the ledger cap:
     the version stays registered and the alias where it was."""
     target = registry_home["epsilons"][2] * 1.5
-    first = _apply(workspace, _policy(name="gated", target_epsilon=target))
+    first = _apply(workspace, _policy(name="gated", target_epsilon=target, method="lc"))
     assert first.status == pm.Status.PROMOTED
 
     def not_promoted(**fields: Any) -> pm.PolicyOutcome:
-        outcome = _apply(workspace, _policy(name="gated", target_epsilon=target * 1.01, **fields))
+        policy = _policy(name="gated", target_epsilon=target * 1.01, method="rs", **fields)
+        outcome = _apply(workspace, policy)
         assert outcome.status == pm.Status.NOT_PROMOTED and outcome.previous_version is None
         assert _aliases(workspace, first.merged_model)["policy-gated"] == first.version
         return outcome
@@ -321,7 +313,7 @@ def test_each_gate_keeps_the_alias(workspace: pm.Workspace, registry_home) -> No
     assert capped.reused and capped.version == strict.version
     assert len(capped.reasons) == 1 and capped.reasons[0].startswith("release ledger: ")
     # every gate passes: the same release is promoted, the alias moves to it
-    passed = _apply(workspace, _policy(name="gated", target_epsilon=target * 1.01))
+    passed = _apply(workspace, _policy(name="gated", target_epsilon=target * 1.01, method="rs"))
     assert passed.status == pm.Status.PROMOTED and passed.reused
     assert (passed.version, passed.previous_version) == (strict.version, first.version)
     assert _aliases(workspace, first.merged_model)["policy-gated"] == strict.version
@@ -371,15 +363,19 @@ def test_a_later_event_during_the_merge_supersedes_the_promotion(
     """A later event that sets the alias while this one merges (injected before the promote
     step) wins: this one ends superseded and moves nothing."""
     top = registry_home["epsilons"][2]
-    first = _apply(workspace, _policy(name="race", target_epsilon=top * 1.2, method="lc"))
+    base = datetime.now(UTC) - timedelta(hours=2)  # the times of three events, all past
+    first = _apply(workspace, _policy(name="race", target_epsilon=top * 1.2, method="lc"), base)
     assert first.status == pm.Status.PROMOTED
-    now = datetime.now(UTC)
+    now = base + timedelta(minutes=30)  # this event; the later one came after it
 
     def later_event_first(ws: pm.Workspace, policy: Policy, *rest: Any) -> Any:
-        ws.registry().mark_alias_time(first.merged_model, str(policy.alias), now + timedelta(1))
+        later = now + timedelta(minutes=30)
+        ws.registry().mark_alias_time(first.merged_model, str(policy.alias), later)
         return pm.promote_release(ws, policy, *rest)
 
-    racing = _policy(name="race", target_epsilon=top * 1.5, method="lc")
+    # another release than any other test's: RS mixing two candidates at this target
+    middle = registry_home["epsilons"][1] * 1.1
+    racing = _policy(name="race", target_epsilon=middle, method="rs")
     calls: list[str] = []
     outcome = _apply(workspace, racing, now, _recording(calls, promote=later_event_first))
     assert calls == NEW_RELEASE

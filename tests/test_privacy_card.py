@@ -94,15 +94,19 @@ def test_card_shows_the_reports_numbers_rounded_up() -> None:
         target_epsilon=2.0,
         target_delta=DELTA,
         candidates=entries(),
-        model_name="dpmerge-toy-logreg-merged",
+        model_name="dpmerge-toy-logreg-releases",
         policy_id="policy-7",
+        metrics={"test_accuracy": 0.81234, "validation_accuracy": 0.8, "test_loss": 0.4},
+        notes=["spends less: the utility peaks here"],
     )
     md = card.markdown
     assert "ε = 1.2346" in md  # 1.234561 rounded up, never down
     assert "0.9877" in md and STRUCTURED_LABEL in md and "plain SGD" in md
     assert "Generic" not in md.split("### Gating")[0]  # generic is the gate here, shown once
-    assert "(2, 1e-05), policy `policy-7`: met" in md
+    assert "(2, 1e-05) of policy `policy-7`, which first asked for this release: met" in md
     assert "a note from the accountant" in md and INTERNAL_NOTE in md
+    assert "**Accuracy** of this model: test 0.8123, validation 0.8000." in md
+    assert "- spends less: the utility peaks here" in md
     for r in RECORDS:
         assert f"| {r.name} |" in md and r.noise_lineage in md
     for library in ("dpmerge", "dp-accounting", "opacus", "torch", "mlflow"):
@@ -111,6 +115,7 @@ def test_card_shows_the_reports_numbers_rounded_up() -> None:
     assert data["guarantee"]["epsilon"] == 1.234561  # unrounded in JSON
     assert data["bounds"]["structured"]["epsilon_pld"] == 0.987654
     assert data["merge"]["weights"] == [0.5, 0.3, 0.2]
+    assert data["accuracy"] == {"test_accuracy": 0.81234, "validation_accuracy": 0.8}
     assert [c["version"] for c in data["merge"]["candidates"]] == ["1", "2", "3"]
 
 

@@ -27,8 +27,10 @@ from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelSpec, save_model_dir
 from dpmerge.cli import main
 from dpmerge.errors import is_transient
+from dpmerge.keys import WorkflowKey
 from dpmerge.merging import merge_model_dirs
 from dpmerge.policies import Policy
+from dpmerge.publication import dataset_id, lineage_id
 from dpmerge.registry import (
     CARD_JSON,
     CARD_MARKDOWN,
@@ -47,8 +49,10 @@ from dpmerge.storage import S3Store
 DELTA = 1e-5
 DATASET = "toy-sha256:0123456789abcdef0123"
 SPEC = ModelSpec("logreg", (1, 4, 4), 3)
-CANDIDATES = candidate_model_name(DATASET, "logreg")
-MERGED = merged_model_name(DATASET, "logreg")
+KEY = WorkflowKey.from_env()  # the session's key (tests/conftest.py)
+PUBLIC_DATASET = dataset_id(DATASET, KEY)
+CANDIDATES = candidate_model_name(PUBLIC_DATASET, "logreg")
+MERGED = merged_model_name(PUBLIC_DATASET, "logreg")
 POLICY = {"id": "policy-1", "target_epsilon": 5.0, "target_delta": DELTA}
 SIGMAS = {"cand-a": 1.0, "cand-b": 1.5, "cand-c": 2.0}
 
@@ -121,12 +125,13 @@ def test_candidates_registered_with_tags_and_artifacts_in_s3(
         assert (tags["dp.delta"], tags["dp.accountant"]) == (repr(DELTA), bound.accountant)
         assert float(tags["dp.noise_multiplier"]) == record.noise_multiplier
         assert (tags["dp.sample_rate"], tags["dp.steps"]) == ("0.01", "100")
-        assert (tags["dp.dataset"], tags["dp.noise_lineage"]) == (DATASET, record.noise_lineage)
+        public = (PUBLIC_DATASET, lineage_id(record.noise_lineage, KEY))
+        assert (tags["dp.dataset"], tags["dp.noise_lineage"]) == public
         assert len(tags["dp.content_hash"]) == 64
         assert tags["dp.accuracy_metric"] == "test_accuracy"
     again = server_registry.register_candidate(candidate_dirs[0])
     assert again.reused and again.version == registered[0]
-    keys = s3_store.list_keys("mlartifacts/")
+    keys = s3_store.list_keys("mlartifacts/candidates/")  # the candidates' own prefix
     assert any(k.endswith("/extra_files/weights.safetensors") for k in keys)
     assert any(k.endswith("/data/model.pt2") for k in keys)
     loaded = server_registry.load_candidates(CANDIDATES, registered)
@@ -203,9 +208,12 @@ def test_merged_version_card_gates_and_alias(
             raise RegistryError("injected failure after the version was created")
 
     other_policy = {**POLICY, "id": "policy-2"}
+    another = _merge(
+        candidate_dirs, "lc", [0.3, 0.3, 0.4], tmp_path / "lc2", metrics=_accuracy(0.8)
+    )
     with pytest.raises(RegistryError, match="injected"):
         FailingVerify(server_registry.tracking_uri).register_merged(
-            merged, parents=registered, policy=other_policy
+            another, parents=registered, policy=other_policy
         )
     failed = max(client.search_model_versions(f"name = '{MERGED}'"), key=lambda v: int(v.version))
     assert failed.tags["dp.status"] == STATUS_FAILED
@@ -214,8 +222,11 @@ def test_merged_version_card_gates_and_alias(
             MERGED, failed.version, "production", target_epsilon=5.0, min_accuracy=None
         )
     assert client.get_registered_model(MERGED).aliases["production"] == result.version
-    rerun = server_registry.register_merged(merged, parents=registered, policy=other_policy)
+    rerun = server_registry.register_merged(another, parents=registered, policy=other_policy)
     assert not rerun.reused and int(rerun.version) > int(failed.version)
+    # another policy asking for the same merge gets the same release (the key is the release)
+    shared = server_registry.register_merged(merged, parents=registered, policy=other_policy)
+    assert shared.reused and shared.version == result.version
 
     # revoke removes the alias (on_infeasible=revoke); a second revoke is a no-op
     assert server_registry.revoke(MERGED, "production") == result.version
@@ -265,7 +276,7 @@ def _released_text(registry: Registry, name: str, version: str, dest: Path) -> d
 
 def _normalise(texts: dict[str, str]) -> dict[str, str]:
     """Drop what differs between any two registrations (ids, times, paths, file sizes)."""
-    volatile = ("MLmodel", "registered_model_meta")
+    volatile = ("MLmodel", "registered_model_meta", "input_example")  # random, see _log_model
     return {k: v for k, v in texts.items() if not any(part in k for part in volatile)}
 
 
@@ -329,6 +340,9 @@ def test_embedded_registry_and_ls_cli(
         ("merged", "1"),
     ]
     assert rows[3]["aliases"] == ["production"] and rows[3]["accuracy"] == 0.8
+    assert [r["accuracy"] for r in rows[:3]] == [None, None, None]  # candidates' are internal
+    assert main(["registry", "ls", "--tracking-uri", mlflow_embedded, "--json", "--internal"]) == 0
+    assert [r["accuracy"] for r in json.loads(capsys.readouterr().out)[:3]] == [0.7, 0.71, 0.72]
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded]) == 0
     table = capsys.readouterr().out
     assert "production" in table and "pld" in table.lower()

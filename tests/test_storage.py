@@ -16,6 +16,7 @@ from devstack import free_ports
 from dpmerge.errors import is_transient
 from dpmerge.storage import (
     CHECKPOINTS_PREFIX,
+    ObjectChangedError,
     ObjectExistsError,
     ObjectNotFoundError,
     S3Config,
@@ -196,3 +197,19 @@ def test_audit_record_is_written_once_in_the_audit_bucket(s3_store: S3Store) -> 
         s3_store.write_audit_record("release-abc", {"drawn_index": 0})
     assert s3_store.read_audit_record("release-abc") == record
     assert not [k for k in s3_store.list_keys("") if "release-abc" in k]  # project bucket
+
+
+@pytest.mark.integration
+def test_conditional_writes_detect_another_writer(s3_store: S3Store) -> None:
+    assert s3_store.get_versioned("exports/cond/none") is None
+    s3_store.put_bytes("exports/cond/doc", b"1", if_absent=True)
+    data, etag = s3_store.get_versioned("exports/cond/doc")
+    assert data == b"1"
+    s3_store.put_bytes("exports/cond/doc", b"2", if_match=etag)  # nobody wrote in between
+    with pytest.raises(ObjectChangedError, match="changed since it was read"):
+        s3_store.put_bytes("exports/cond/doc", b"3", if_match=etag)  # the ETag is stale now
+    with pytest.raises(ObjectChangedError):
+        s3_store.put_bytes("exports/cond/gone", b"1", if_match=etag)
+    with pytest.raises(StorageError, match="either create-only"):
+        s3_store.put_bytes("exports/cond/doc", b"4", if_absent=True, if_match=etag)
+    assert s3_store.get_bytes("exports/cond/doc") == b"2"

@@ -7,19 +7,22 @@ says how it ended (:class:`Status`, :class:`PolicyOutcome`); its steps are injec
 
 The steps, in order:
 
-1. :func:`find_candidates` — the ready candidate versions of the policy's dataset and model.
+1. :func:`find_candidates` — the ready candidate versions of the policy's dataset (its
+   published, keyed identifier) and model; each loaded candidate is verified against its
+   signature, and candidates trained with fixed seeds are refused.
 2. :func:`load_evaluation_data` — the splits the candidates were trained with (found by their
-   fingerprint), for validation utilities (SPEC §4: disjoint from training) and test accuracy.
+   internal fingerprint), for validation utilities (disjoint from training) and test accuracy.
 3. :func:`calibrate_policy` — ``method: auto`` calibrates RS (utilities: the candidates'
    validation accuracies) and LC (utility: the merged weights' validation accuracy) and keeps
    the better expected validation accuracy; ties go to LC (no secret draw). Infeasible targets
    raise :class:`~dpmerge.errors.InfeasibleTargetError` with the reachable range.
-4. :func:`merge_request` — the merge request's content hash; :func:`plan_release` reuses a
-   ready version of the same request (a re-run never draws again), else computes the ledger
-   bound the new release's card shows.
-5. :func:`merge_release` — merge and evaluate; for RS the drawn index goes to a 0600 audit file,
-   which :func:`store_audit` keeps under ``<home>/audit`` (embedded) or moves to the audit bucket.
-   :class:`Release` carries only public facts (never the draw).
+4. :func:`merge_request` — the release's content hash (candidates, method, weights, δ, bound;
+   not the target); :func:`plan_release` reuses a ready version of the same release (a re-run
+   never draws again), else computes the ledger bound the new release's card shows and refuses
+   a release the ledger cap would refuse before anything is merged.
+5. :func:`merge_release` — merge and evaluate; for RS the draw stored for the release is used,
+   or a new one is stored (audit bucket or ``<home>/audit``, create-once) before it is used
+   (:mod:`~dpmerge.policy_merge.draws`). :class:`Release` carries only public facts.
 6. :func:`register_release` — the merged version with its privacy card and the cumulative
    ledger bound (SPEC §7).
 7. :func:`promote_release` — the ledger cap, then the registry's gates (ε ≤ target, δ, accuracy ≥
@@ -27,15 +30,18 @@ The steps, in order:
    promoted (if that write fails the alias is put back).
 
 A policy event can arrive late (two events back to back may run in either order): every alias
-change records the event time on the merged registered model (tag ``dp.alias_time.<alias>``)
-and an older event never moves or removes the alias again (status ``superseded``).
+change records the event's server-received time on the releases' registered model (tag
+``dp.alias_time.<alias>``) and an older event never moves or removes the alias again (status
+``superseded``); an event dated in the future is refused (:mod:`~dpmerge.policy_merge.events`).
+An alias belongs to the policy that first set it (``dp.alias_owner.<alias>``).
 
 Modules: :mod:`~dpmerge.policy_merge.apply` (the state machine),
 :mod:`~dpmerge.policy_merge.workspace` (where things live),
 :mod:`~dpmerge.policy_merge.candidates` (step 1), :mod:`~dpmerge.policy_merge.evaluation_data`
 (step 2), :mod:`~dpmerge.policy_merge.preparation` (steps 1–2 for one event, cache priming),
 :mod:`~dpmerge.policy_merge.calibration` (step 3), :mod:`~dpmerge.policy_merge.release`
-(steps 4–5), :mod:`~dpmerge.policy_merge.release_ledger`,
+(steps 4–5), :mod:`~dpmerge.policy_merge.draws`, :mod:`~dpmerge.policy_merge.release_ledger`,
+:mod:`~dpmerge.policy_merge.events`,
 :mod:`~dpmerge.policy_merge.promotion` (steps 6–7, revocation, event order),
 :mod:`~dpmerge.policy_merge.outcome` (statuses and outcomes).
 """
@@ -50,6 +56,7 @@ from dpmerge.policy_merge.evaluation_data import (
     EvaluationData,
     load_evaluation_data,
 )
+from dpmerge.policy_merge.events import CLOCK_SKEW, EventTimeError, order_time, parse_time
 from dpmerge.policy_merge.outcome import (
     PolicyInfeasibleError,
     PolicyNotMetError,
@@ -69,19 +76,20 @@ from dpmerge.policy_merge.promotion import (
     Registered,
     find_release,
     handle_infeasible,
-    parse_time,
     promote_release,
     read_card,
     register_release,
 )
-from dpmerge.policy_merge.release import (
-    MergeRequest,
-    Release,
-    merge_release,
-    merge_request,
-    store_audit,
+from dpmerge.policy_merge.release import MergeRequest, Release, merge_release, merge_request
+from dpmerge.policy_merge.release_ledger import (
+    LedgerEntry,
+    LedgerIntegrityError,
+    ledger_release,
+    ledger_summary,
+    read_ledger,
+    rebuild_ledger,
+    record_release,
 )
-from dpmerge.policy_merge.release_ledger import ledger_release, ledger_summary, open_ledger
 from dpmerge.policy_merge.workspace import (
     Workspace,
     embedded_tracking_uri,
@@ -90,12 +98,16 @@ from dpmerge.policy_merge.workspace import (
 )
 
 __all__ = [
+    "CLOCK_SKEW",
     "DATA_ROOT_ENV",
     "LIBRARY_STEPS",
     "SPLIT_SEED",
     "VALIDATION_FRACTION",
     "CandidatePool",
     "EvaluationData",
+    "EventTimeError",
+    "LedgerEntry",
+    "LedgerIntegrityError",
     "MergeRequest",
     "PolicyInfeasibleError",
     "PolicyNotMetError",
@@ -122,16 +134,18 @@ __all__ = [
     "load_evaluation_data",
     "merge_release",
     "merge_request",
-    "open_ledger",
+    "order_time",
     "parse_time",
     "plan_release",
     "prepare",
     "prime_caches",
     "promote_release",
     "read_card",
+    "read_ledger",
+    "rebuild_ledger",
+    "record_release",
     "register_release",
     "remove_tree",
     "resolve_home",
     "start_export_warmup",
-    "store_audit",
 ]

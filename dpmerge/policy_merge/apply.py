@@ -3,13 +3,14 @@
 
 ::
 
-    prepare ──── a later event already set the alias ──────────────────────▶ superseded
-       │
+    prepare ──── another policy owns the alias, a record fails verification, a fixed-seed
+       │         candidate: refused (an error; nothing changed)
+       │     ─── a later event already set the alias ──────────────────────▶ superseded
     calibrate ── no merge meets the target: handle_infeasible ─────────────▶ infeasible
        │                                     (alias revoked or kept; a later event: superseded)
-    plan_release ── a ready release of the same request exists: reuse it ──┐
-       │                                                                   │
-    merge ─▶ store_audit (RS) ─▶ register ─────────────────────────────────┤
+    plan_release ── a ready version of the same release exists: reuse it ──┐
+       │        ─── the ledger cap refuses it (nothing merged or drawn) ───┼──▶ not_promoted
+    merge (RS: the draw stored for the release) ─▶ register ───────────────┤
                                                                            ▼
     promote ── later event: superseded; ledger cap or a registry gate: not_promoted;
                else promoted (alias moved) or unchanged (it already named this release)
@@ -27,7 +28,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dpmerge.accounting.ledger import Release as LedgerRelease
 from dpmerge.errors import InfeasibleTargetError
 from dpmerge.policies import Policy
 from dpmerge.policy_merge import calibration, preparation, promotion, release
@@ -37,8 +37,8 @@ from dpmerge.policy_merge.evaluation_data import EvaluationData
 from dpmerge.policy_merge.outcome import PolicyOutcome, Status
 from dpmerge.policy_merge.preparation import Prepared, ReleasePlan, start_export_warmup
 from dpmerge.policy_merge.promotion import PromotionResult, Registered, superseded_reason
-from dpmerge.policy_merge.release import MergeRequest, Release, merge_request
-from dpmerge.policy_merge.release_ledger import ledger_release
+from dpmerge.policy_merge.release import MergeRequest, Release, merge_request, spend_note
+from dpmerge.policy_merge.release_ledger import LedgerEntry, ledger_release
 from dpmerge.policy_merge.workspace import Workspace, remove_tree
 from dpmerge.registry import RegisteredCandidate
 
@@ -56,17 +56,16 @@ class PolicySteps:
     handle_infeasible: Callable[
         [Workspace, Policy, CandidatePool, InfeasibleTargetError, datetime], PolicyOutcome
     ] = promotion.handle_infeasible
-    plan_release: Callable[[Workspace, MergeRequest, LedgerRelease, Policy], ReleasePlan] = (
+    plan_release: Callable[[Workspace, MergeRequest, LedgerEntry, Policy], ReleasePlan] = (
         preparation.plan_release
     )
     merge: Callable[
         [Workspace, MergeRequest, Candidates, PolicyPlan, EvaluationData, Path], Release
     ] = release.merge_release
-    store_audit: Callable[[Workspace, Release], str | None] = release.store_audit
     register: Callable[[Workspace, MergeRequest, Release, dict[str, Any] | None], Registered] = (
         promotion.register_release
     )
-    promote: Callable[[Workspace, Policy, Registered, LedgerRelease, datetime], PromotionResult] = (
+    promote: Callable[[Workspace, Policy, Registered, LedgerEntry, datetime], PromotionResult] = (
         promotion.promote_release
     )
     read_card: Callable[[Workspace, str, str], str] = promotion.read_card
@@ -91,7 +90,8 @@ def apply_policy(
     *,
     steps: PolicySteps = LIBRARY_STEPS,
 ) -> PolicyResult:
-    """Apply ``policy`` for an event at ``occurred`` (default now; an older event never moves
+    """Apply ``policy`` for an event ordered at ``occurred`` (the server's received time, see
+    :func:`~dpmerge.policy_merge.events.order_time`; default now; an older event never moves
     the alias back) in a private scratch directory that is removed afterwards."""
     when = occurred or datetime.now(UTC)
     workdir = workspace.scratch()
@@ -127,33 +127,41 @@ def _apply(
     request = merge_request(policy, pool, candidates, plan)
     entry = ledger_release(request, candidates, plan)
     planned = steps.plan_release(workspace, request, entry, policy)
-    registered, metrics = planned.existing, {}
-    if registered is None:
-        merged = steps.merge(workspace, request, candidates, plan, data, workdir)
-        metrics = merged.metrics
-        if merged.audit_file is not None:  # RS: the draw goes to its restricted place
-            steps.store_audit(workspace, merged)
-        registered = steps.register(workspace, request, merged, planned.ledger)
-    promoted = steps.promote(workspace, policy, registered, entry, when)
     report = plan.calibration.report
-    outcome = PolicyOutcome.of(
-        policy,
-        promoted.status,
-        merged_model=registered.name,
-        version=registered.version,
-        previous_version=promoted.previous,
-        reused=registered.reused,
+    note = spend_note(plan.calibration, policy.target_epsilon)
+    release_facts: dict[str, Any] = dict(
+        merged_model=pool.merged_model,
         method=plan.method,
         weights=tuple(report.weights),
         epsilon=report.epsilon,
         accountant=report.gating.accountant,
         bound=report.gating.kind,
+        candidates=tuple(report.names),
+        reachable_epsilon_range=plan.calibration.reachable_epsilon_range,
+        compared=plan.compared,
+        notes=(note,) if note else (),
+    )
+    if planned.refused:  # a gate known before merging: nothing is merged, drawn or registered
+        refused = PolicyOutcome.of(
+            policy, Status.NOT_PROMOTED, reasons=planned.refused, **release_facts
+        )
+        return PolicyResult(refused)
+    registered, metrics = planned.existing, {}
+    if registered is None:
+        merged = steps.merge(workspace, request, candidates, plan, data, workdir)
+        metrics = merged.metrics
+        registered = steps.register(workspace, request, merged, planned.ledger)
+    promoted = steps.promote(workspace, policy, registered, entry, when)
+    outcome = PolicyOutcome.of(
+        policy,
+        promoted.status,
+        **{**release_facts, "merged_model": registered.name},
+        version=registered.version,
+        previous_version=promoted.previous,
+        reused=registered.reused,
         test_accuracy=registered.accuracy,
         validation_accuracy=metrics.get("validation_accuracy"),
         cumulative_epsilon=promoted.cumulative_epsilon,
-        candidates=tuple(report.names),
-        reachable_epsilon_range=plan.calibration.reachable_epsilon_range,
         reasons=promoted.reasons,
-        compared=plan.compared,
     )
     return PolicyResult(outcome, steps.read_card(workspace, registered.name, registered.version))

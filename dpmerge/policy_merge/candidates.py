@@ -1,28 +1,30 @@
 """The ready candidate versions a policy merges (step 1), and loading them, cached by content
-hash."""
+hash and verified against their signatures; candidates trained with fixed seeds are refused
+(docs/design.md#sharp-edges)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import uuid
+from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dpmerge.artifacts import load_model_dir
-from dpmerge.errors import DPMergeError
+from dpmerge.errors import RefusalError
+from dpmerge.publication import FINGERPRINT_MARK, dataset_id, fixed_seed_streams
 from dpmerge.registry import (
     ROLE_CANDIDATE,
     STATUS_READY,
     RegisteredCandidate,
     Registry,
     RegistryError,
+    StoredVersion,
     candidate_content_hash,
-    candidate_model_name,
-    merged_model_name,
 )
+from dpmerge.registry.names import CANDIDATES_SUFFIX, RELEASES_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class CandidatePool:
 
     registered_model: str
     merged_model: str
-    dataset: str  # the training-data fingerprint
+    dataset: str  # the published dataset identifier (keyed), never the fingerprint
     model: str
     versions: tuple[str, ...]
 
@@ -39,15 +41,24 @@ class CandidatePool:
         return asdict(self)
 
 
-def _dataset_matches(policy_dataset: str, fingerprint: str) -> bool:
-    return fingerprint == policy_dataset or fingerprint.startswith(f"{policy_dataset}-sha256:")
+def _dataset_matches(policy_dataset: str, identifier: str) -> bool:
+    return identifier == policy_dataset or identifier.startswith(f"{policy_dataset}-hmac:")
+
+
+def releases_model_name(candidates_model: str) -> str:
+    """The releases' registered model that goes with a candidates' registered model."""
+    stem = candidates_model.removesuffix(f"-{CANDIDATES_SUFFIX}")
+    return f"{stem}-{RELEASES_SUFFIX}"
 
 
 def find_candidates(registry: Registry, dataset: str, model: str) -> CandidatePool:
-    """The ready candidates of ``model`` trained on ``dataset`` (a dataset name such as
-    ``fashion-mnist``, or a full fingerprint ``fashion-mnist-sha256:…`` to pick one among
-    several trainings). Raises :class:`RegistryError` when there are none or the name is
+    """The ready candidates of ``model`` trained on ``dataset``: a dataset name such as
+    ``fashion-mnist``, or to pick one among several trainings its published identifier
+    ``fashion-mnist-hmac:…`` (or its fingerprint ``…-sha256:…``, turned into the identifier with
+    the workflow's key). Raises :class:`RegistryError` when there are none or the name is
     ambiguous."""
+    if FINGERPRINT_MARK in dataset:
+        dataset = dataset_id(dataset, registry.keys)
     groups: dict[tuple[str, str], list[str]] = {}
     for v in registry.ready_candidates(model=model):
         if _dataset_matches(dataset, v.tags.get("dp.dataset", "")):
@@ -62,18 +73,34 @@ def find_candidates(registry: Registry, dataset: str, model: str) -> CandidatePo
         listed = ", ".join(f"{fp} ({name})" for name, fp in sorted(groups))
         raise RegistryError(
             f"candidates of {model!r} on {dataset!r} come from several trainings: {listed}; "
-            "put the fingerprint in the policy's dataset to choose one"
+            "put one of these identifiers in the policy's dataset to choose"
         )
-    (name, fingerprint), versions = next(iter(groups.items()))
+    (name, identifier), versions = next(iter(groups.items()))
     return CandidatePool(
         registered_model=name,
-        merged_model=merged_model_name(fingerprint, model)
-        if name == candidate_model_name(fingerprint, model)
-        else f"{name}-merged",
-        dataset=fingerprint,
+        merged_model=releases_model_name(name),
+        dataset=identifier,
         model=model,
         versions=tuple(sorted(versions, key=int)),
     )
+
+
+def refuse_fixed_seeds(candidates: Sequence[RegisteredCandidate]) -> None:
+    """Refuse a merge over candidates trained with a fixed (user-given, so not secret) noise or
+    batch seed: their randomness is public, which voids the Gaussian mechanism or the
+    amplification by subsampling (docs/design.md#sharp-edges)."""
+    fixed = [
+        f"{c.name} v{c.version} ({' and '.join(streams)})"
+        for c in candidates
+        if c.model_dir.record is not None and (streams := fixed_seed_streams(c.model_dir.record))
+    ]
+    if fixed:
+        raise RefusalError(
+            f"candidates trained with a fixed seed cannot be released: {'; '.join(fixed)}. A "
+            "fixed --noise-seed or --batch-seed is public randomness and voids the guarantee; "
+            "take them out of use (`dpmerge registry quarantine MODEL VERSION`) and train "
+            "candidates without seeds"
+        )
 
 
 def load_candidates(
@@ -83,7 +110,8 @@ def load_candidates(
     *,
     cache_dir: str | Path | None = None,
 ) -> list[RegisteredCandidate]:
-    """The pool's candidate versions as model directories. A registered version never changes,
+    """The pool's candidate versions as model directories, each verified against its content
+    hash and signature (:meth:`Registry.verify_candidate`). A registered version never changes,
     so with ``cache_dir`` each one is kept there under its content hash and reused when the
     files still hash to the version's ``dp.content_hash`` (otherwise downloaded again)."""
     if cache_dir is None:
@@ -92,17 +120,13 @@ def load_candidates(
     found: dict[str, RegisteredCandidate] = {}
     missing = []
     for version in pool.versions:
-        tags = registry.get_version(pool.registered_model, version).tags
-        content_hash = tags.get("dp.content_hash", "")
-        path = cache / content_hash
-        ready = tags.get("dp.role") == ROLE_CANDIDATE and tags.get("dp.status") == STATUS_READY
-        if ready and content_hash and path.is_dir():
-            with suppress(DPMergeError, OSError):
-                if candidate_content_hash(path) == content_hash:
-                    model_dir = load_model_dir(path)
-                    found[version] = RegisteredCandidate(pool.registered_model, version, model_dir)
-                    continue
-        missing.append(version)
+        stored = registry.get_version(pool.registered_model, version)
+        path = _cached(stored, cache)
+        if path is None:
+            missing.append(version)
+            continue
+        model_dir = registry.verify_candidate(stored, path)
+        found[version] = RegisteredCandidate(pool.registered_model, version, model_dir)
     if missing:
         for item in registry.load_candidates(pool.registered_model, missing, dest=dest):
             found[item.version] = item
@@ -114,3 +138,18 @@ def load_candidates(
                 os.replace(staging, target)
             shutil.rmtree(staging, ignore_errors=True)
     return [found[v] for v in pool.versions]
+
+
+def _cached(stored: StoredVersion, cache: Path) -> Path | None:
+    """The cache entry of a ready candidate version whose files still hash to its content
+    hash, else ``None`` (to download)."""
+    tags = stored.tags
+    content_hash = tags.get("dp.content_hash", "")
+    path = cache / content_hash
+    ready = tags.get("dp.role") == ROLE_CANDIDATE and tags.get("dp.status") == STATUS_READY
+    if not (ready and content_hash and path.is_dir()):
+        return None
+    try:
+        return path if candidate_content_hash(path) == content_hash else None
+    except OSError:
+        return None

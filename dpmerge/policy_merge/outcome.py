@@ -75,6 +75,7 @@ class PolicyOutcome:
     reachable_epsilon_range: tuple[float, float] | None = None
     revoked_version: str | None = None
     reasons: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # e.g. why the release spends less than the target
     compared: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
@@ -92,7 +93,7 @@ class PolicyOutcome:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["status"] = self.status.value
-        for key in ("weights", "candidates", "reachable_epsilon_range", "reasons"):
+        for key in ("weights", "candidates", "reachable_epsilon_range", "reasons", "notes"):
             if data[key] is not None:
                 data[key] = list(data[key])
         return data

@@ -1,6 +1,8 @@
 """Before a policy merge: the caches primed once candidates are registered, the candidates and
-evaluation split loaded for a policy event (steps 1–2), an existing release found or the
-ledger bound for a new one, and the ``torch.export`` warm-up."""
+evaluation split loaded for a policy event (steps 1–2, with every check that needs no merge:
+alias ownership, the event order, signed records, no fixed seeds), an existing release found or
+the ledger bound for a new one with the cap checked before anything is merged or drawn, and the
+``torch.export`` warm-up."""
 
 from __future__ import annotations
 
@@ -13,13 +15,22 @@ from typing import Any
 
 import torch
 
-from dpmerge.accounting.ledger import Release as LedgerRelease
 from dpmerge.policies import Policy
-from dpmerge.policy_merge.candidates import CandidatePool, find_candidates, load_candidates
+from dpmerge.policy_merge.candidates import (
+    CandidatePool,
+    find_candidates,
+    load_candidates,
+    refuse_fixed_seeds,
+)
 from dpmerge.policy_merge.evaluation_data import EvaluationData, load_evaluation_data
-from dpmerge.policy_merge.promotion import Registered, find_release, superseded_by
+from dpmerge.policy_merge.promotion import (
+    Registered,
+    check_alias_owner,
+    find_release,
+    superseded_by,
+)
 from dpmerge.policy_merge.release import MergeRequest
-from dpmerge.policy_merge.release_ledger import ledger_summary
+from dpmerge.policy_merge.release_ledger import LedgerEntry, ledger_summary
 from dpmerge.policy_merge.workspace import Workspace, remove_tree
 from dpmerge.registry import RegisteredCandidate
 
@@ -57,7 +68,9 @@ def prime_caches(workspace: Workspace, dataset: str, model: str) -> CandidatePoo
         )
         records = [c.model_dir.record for c in candidates]
         load_evaluation_data(
-            pool.dataset, getattr(records[0], "dataset_size", None), cache_dir=workspace.cache_dir
+            records[0].dataset,
+            getattr(records[0], "dataset_size", None),
+            cache_dir=workspace.cache_dir,
         )
         for record in records:
             for discretisation in (pld_mod.FINE_DISCRETISATION, pld_mod.COARSE_DISCRETISATION):
@@ -80,37 +93,46 @@ class Prepared:
 
 
 def prepare(workspace: Workspace, policy: Policy, occurred: datetime, dest: str | Path) -> Prepared:
-    """Steps 1–2 for ``policy``: find the candidates, stop if a later event already set the
-    alias, else load the candidates (cached by content hash) and the evaluation split."""
+    """Steps 1–2 for ``policy``: find the candidates; refuse an alias another policy owns
+    (:class:`~dpmerge.registry.AliasOwnershipError`); stop if a later event already set the
+    alias; else load the candidates (cached by content hash, each verified against its
+    signature), refuse fixed-seed candidates, and load the evaluation split (found by the
+    candidates' internal fingerprint)."""
     registry = workspace.registry()
     pool = find_candidates(registry, policy.dataset, policy.model)
+    check_alias_owner(registry, pool.merged_model, policy)
     later = superseded_by(registry, pool.merged_model, str(policy.alias), occurred)
     if later is not None:
         return Prepared(pool, superseded_by=later)
     candidates = load_candidates(registry, pool, dest, cache_dir=workspace.cache_dir / "candidates")
+    refuse_fixed_seeds(candidates)
     first = candidates[0].model_dir.record
     data = load_evaluation_data(
-        pool.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
+        first.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
     )
     return Prepared(pool, None, tuple(candidates), data)
 
 
 @dataclass(frozen=True)
 class ReleasePlan:
-    """Either the ready version of a merge request registered before (``existing``: reused,
-    nothing is merged), or the cumulative ledger bound the new release's card will show."""
+    """Either the ready version of this release registered before (``existing``: reused,
+    nothing is merged), or the cumulative ledger bound the new release's card will show, or
+    why the ledger cap refuses the new release (``refused``: nothing is merged or drawn)."""
 
     existing: Registered | None = None
     ledger: dict[str, Any] | None = None
+    refused: tuple[str, ...] = ()
 
 
 def plan_release(
-    workspace: Workspace, request: MergeRequest, entry: LedgerRelease, policy: Policy
+    workspace: Workspace, request: MergeRequest, entry: LedgerEntry, policy: Policy
 ) -> ReleasePlan:
-    """The ready version of this request if one exists (then nothing is merged), else the
-    cumulative ledger bound the new release's card will show."""
+    """The ready version of this release if one exists (then nothing is merged; its gates are
+    checked at promotion), else the ledger bound for the new release's card, checked against
+    the cap before any merge, draw or registration."""
     found = find_release(workspace.registry(), request)
     if found is not None:
         return ReleasePlan(existing=found)
     cap = policy.cumulative_epsilon_cap
-    return ReleasePlan(ledger=ledger_summary(workspace, entry, policy.target_delta, cap))
+    summary, refusal = ledger_summary(workspace, entry, policy.target_delta, cap)
+    return ReleasePlan(ledger=summary, refused=(refusal,) if refusal else ())

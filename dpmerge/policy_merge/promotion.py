@@ -1,24 +1,32 @@
-"""Registration and promotion (steps 6–7), revocation when the target is infeasible, the
-event-time order of alias changes (the registry's ``dp.alias_time.<alias>``), and the card of
-a registered release."""
+"""Registration and promotion (steps 6–7), revocation when the target is infeasible, alias
+ownership (an alias belongs to the policy that first set it), the event order of alias changes
+(the registry's ``dp.alias_time.<alias>``: server-received times, docs/design.md#security), and
+the card of a registered release."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
-from dpmerge.accounting.ledger import Release as LedgerRelease
 from dpmerge.errors import InfeasibleTargetError, RefusalError
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.candidates import CandidatePool
+from dpmerge.policy_merge.events import trusted
 from dpmerge.policy_merge.outcome import PolicyOutcome, Status
 from dpmerge.policy_merge.release import MergeRequest, Release
-from dpmerge.policy_merge.release_ledger import open_ledger
+from dpmerge.policy_merge.release_ledger import LedgerEntry, ledger_summary, record_release
 from dpmerge.policy_merge.workspace import Workspace
-from dpmerge.registry import GateError, Registry, RegistryError, StoredVersion, tag_float
+from dpmerge.registry import (
+    AliasOwnershipError,
+    GateError,
+    Registry,
+    RegistryError,
+    StoredVersion,
+    tag_float,
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,9 @@ def register_release(
         parent_model=request.pool.registered_model,
         name=request.pool.merged_model,
         ledger=ledger,
+        notes=release.notes,
+        started_ms=release.started_ms,
+        ended_ms=release.ended_ms,
     )
     if registered.content_hash != request.content_hash:  # the two hashes must agree
         raise RegistryError(
@@ -92,20 +103,25 @@ def read_card(workspace: Workspace, name: str, version: str) -> str:
     return workspace.registry().card_text(name, version)
 
 
-def parse_time(value: str | datetime | None) -> datetime:
-    """An event time (ISO 8601, naive means UTC); ``None`` is now."""
-    if value is None or value == "":
-        return datetime.now(UTC)
-    moment = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
 def superseded_by(registry: Registry, name: str, alias: str, occurred: datetime) -> str | None:
-    """The time of a *later* policy event that already set ``alias``, else ``None``."""
+    """The time of a *later* policy event that already set ``alias``, else ``None``. A
+    recorded time in the future is not trusted (it would freeze the alias)."""
     applied = registry.alias_time(name, alias)
-    if applied is not None and applied > occurred:
+    if applied is not None and applied > occurred and trusted(applied):
         return applied.isoformat()
     return None
+
+
+def check_alias_owner(registry: Registry, name: str, policy: Policy) -> None:
+    """Refuse (:class:`AliasOwnershipError`) a policy that names an alias another policy owns,
+    before anything is read or changed."""
+    alias = str(policy.alias)
+    owner = registry.alias_owner(name, alias) if registry.model_exists(name) else None
+    if owner is not None and owner != policy.name:
+        raise AliasOwnershipError(
+            f"alias {alias!r} of {name} belongs to policy {owner!r}; policy {policy.name!r} "
+            f"may not change it (give the policy its own alias, e.g. 'policy-{policy.name}')"
+        )
 
 
 def superseded_reason(later: str, alias: str) -> str:
@@ -116,44 +132,48 @@ def promote_release(
     workspace: Workspace,
     policy: Policy,
     registered: Registered,
-    ledger_entry: LedgerRelease,
+    entry: LedgerEntry,
     occurred: datetime,
 ) -> PromotionResult:
     """Gates, alias, ledger.
 
-    Order: a later event already applied → ``superseded``; the ledger cap (SPEC §7); the
-    registry's gates (:meth:`Registry.promote`); then the release is recorded in the ledger. If
-    recording fails the alias is moved back and the error raised: a release is never served
-    without being counted."""
+    Order: a later event already applied → ``superseded``; the alias claimed for the policy
+    (another policy's alias is refused); the ledger cap (docs/design.md#release-ledger); the
+    registry's gates (:meth:`Registry.promote`); then the release is recorded in the ledger
+    (a conditional write that keeps concurrent releases; the cap is checked again against
+    them) and marked released in the registry. If recording fails or the cap now refuses, the
+    alias is moved back: a release is never served without being counted."""
     registry = workspace.registry()
     alias = str(policy.alias)
     later = superseded_by(registry, registered.name, alias, occurred)
     if later is not None:
         return PromotionResult(Status.SUPERSEDED, reasons=(superseded_reason(later, alias),))
-    promotion = None
+    registry.claim_alias(registered.name, alias, policy.name)
+    delta, cap = policy.target_delta, policy.cumulative_epsilon_cap
+    _, refusal = ledger_summary(workspace, entry, delta, cap)
+    if refusal is not None:
+        return PromotionResult(Status.NOT_PROMOTED, reasons=(refusal,))
     try:
-        with open_ledger(workspace) as ledger:  # written back when the block ends
-            try:
-                ledger.check(ledger_entry, policy.target_delta, policy.cumulative_epsilon_cap)
-            except RefusalError as refusal:
-                return PromotionResult(Status.NOT_PROMOTED, reasons=(f"release ledger: {refusal}",))
-            try:
-                promotion = registry.promote(
-                    registered.name,
-                    registered.version,
-                    alias,
-                    target_epsilon=policy.target_epsilon,
-                    target_delta=policy.target_delta,
-                    min_accuracy=policy.min_accuracy,
-                )
-            except GateError as gate:
-                return PromotionResult(Status.NOT_PROMOTED, reasons=gate.reasons)
-            bound = ledger.record(ledger_entry, policy.target_delta, policy.cumulative_epsilon_cap)
+        promotion = registry.promote(
+            registered.name,
+            registered.version,
+            alias,
+            target_epsilon=policy.target_epsilon,
+            target_delta=delta,
+            min_accuracy=policy.min_accuracy,
+        )
+    except GateError as gate:
+        return PromotionResult(Status.NOT_PROMOTED, reasons=gate.reasons)
+    try:
+        bound = record_release(workspace, entry, delta, cap)
+    except RefusalError as refusal_now:  # a concurrent release took the room under the cap
+        registry.undo_promotion(promotion)
+        return PromotionResult(Status.NOT_PROMOTED, reasons=(f"release ledger: {refusal_now}",))
     except BaseException:
-        if promotion is not None:
-            with suppress(RegistryError):  # best effort: the original error is the news
-                registry.undo_promotion(promotion)
+        with suppress(RegistryError):  # best effort: the original error is the news
+            registry.undo_promotion(promotion)
         raise
+    registry.mark_released(registered.name, registered.version)
     registry.mark_alias_time(registered.name, alias, occurred)
     status = Status.PROMOTED if promotion.changed else Status.UNCHANGED
     return PromotionResult(status, promotion.previous, (), bound.epsilon)
@@ -180,6 +200,7 @@ def handle_infeasible(
         return PolicyOutcome.of(policy, Status.SUPERSEDED, reasons=reasons, **base)
     revoked = None
     if policy.on_infeasible == "revoke" and registry.model_exists(pool.merged_model):
+        registry.claim_alias(pool.merged_model, alias, policy.name)
         revoked = registry.revoke(pool.merged_model, alias)
         registry.mark_alias_time(pool.merged_model, alias, occurred)
     action = (

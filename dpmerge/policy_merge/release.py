@@ -1,10 +1,10 @@
-"""The merge request and the release (steps 4–5): the request's content hash, the merge and its
-evaluation, and for RS the audit record with the drawn index (never in :class:`Release`)."""
+"""The release (steps 4–5): its identity, the merge and its evaluation. For RS the draw is the
+one stored for the release (:mod:`~dpmerge.policy_merge.draws`), never held in
+:class:`Release`."""
 
 from __future__ import annotations
 
-import json
-import uuid
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,24 +12,26 @@ from typing import Any
 
 import torch
 
+from dpmerge.accounting.calibrated import Calibration
 from dpmerge.artifacts import ModelSpec
 from dpmerge.evaluation import evaluate
+from dpmerge.formatting import epsilon_text
 from dpmerge.merging import merge_model_dirs
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.calibration import PolicyPlan
 from dpmerge.policy_merge.candidates import CandidatePool
+from dpmerge.policy_merge.draws import stored_draw
 from dpmerge.policy_merge.evaluation_data import EvaluationData
 from dpmerge.policy_merge.workspace import Workspace
-from dpmerge.registry import RegisteredCandidate, merge_request_hash
-from dpmerge.storage import ObjectExistsError
+from dpmerge.registry import RegisteredCandidate, release_hash
 
 POLICY_REQUEST_KEYS = ("name", "target_epsilon", "target_delta", "dataset", "model", "method")
-"""The policy fields that define a merge request (with ``gating_bound``): changing a gate
-(``min_accuracy``, the cap) or the alias re-gates the same release instead of drawing again."""
+"""The policy fields recorded with a release (its run's ``policy`` param and its card name the
+policy that first asked for it); they are not part of the release's identity."""
 
 
 def policy_document(policy: Policy) -> dict[str, Any]:
-    """What of the policy enters the merge request (and the registry's ``policy`` param)."""
+    """What of the policy is recorded with a release it asked for."""
     document = {key: getattr(policy, key) for key in POLICY_REQUEST_KEYS}
     document["gating_bound"] = policy.gating_bound
     document["id"] = policy.name
@@ -38,6 +40,10 @@ def policy_document(policy: Policy) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class MergeRequest:
+    """A release a policy asks for. ``content_hash`` identifies the release: the candidates,
+    method, weights, δ and bound (docs/design.md#registry), so two policies whose calibration
+    gives the same merge share one version, and it does not depend on an RS draw."""
+
     pool: CandidatePool
     parents: tuple[str, ...]  # candidate versions in the calibration's order
     policy: dict[str, Any]
@@ -47,26 +53,39 @@ class MergeRequest:
 def merge_request(
     policy: Policy, pool: CandidatePool, candidates: Sequence[RegisteredCandidate], plan: PolicyPlan
 ) -> MergeRequest:
-    """The request identity :meth:`Registry.register_merged` will hash (the same fields)."""
+    """The release identity :meth:`Registry.register_merged` will hash (the same fields)."""
     report = plan.calibration.report.to_dict()
     parents = tuple(c.version for c in candidates)
-    document = policy_document(policy)
-    content_hash = merge_request_hash(
+    content_hash = release_hash(
         parent_model=pool.registered_model,
         parents=parents,
         method=report["method"],
         weights=report["weights"],
         delta=report["delta"],
         bound=report["bound"],
-        policy=document,
     )
-    return MergeRequest(pool, parents, document, content_hash)
+    return MergeRequest(pool, parents, policy_document(policy), content_hash)
+
+
+def spend_note(calibration: Calibration, target_epsilon: float) -> str | None:
+    """Why a merge spends less than the target, or ``None`` when it spends (nearly) all of it.
+    The calibration keeps the best-utility merge within the target, so a merge below it is where
+    that utility peaks: no merge of these candidates that spends more scores better."""
+    epsilon = calibration.epsilon
+    if epsilon >= target_epsilon * (1 - 1e-3):
+        return None
+    return (
+        f"spends ε = {epsilon_text(epsilon)} of the target ε* = {target_epsilon:g}: the "
+        f"calibration's utility ({calibration.utility_kind}) peaks at ε = "
+        f"{epsilon_text(epsilon)}; no merge of these candidates that spends more scores better"
+    )
 
 
 @dataclass(frozen=True)
 class Release:
-    """A merged model directory ready to register. Public facts only: for RS the drawn index
-    went to ``audit_file`` (0600) and is not held here."""
+    """A merged model directory ready to register. Public facts only: an RS draw is in the
+    release's audit record, never here. ``notes`` go on the card; ``started_ms``/``ended_ms``
+    time the merge (its MLflow run)."""
 
     path: Path
     method: str
@@ -76,7 +95,9 @@ class Release:
     delta: float
     bound: str
     metrics: dict[str, Any]
-    audit_file: Path | None = None
+    notes: tuple[str, ...] = ()
+    started_ms: int | None = None
+    ended_ms: int | None = None
 
 
 def evaluation_metrics(data: EvaluationData) -> Any:
@@ -102,33 +123,29 @@ def merge_release(
     data: EvaluationData,
     workdir: str | Path,
 ) -> Release:
-    """Merge (RS draws here, once) and evaluate into ``workdir/release``. For RS the audit
-    record (drawn index, probabilities, request hash) goes to a new 0600 file: under
-    ``<home>/audit`` (0700) when no S3 is configured, else in the private ``workdir``, from
-    which :func:`store_audit` moves it to the audit bucket."""
+    """Merge and evaluate into ``workdir/release``. RS uses the draw stored for this release,
+    or draws once and stores the draw before using it (:func:`stored_draw`): a retry or a
+    concurrent run of the same release releases the same candidate."""
     calibration = plan.calibration
-    out = Path(workdir) / "release"
-    audit_file = None
-    if calibration.method == "rs":
-        audit_dir = workspace.private_dir("audit") if workspace.s3 is None else Path(workdir)
-        audit_file = audit_dir / f"{request.content_hash}.{uuid.uuid4().hex[:8]}.json"
+    started = int(time.time() * 1000)
+    names = [c.model_dir.record.name for c in candidates if c.model_dir.record is not None]
+    notes = {
+        "policy": request.policy["id"],
+        "parent_model": request.pool.registered_model,
+        "parents": list(request.parents),
+    }
     result = merge_model_dirs(
         [c.model_dir.path for c in candidates],
         calibration.method,
         calibration,
-        out,
+        Path(workdir) / "release",
         delta=calibration.delta,
         gating_bound=calibration.report.gating.kind if calibration.method == "lc" else "generic",
         metrics=evaluation_metrics(data),
-        audit_path=audit_file,
-        audit_notes={
-            "content_hash": request.content_hash,
-            "policy": request.policy["id"],
-            "parent_model": request.pool.registered_model,
-            "parents": list(request.parents),
-        },
+        draw=lambda pi: stored_draw(workspace, request.content_hash, names, pi, notes),
     )
     report = result.report
+    note = spend_note(calibration, float(request.policy["target_epsilon"]))
     return Release(
         path=result.path,
         method=result.method,
@@ -138,27 +155,7 @@ def merge_release(
         delta=report.delta,
         bound=report.gating.kind,
         metrics=dict(result.metrics),
-        audit_file=audit_file,
+        notes=(note,) if note else (),
+        started_ms=started,
+        ended_ms=int(time.time() * 1000),
     )
-
-
-def store_audit(workspace: Workspace, release: Release) -> str | None:
-    """Put an RS release's audit record where it belongs and return its location: the
-    restricted audit bucket (once; the local file is then deleted) or, embedded, the 0600
-    file under ``<home>/audit`` (already there)."""
-    if release.audit_file is None:
-        return None
-    store = workspace.store()
-    if store is None:
-        return str(release.audit_file)
-    release_id = release.audit_file.name.removesuffix(".json")
-    record = json.loads(release.audit_file.read_text())
-    record.pop("release", None)  # a local scratch path, meaningless elsewhere
-    try:
-        uri = store.write_audit_record(release_id, record)
-    except ObjectExistsError:  # a retried write whose first attempt went through
-        if store.read_audit_record(release_id) != record:
-            raise
-        uri = f"s3://{store.config.audit_bucket}/releases/{release_id}.json"
-    release.audit_file.unlink(missing_ok=True)
-    return uri

@@ -10,16 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dpmerge.home import DEFAULT_HOME, HOME_ENV, resolve_home
+from dpmerge.keys import WorkflowKey
 from dpmerge.registry import Registry
 from dpmerge.storage import S3Config, S3Store
 
-HOME_ENV = "DPMERGE_HOME"
-DEFAULT_HOME = ".dpmerge"
-
-
-def resolve_home(home: str | Path | None = None) -> Path:
-    """The local state directory: ``home``, else ``$DPMERGE_HOME``, else ``./.dpmerge``."""
-    return Path(home or os.environ.get(HOME_ENV) or Path.cwd() / DEFAULT_HOME).absolute()
+__all__ = [
+    "DEFAULT_HOME",
+    "HOME_ENV",
+    "Workspace",
+    "embedded_tracking_uri",
+    "remove_tree",
+    "resolve_home",
+]
 
 
 def embedded_tracking_uri(home: str | Path | None = None) -> str:
@@ -49,9 +52,11 @@ class Workspace:
         return cls(uri, home_path, S3Config.from_env() if use_s3 else None)
 
     def registry(self) -> Registry:
+        """The registry, with the workflow's secret key (``$DPMERGE_SECRET_KEY``, else
+        ``<home>/secret.key``, docs/design.md#security)."""
         if self.tracking_uri.startswith("sqlite:///"):
             self.home.mkdir(parents=True, exist_ok=True)
-        return Registry(self.tracking_uri)
+        return Registry(self.tracking_uri, keys=WorkflowKey.from_env(self.home))
 
     def store(self) -> S3Store | None:
         return S3Store(self.s3) if self.s3 is not None else None

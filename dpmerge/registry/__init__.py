@@ -1,10 +1,13 @@
 """A thin adapter over ``MlflowClient``: candidates and merged models with their privacy records.
 
 Layout. Candidates of one dataset and architecture form one registered model
-(``dpmerge-<dataset>-<model>``); the merges released from them form another
-(``dpmerge-<dataset>-<model>-merged``), which carries the serving alias. Keeping them apart
-lets access rules differ: candidate weights are internal (publishing them voids every
-guarantee, and for RS comparing weights would reveal the secret draw).
+(``dpmerge-<dataset>-<model>-candidates``); the merges released from them form another
+(``dpmerge-<dataset>-<model>-releases``), which carries the serving aliases. Their runs live in
+two experiments (``dpmerge-candidates``, ``dpmerge-releases``) with two artifact prefixes
+(``candidates/``, ``releases/``), so access rules can differ: candidate weights and metrics are
+internal (publishing them voids every guarantee, and for RS comparing them with the release
+would reveal the secret draw). ``<dataset>`` comes from the keyed dataset identifier, never the
+training-data fingerprint (docs/design.md#security).
 
 A version holds an MLflow ``pytorch`` model in the ``pt2`` format and, in its ``extra_files/``,
 the dpmerge model directory from which :meth:`Registry.load_candidates` rebuilds exact weights
@@ -15,8 +18,11 @@ Safety rules. A version is written fully, verified, and only then tagged
 ``dp.status=ready``; a failure after creation tags it ``dp.status=failed``. Promotion moves an
 alias only to a ready merged version whose gates pass, so an alias never points at a failed or
 half-registered version. ``dp.content_hash`` makes registration idempotent: for a merge it
-hashes the merge *request* (parent versions, method, weights, δ, policy), never the weights
-(an RS output equals one candidate's weights, so a weight hash would leak the drawn index).
+hashes the *release* (parent versions, method, weights, δ, bound), never the weights (an RS
+output equals one candidate's weights, so a weight hash would leak the drawn index) nor the
+target. A candidate's registration signs its content hash with the workflow's key, and loading
+a candidate verifies the signature: a record changed in the artifact store is refused. An alias
+belongs to the policy that first set it (``dp.alias_owner.<alias>``).
 The merge record is reduced to its public keys before logging, and no tag, description or
 artifact receives the RS draw.
 
@@ -40,17 +46,25 @@ the pt2 upload),
 
 from dpmerge.registry.adapter import Registry
 from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
-from dpmerge.registry.errors import GateError, RegistryError, RegistryUnavailableError
+from dpmerge.registry.errors import (
+    AliasOwnershipError,
+    GateError,
+    RecordIntegrityError,
+    RegistryError,
+    RegistryUnavailableError,
+)
 from dpmerge.registry.names import (
     candidate_content_hash,
     candidate_model_name,
-    merge_request_hash,
     merged_model_name,
+    release_hash,
 )
+from dpmerge.registry.queries import repair_hint
 from dpmerge.registry.tags import (
     ROLE_CANDIDATE,
     ROLE_MERGED,
     STATUS_FAILED,
+    STATUS_QUARANTINED,
     STATUS_READY,
     STATUS_REGISTERING,
     tag_float,
@@ -69,10 +83,13 @@ __all__ = [
     "ROLE_CANDIDATE",
     "ROLE_MERGED",
     "STATUS_FAILED",
+    "STATUS_QUARANTINED",
     "STATUS_READY",
     "STATUS_REGISTERING",
+    "AliasOwnershipError",
     "GateError",
     "Promotion",
+    "RecordIntegrityError",
     "RegisteredCandidate",
     "RegisteredVersion",
     "Registry",
@@ -82,7 +99,8 @@ __all__ = [
     "VersionSummary",
     "candidate_content_hash",
     "candidate_model_name",
-    "merge_request_hash",
     "merged_model_name",
+    "release_hash",
+    "repair_hint",
     "tag_float",
 ]

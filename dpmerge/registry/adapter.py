@@ -4,21 +4,34 @@ with the event time of each change, and log report runs, under the safety rules 
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
+from mlflow.exceptions import MlflowException
 from pydantic import BaseModel
 from torch import nn
 
-from dpmerge.artifacts import RECORD_FILE, ModelDir, ModelSpec, load_model_dir
+from dpmerge.artifacts import RECORD_FILE, WEIGHTS_FILE, ModelDir, ModelSpec, load_model_dir
 from dpmerge.errors import DPMergeError, RecordError
+from dpmerge.formatting import epsilon_text
+from dpmerge.keys import WorkflowKey
 from dpmerge.privacy_card import PrivacyCard
+from dpmerge.publication import dataset_name, public_record, signature
 from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
-from dpmerge.registry.errors import GateError, RegistryError, registry_error
+from dpmerge.registry.errors import (
+    AliasOwnershipError,
+    GateError,
+    RegistryError,
+    registry_error,
+)
 from dpmerge.registry.merged import MergedDir
 from dpmerge.registry.names import (
     candidate_content_hash,
@@ -27,54 +40,127 @@ from dpmerge.registry.names import (
 )
 from dpmerge.registry.queries import RegistryQueries
 from dpmerge.registry.tags import (
+    ALIAS_OWNER_TAG,
     ALIAS_TIME_TAG,
+    FAILURE_TAG,
+    KEY_ID_TAG,
+    REGISTERING_BY_TAG,
+    RELEASED_TAG,
     ROLE_CANDIDATE,
     ROLE_MERGED,
+    SIGNATURE_TAG,
+    STATUS_QUARANTINED,
     STATUS_READY,
     STATUS_REGISTERING,
     scalar_metrics,
     tag_float,
     tag_values,
 )
-from dpmerge.registry.versions import Promotion, RegisteredVersion
+from dpmerge.registry.versions import Promotion, RegisteredVersion, StoredVersion
 
-DEFAULT_EXPERIMENT = "dpmerge-registry"
+CANDIDATES_EXPERIMENT, RELEASES_EXPERIMENT = "dpmerge-candidates", "dpmerge-releases"
+EXPERIMENTS = {
+    ROLE_CANDIDATE: (CANDIDATES_EXPERIMENT, "candidates"),
+    ROLE_MERGED: (RELEASES_EXPERIMENT, "releases"),
+}
+"""Role -> (experiment, artifact prefix). Candidates and releases never share either, so the
+candidates' prefix can be made internal and the releases' public (docs/design.md#rs-secrecy)."""
+REPORTS_PREFIX = "reports"
+DATA_CONTEXT = "mlflow.data.context"  # MLflow's input tag: what a dataset input was used for
+PRIVACY_METRICS = {
+    "epsilon": "dp.epsilon",
+    "epsilon_pld": "dp.epsilon_pld",
+    "epsilon_rdp": "dp.epsilon_rdp",
+    "delta": "dp.delta",
+    "epsilon_generic": "dp.generic_epsilon",
+    "epsilon_structured": "dp.structured_epsilon",
+}
+"""Run metric -> the tag it copies: privacy next to accuracy in MLflow's run table."""
 
 ModuleBuilder = Callable[[ModelSpec], nn.Module]
+History = Mapping[str, Sequence[float]]
+
+
+CURVES = ("validation_accuracy", "validation_loss", "test_accuracy", "test_loss")
+"""Per-epoch metrics logged as training curves (training loss is a statistic of the training
+batches and is never written to the model directory, docs/training.md)."""
+
+
+def epoch_curves(metrics: Mapping[str, Any]) -> dict[str, list[float]]:
+    """``{metric: [value per epoch]}`` from a model directory's ``metrics["history"]``."""
+    history = metrics.get("history")
+    if not isinstance(history, list):
+        return {}
+    curves: dict[str, list[float]] = {}
+    for key in CURVES:
+        values = [e.get(key) for e in history if isinstance(e, Mapping)]
+        if values and all(isinstance(v, int | float) for v in values):
+            curves[key] = [float(v) for v in values]
+    return curves
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """How a version's MLflow run looks: its name, when it ran (ms since the epoch; ``None``:
+    registration time), its metrics (also per-epoch histories) and its training data."""
+
+    name: str
+    metrics: dict[str, float]
+    dataset: str  # the published dataset identifier
+    history: History = field(default_factory=dict)
+    started_ms: int | None = None
+    ended_ms: int | None = None
 
 
 class Registry(RegistryQueries):
     """Register candidates and merges, load candidates, promote and revoke aliases.
 
     ``tracking_uri`` defaults to MLflow's (``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``
-    in the working directory). For a ``sqlite:///`` URI the experiment's artifacts go next to
-    the database (``<db dir>/mlartifacts``) unless ``artifact_location`` says otherwise; a server
-    decides for itself. ``build_module`` turns a :class:`ModelSpec` into a module to load the
-    weights into (default ``dpmerge.models.build_model``). The accuracy that promotion gates on
-    is the first of ``accuracy_keys`` found in a model's metrics.
+    in the working directory). Artifacts go under ``artifact_root`` (default: ``<db
+    dir>/mlartifacts`` for a ``sqlite:///`` URI, the server's proxied store for a server), in
+    one prefix per role (``candidates/``, ``releases/``). ``keys`` is the workflow's secret key
+    (default :meth:`WorkflowKey.from_env`, on first use). ``build_module`` turns a
+    :class:`ModelSpec` into a module to load the weights into (default
+    ``dpmerge.models.build_model``). The accuracy that promotion gates on is the first of
+    ``accuracy_keys`` found in a model's metrics. A version left ``registering`` for longer than
+    ``stale_registration_s`` (or by a process of this host that is gone) is marked failed by
+    the next registration of the same content.
     """
 
     def __init__(
         self,
         tracking_uri: str | None = None,
         *,
-        experiment: str = DEFAULT_EXPERIMENT,
-        artifact_location: str | None = None,
+        keys: WorkflowKey | None = None,
+        artifact_root: str | None = None,
         build_module: ModuleBuilder | None = None,
         accuracy_keys: Sequence[str] = ("test_accuracy", "accuracy"),
         ready_timeout_s: float = 300.0,
+        stale_registration_s: float = 900.0,
     ) -> None:
-        super().__init__(tracking_uri, experiment, artifact_location)
+        super().__init__(tracking_uri, artifact_root, keys)
         self.accuracy_keys = tuple(accuracy_keys)
         self.ready_timeout_s = ready_timeout_s
+        self.stale_registration_s = stale_registration_s
         self._build_module = build_module
 
     # --- registration ------------------------------------------------------------------
 
     def register_candidate(
-        self, model_dir: str | Path, *, name: str | None = None
+        self,
+        model_dir: str | Path,
+        *,
+        name: str | None = None,
+        history: History | None = None,
+        started_ms: int | None = None,
+        ended_ms: int | None = None,
     ) -> RegisteredVersion:
-        """Register a trained candidate directory (idempotent on its content hash)."""
+        """Register a trained candidate directory (idempotent on its content hash), signed
+        with the workflow's key. Published fields carry the keyed dataset identifier and keyed
+        lineages (:func:`~dpmerge.publication.public_record`). ``history`` maps a metric name
+        to its per-epoch values (logged as the metric's history); the run spans the training
+        (``started_ms``..``ended_ms``, default: ``train_seconds`` before the weights file was
+        written)."""
         loaded = load_model_dir(model_dir)
         record = loaded.record
         if record is None:
@@ -85,13 +171,16 @@ class Registry(RegistryQueries):
                 f"{loaded.path}/{RECORD_FILE} holds no candidate bound ('privacy' with epsilon); "
                 "ε is derived by the accountant at training time, never typed in"
             )
-        name = name or candidate_model_name(record.dataset, loaded.spec.name)
+        keys = self.keys
+        public = public_record(record, keys)
+        name = name or candidate_model_name(public.dataset, loaded.spec.name)
+        content_hash = candidate_content_hash(loaded.path)
         tags = tag_values(
             {
                 "dp.role": ROLE_CANDIDATE,
                 "dp.candidate": record.name,
                 "dp.kind": record.kind,
-                "dp.dataset": record.dataset,
+                "dp.dataset": public.dataset,
                 "dp.model": loaded.spec.name,
                 "dp.epsilon": privacy.get("epsilon"),
                 "dp.delta": privacy.get("delta"),
@@ -103,25 +192,37 @@ class Registry(RegistryQueries):
                 "dp.sample_rate": getattr(record, "sample_rate", None),
                 "dp.steps": getattr(record, "steps", None),
                 "dp.clip_norm": getattr(record, "clip_norm", None),
-                "dp.noise_lineage": getattr(record, "noise_lineage", None),
-                "dp.batch_lineage": getattr(record, "batch_lineage", None),
+                "dp.noise_lineage": getattr(public, "noise_lineage", None),
+                "dp.batch_lineage": getattr(public, "batch_lineage", None),
+                SIGNATURE_TAG: signature(content_hash, keys),
+                KEY_ID_TAG: keys.key_id,
                 **self._accuracy_tags(loaded.metrics),
             }
         )
-        params = record.model_dump(mode="json", exclude_none=True)
+        sigma = getattr(record, "noise_multiplier", None)
+        ended = ended_ms or int((loaded.path / WEIGHTS_FILE).stat().st_mtime * 1000)
+        seconds = tag_float(loaded.metrics.get("train_seconds"))
+        run = RunInfo(
+            name=f"train σ={sigma:g}" if sigma is not None else f"label {record.name}",
+            metrics=scalar_metrics(loaded.metrics) | _privacy_metrics(tags),
+            dataset=public.dataset,
+            history=history if history is not None else epoch_curves(loaded.metrics),
+            started_ms=started_ms or (ended - int(seconds * 1000) if seconds else None),
+            ended_ms=ended,
+        )
         return self._register(
             name,
             loaded,
-            content_hash=candidate_content_hash(loaded.path),
-            run_name=record.name,
+            content_hash=content_hash,
+            run=run,
             tags=tags,
-            params=params,
+            params=public.model_dump(mode="json", exclude_none=True),
             record_bytes=(loaded.path / RECORD_FILE).read_bytes(),
             description=(
-                f"Candidate {record.name}: (ε = {privacy['epsilon']:.4f}, "
+                f"Candidate {record.name}: (ε = {epsilon_text(privacy['epsilon'])}, "
                 f"δ = {privacy['delta']:g}) under {str(privacy.get('accountant')).upper()}. "
-                "Internal: publishing these weights voids every guarantee of merges built from "
-                "them."
+                "Internal: publishing these weights or metrics voids every guarantee of merges "
+                "built from them."
             ),
             card=None,
         )
@@ -135,30 +236,43 @@ class Registry(RegistryQueries):
         parent_model: str | None = None,
         name: str | None = None,
         ledger: Mapping[str, Any] | None = None,
+        notes: Sequence[str] = (),
+        started_ms: int | None = None,
+        ended_ms: int | None = None,
     ) -> RegisteredVersion:
-        """Register a merged directory with its privacy card (idempotent on the request hash).
+        """Register a merged directory with its privacy card (idempotent on the release hash:
+        candidates, method, weights, δ and bound, never the target).
 
         ``parents`` are the candidate versions (of ``parent_model``, default the candidates'
         registered model) the merge used, one per report candidate. ``policy`` (a
         ``dpmerge.policies.Policy`` or a mapping) needs ``target_epsilon`` and ``target_delta``;
-        its ``name`` (or ``id``) is shown on the card, and all of it enters the request hash.
-        ``ledger`` is the cumulative release bound to show (see :func:`build_privacy_card`).
+        its ``name`` (or ``id``) is shown on the card as the policy that asked for the release.
+        ``ledger`` is the cumulative release bound to show (see :func:`build_privacy_card`),
+        ``notes`` go on the card; the run spans ``started_ms``..``ended_ms`` (the merge).
         """
         if isinstance(policy, BaseModel):
             policy = policy.model_dump(mode="json")
-        merged = MergedDir.read(model_dir, policy)
+        merged = MergedDir.read(model_dir, policy, self.keys)
         dataset, model = merged.dataset, merged.loaded.spec.name
         parent_model = parent_model or candidate_model_name(dataset, model)
         versions = self._parent_versions(parent_model, [str(p) for p in parents], merged.names)
         content_hash = merged.request_hash(parent_model, versions)
         name = name or merged_model_name(dataset, model)
-        card = merged.card(name, versions, ledger)
+        card = merged.card(name, versions, ledger, notes)
         tags = merged.tags(parent_model, versions, self._accuracy_tags(merged.loaded.metrics))
+        requester = f"policy-{merged.policy_id}" if merged.policy_id else "merge"
+        run = RunInfo(
+            name=f"{requester} ε*={merged.target_epsilon:g}",
+            metrics=scalar_metrics(merged.loaded.metrics) | _privacy_metrics(tags),
+            dataset=dataset,
+            started_ms=started_ms,
+            ended_ms=ended_ms,
+        )
         return self._register(
             name,
             merged.loaded,
             content_hash=content_hash,
-            run_name=f"merge-{content_hash[:12]}",
+            run=run,
             tags=tags,
             params=merged.params(parent_model, tags),
             record_bytes=merged.public_record(),
@@ -192,7 +306,7 @@ class Registry(RegistryQueries):
         loaded: ModelDir,
         *,
         content_hash: str,
-        run_name: str,
+        run: RunInfo,
         tags: dict[str, str],
         params: Mapping[str, Any],
         record_bytes: bytes,
@@ -204,38 +318,28 @@ class Registry(RegistryQueries):
             return RegisteredVersion(
                 name, str(existing.version), content_hash, existing.run_id, True
             )
-        self._ensure_registered_model(name, tags["dp.role"])
-        with self._errors(f"logging {name}"):
-            run = self._client.create_run(
-                self._experiment(),
-                run_name=run_name,
-                tags={"dp.role": tags["dp.role"], "dp.content_hash": content_hash},
-            )
-        run_id = run.info.run_id
+        self._retire_abandoned(name, content_hash)
+        role = tags["dp.role"]
+        experiment_id = self._experiment(*EXPERIMENTS[role])
+        self._ensure_registered_model(name, role)
+        run_id = self._start_run(experiment_id, run, role, content_hash)
         version: str | None = None
         try:
             model_id, source, files = self._log_model(
-                run_id, self._module(loaded), loaded, record_bytes, card, tags["dp.role"]
+                run_id, experiment_id, self._module(loaded), loaded, record_bytes, card, role
             )
-            with self._errors(f"logging metrics and params of {name}"):
-                stamp = int(time.time() * 1000)
-                self._client.log_batch(
-                    run_id,
-                    metrics=[
-                        Metric(k, v, stamp, 0, model_id=model_id)
-                        for k, v in scalar_metrics(loaded.metrics).items()
-                    ],
-                    params=[Param(k, str(v)[:6000]) for k, v in params.items()],
-                )
-                if card is not None:
-                    self._client.log_text(run_id, card.markdown, CARD_MARKDOWN)
-                    self._client.log_text(run_id, card.to_json(), CARD_JSON)
+            self._log_run(run_id, model_id, run, params, card)
             with self._errors(f"registering {name}"):
                 created = self._client.create_model_version(
                     name,
                     source=source,
                     run_id=run_id,
-                    tags={**tags, "dp.content_hash": content_hash, "dp.status": STATUS_REGISTERING},
+                    tags={
+                        **tags,
+                        "dp.content_hash": content_hash,
+                        "dp.status": STATUS_REGISTERING,
+                        REGISTERING_BY_TAG: f"{socket.gethostname()}:{os.getpid()}",
+                    },
                     description=description,
                     model_id=model_id,
                     await_creation_for=0,
@@ -252,8 +356,129 @@ class Registry(RegistryQueries):
             if isinstance(error, DPMergeError | KeyboardInterrupt):
                 raise
             raise registry_error(f"registering {name} failed: {error}", error) from error
-        self._end_run(run_id, "FINISHED")
+        self._end_run(run_id, "FINISHED", run.ended_ms)
+        first = self.find_ready_version(name, content_hash)
+        if first is not None and first.version != version:  # a concurrent registration won
+            self._mark_failed(name, version, f"duplicate of v{first.version}")
+            return RegisteredVersion(name, first.version, content_hash, first.run_id, True)
         return RegisteredVersion(name, version, content_hash, run_id, False)
+
+    def _start_run(self, experiment_id: str, run: RunInfo, role: str, content_hash: str) -> str:
+        with self._errors(f"starting run {run.name!r}"):
+            created = self._client.create_run(
+                experiment_id,
+                run_name=run.name,
+                start_time=run.started_ms,
+                tags={"dp.role": role, "dp.content_hash": content_hash},
+            )
+        return created.info.run_id
+
+    def _log_run(
+        self,
+        run_id: str,
+        model_id: str,
+        run: RunInfo,
+        params: Mapping[str, Any],
+        card: PrivacyCard | None,
+    ) -> None:
+        """Metrics (and their per-epoch histories), params, the training data as a dataset
+        input, and the card as run artifacts."""
+        stamp = run.ended_ms or int(time.time() * 1000)
+        metrics = [Metric(k, v, stamp, 0, model_id=model_id) for k, v in run.metrics.items()]
+        for key, values in run.history.items():
+            metrics += [Metric(key, float(v), stamp, step) for step, v in enumerate(values, 1)]
+        digest = run.dataset.rsplit(":", 1)[-1][:32]
+        source = {"loader": "dpmerge.data.load_dataset", "name": dataset_name(run.dataset)}
+        dataset = Dataset(dataset_name(run.dataset), digest, "dpmerge", json.dumps(source))
+        with self._errors(f"logging run {run.name!r}"):
+            for start in range(0, len(metrics), 1000):  # MLflow's batch limit
+                self._client.log_batch(
+                    run_id,
+                    metrics=metrics[start : start + 1000],
+                    params=[Param(k, str(v)[:6000]) for k, v in params.items()]
+                    if not start
+                    else [],
+                )
+            self._log_dataset(run_id, DatasetInput(dataset, [InputTag(DATA_CONTEXT, "training")]))
+            if card is not None:
+                self._client.log_text(run_id, card.markdown, CARD_MARKDOWN)
+                self._client.log_text(run_id, card.to_json(), CARD_JSON)
+
+    def _log_dataset(self, run_id: str, dataset: DatasetInput) -> None:
+        """Log the dataset input. Two runs logging a new dataset at once race on MLflow's
+        unique (experiment, name, digest) row; the loser's second attempt finds the row."""
+        try:
+            self._client.log_inputs(run_id, datasets=[dataset])
+        except MlflowException:
+            self._client.log_inputs(run_id, datasets=[dataset])
+
+    def _retire_abandoned(self, name: str, content_hash: str) -> None:
+        """Mark failed every version of this content left ``registering`` by a registration
+        that died: by a process of this host that is gone, or longer ago than
+        ``stale_registration_s`` (docs/design.md#registry)."""
+        host = socket.gethostname()
+        now_ms = time.time() * 1000
+        for stored in self.versions_with_hash(name, content_hash):
+            if stored.tags.get("dp.status") != STATUS_REGISTERING:
+                continue
+            owner_host, _, pid = stored.tags.get(REGISTERING_BY_TAG, "").partition(":")
+            gone = owner_host == host and pid.isdigit() and not _alive(int(pid))
+            age_s = (now_ms - self._created_ms(stored)) / 1000
+            if gone or age_s > self.stale_registration_s:
+                why = (
+                    "its registering process is gone" if gone else f"registering for {age_s:.0f} s"
+                )
+                self._mark_failed(name, stored.version, f"abandoned: {why}")
+                if stored.run_id:
+                    self._end_run(stored.run_id, "FAILED")
+
+    def _created_ms(self, stored: StoredVersion) -> float:
+        return float(self._version(stored.name, stored.version).creation_timestamp or 0)
+
+    def quarantine(self, name: str, version: str | int, reason: str) -> StoredVersion:
+        """Take a candidate or merged version out of use (``dp.status=quarantined``): it is never
+        merged, reused or promoted again. For a record that failed verification."""
+        stored = self.get_version(name, version)
+        with self._errors(f"quarantining {name} v{version}"):
+            self._client.set_model_version_tag(name, str(version), "dp.status", STATUS_QUARANTINED)
+            self._client.set_model_version_tag(name, str(version), FAILURE_TAG, reason[:1000])
+        return stored
+
+    def sign(self, name: str, version: str | int, model_dir: str | Path) -> str:
+        """Re-sign candidate ``version`` (one registered before record signing, or under
+        another key) after checking that ``model_dir`` (its downloaded files) hashes to its
+        ``dp.content_hash`` and that its record, as published, equals the params its run logged
+        at registration (MLflow never changes a logged param). Returns the signature."""
+        stored = self.get_version(name, version)
+        if stored.tags.get("dp.role") != ROLE_CANDIDATE:
+            raise RegistryError(f"{name} v{version} is not a candidate")
+        content_hash = candidate_content_hash(model_dir)
+        if content_hash != stored.tags.get("dp.content_hash"):
+            raise RegistryError(f"{name} v{version}: its files do not match dp.content_hash")
+        loaded = load_model_dir(model_dir)
+        if loaded.record is None:
+            raise RegistryError(f"{name} v{version}: no candidate record")
+        logged = self._run_params(stored.run_id) if stored.run_id else {}
+        published = public_record(loaded.record, self.keys).model_dump(
+            mode="json", exclude_none=True
+        )
+        raw = loaded.record.model_dump(mode="json", exclude_none=True)
+        matches = [
+            all(logged.get(k) == str(v) for k, v in document.items())
+            for document in (published, raw)
+        ]
+        if not any(matches):
+            differ = sorted(k for k, v in raw.items() if logged.get(k) != str(v))
+            raise RegistryError(
+                f"{name} v{version}: its record disagrees with the params its run logged at "
+                f"registration ({', '.join(differ[:5])}); quarantine it: "
+                f"`dpmerge registry quarantine {name} {version}`"
+            )
+        tag = signature(content_hash, self.keys)
+        with self._errors(f"signing {name} v{version}"):
+            self._client.set_model_version_tag(name, str(version), SIGNATURE_TAG, tag)
+            self._client.set_model_version_tag(name, str(version), KEY_ID_TAG, self.keys.key_id)
+        return tag
 
     def _accuracy_tags(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """``dp.accuracy`` from the first of ``accuracy_keys`` present, and which key it was."""
@@ -341,6 +566,31 @@ class Registry(RegistryQueries):
                     promotion.name, promotion.alias, promotion.previous
                 )
 
+    def claim_alias(self, name: str, alias: str, policy: str) -> None:
+        """Record ``policy`` as the owner of ``alias`` of ``name`` unless it has one;
+        :class:`AliasOwnershipError` when another policy owns it. Called before any alias change,
+        so a policy can never move or remove another policy's alias (docs/design.md#security)."""
+        owner = self.alias_owner(name, alias)
+        if owner is not None and owner != policy:
+            raise AliasOwnershipError(
+                f"alias {alias!r} of {name} belongs to policy {owner!r}; policy {policy!r} may "
+                f"not change it (give the policy its own alias, e.g. 'policy-{policy}')"
+            )
+        if owner is None:
+            with self._errors(f"recording the owner of alias {alias!r} of {name}"):
+                self._client.set_registered_model_tag(name, ALIAS_OWNER_TAG + alias, policy)
+            owner = self.alias_owner(name, alias)  # two first claims at once: one tag wins
+            if owner != policy:
+                raise AliasOwnershipError(
+                    f"alias {alias!r} of {name} was just claimed by {owner!r}"
+                )
+
+    def mark_released(self, name: str, version: str | int) -> None:
+        """Record that the release ledger counts this merged version (``dp.released``): a ledger
+        that later lacks it is known to be damaged, not empty."""
+        with self._errors(f"tagging {name} v{version} as released"):
+            self._client.set_model_version_tag(name, str(version), RELEASED_TAG, "true")
+
     def alias_time(self, name: str, alias: str) -> datetime | None:
         """The time of the policy event that last changed ``alias`` of ``name`` (the tag
         ``dp.alias_time.<alias>``); ``None`` if none did or there is no such model."""
@@ -372,12 +622,11 @@ class Registry(RegistryQueries):
         params: Mapping[str, str],
         files: Sequence[str | Path],
     ) -> str:
-        """Log ``files`` and ``params`` to a new finished run of ``experiment`` (created with
-        the registry's artifact location); returns the run id."""
+        """Log ``files`` and ``params`` to a new finished run of ``experiment`` (its artifacts
+        under the ``reports/`` prefix, internal like the candidates); returns the run id."""
+        experiment_id = self._experiment(experiment, REPORTS_PREFIX)
         with self._errors(f"logging report {run_name!r}"):
-            run = self._client.create_run(
-                self._experiment(experiment), run_name=run_name, tags=dict(tags)
-            )
+            run = self._client.create_run(experiment_id, run_name=run_name, tags=dict(tags))
             run_id = run.info.run_id
             for path in files:
                 self._client.log_artifact(run_id, str(path))
@@ -385,3 +634,19 @@ class Registry(RegistryQueries):
                 self._client.log_param(run_id, key, value)
             self._client.set_terminated(run_id, "FINISHED")
         return run_id
+
+
+def _privacy_metrics(tags: Mapping[str, str]) -> dict[str, float]:
+    """The run metrics that copy a version's privacy tags (ε under each analysis, δ)."""
+    values = {metric: tag_float(tags.get(tag)) for metric, tag in PRIVACY_METRICS.items()}
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -14,6 +14,8 @@ loadable without dpmerge, dynamic batch dimension from a batch-4 input example) 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import tempfile
 import threading
 import time
@@ -45,7 +47,7 @@ from dpmerge.artifacts import (
 from dpmerge.environment import probe
 from dpmerge.privacy_card import PrivacyCard
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
-from dpmerge.registry.tags import ROLE_CANDIDATE, STATUS_FAILED, tag_float
+from dpmerge.registry.tags import FAILURE_TAG, ROLE_CANDIDATE, STATUS_FAILED, tag_float
 from dpmerge.registry.versions import StoredVersion
 
 MODEL_ARTIFACT = "model"
@@ -60,17 +62,36 @@ already occupied". Process-wide, as each thread may hold its own registry; only 
 serialised, MLflow calls and uploads still overlap."""
 
 
-class MlflowConnection:
-    """The client for ``tracking_uri`` and the registry's experiment (created on first use,
-    with ``artifact_location``)."""
+CLIENT_LIMITS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+}
+"""MLflow's client retries each HTTP request 7 times with a factor-2 backoff (≈ 4 minutes per
+call) and waits 120 s for an answer: an MLflow outage then held a flow run, and the merge
+deployment's only slot, for 4–12.5 minutes. These bounds (≈ 3 s of retries per call, 15 s per
+read) apply unless the environment sets them; the tasks' own retries (1, 3, 10 s) come on top,
+so a run fails within about a minute of an outage and frees its slot."""
 
-    def __init__(
-        self, tracking_uri: str | None, experiment: str, artifact_location: str | None
-    ) -> None:
+
+def bound_client_retries() -> None:
+    """Set :data:`CLIENT_LIMITS` where the environment leaves them unset (MLflow reads them at
+    every request)."""
+    for key, value in CLIENT_LIMITS.items():
+        os.environ.setdefault(key, value)
+
+
+class MlflowConnection:
+    """The client for ``tracking_uri``; experiments are created on first use, each under its
+    own artifact prefix below ``artifact_root`` (default: ``<db dir>/mlartifacts`` for a
+    ``sqlite:///`` URI, the server's proxied store ``mlflow-artifacts:`` for a server)."""
+
+    def __init__(self, tracking_uri: str | None, artifact_root: str | None) -> None:
+        bound_client_retries()
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
         self._client = MlflowClient(self.tracking_uri, self.tracking_uri)
-        self.experiment = experiment
-        self.artifact_location = artifact_location or _default_artifact_location(self.tracking_uri)
+        self.artifact_root = artifact_root or _default_artifact_root(self.tracking_uri)
         self._experiment_ids: dict[str, str] = {}
         if self.tracking_uri.startswith(("http://", "https://")):
             _check_server(self.tracking_uri)
@@ -86,16 +107,18 @@ class MlflowConnection:
             message = f"{action} at {self.tracking_uri}: {type(error).__name__}: {error}"
             raise registry_error(message, error) from None
 
-    def _experiment(self, name: str | None = None) -> str:
-        """The id of experiment ``name`` (default the registry's), created on first use."""
-        name = name or self.experiment
+    def _experiment(self, name: str, prefix: str) -> str:
+        """The id of experiment ``name``, created on first use with its artifacts under
+        ``<artifact root>/<prefix>`` (candidates and releases apart, so that storage
+        permissions can differ: docs/design.md#rs-secrecy)."""
         if name not in self._experiment_ids:
+            location = f"{self.artifact_root.rstrip('/')}/{prefix}" if self.artifact_root else None
             with self._errors(f"opening experiment {name!r}"):
                 found = self._client.get_experiment_by_name(name)
                 if found is None:
                     try:
                         self._experiment_ids[name] = self._client.create_experiment(
-                            name, artifact_location=self.artifact_location
+                            name, artifact_location=location
                         )
                     except MlflowException as error:
                         if error.error_code != "RESOURCE_ALREADY_EXISTS":
@@ -175,18 +198,25 @@ class MlflowConnection:
                 Path(self._client.download_artifacts(run_id, path, scratch)).read_text()
             )
 
-    def _mark_failed(self, name: str, version: str) -> None:
+    def _mark_failed(self, name: str, version: str, reason: str | None = None) -> None:
         # best effort: without dp.status=ready the version is never promoted anyway
-        with suppress(MlflowException):
+        with suppress(MlflowException, requests.exceptions.RequestException):
             self._client.set_model_version_tag(name, version, "dp.status", STATUS_FAILED)
+            if reason:
+                self._client.set_model_version_tag(name, version, FAILURE_TAG, reason)
 
-    def _end_run(self, run_id: str, status: str) -> None:
-        with suppress(MlflowException):
-            self._client.set_terminated(run_id, status)
+    def _end_run(self, run_id: str, status: str, end_ms: int | None = None) -> None:
+        with suppress(MlflowException, requests.exceptions.RequestException):
+            self._client.set_terminated(run_id, status, end_time=end_ms)
+
+    def _run_params(self, run_id: str) -> dict[str, str]:
+        with self._errors(f"reading run {run_id}"):
+            return dict(self._client.get_run(run_id).data.params)
 
     def _log_model(
         self,
         run_id: str,
+        experiment_id: str,
         module: nn.Module,
         loaded: ModelDir,
         record_bytes: bytes,
@@ -194,11 +224,17 @@ class MlflowConnection:
         role: str,
     ) -> tuple[str, str, list[str]]:
         """Save ``module`` as a pt2 model with the dpmerge files as extra files and upload it
-        as a logged model of the run. Returns model id, artifact location, files."""
-        example = np.zeros((INPUT_EXAMPLE_BATCH, *loaded.spec.input_shape), np.float32)
+        as a logged model of the run. Returns model id, artifact location, files.
+
+        The input example (pt2 export traces with it and stores it) is random, drawn
+        independently of everything: an RS release's weights are one candidate's, and a
+        deterministic export would make their pt2 files, and so their S3 ETags, identical
+        (docs/design.md#rs-secrecy)."""
+        rng = np.random.default_rng(secrets.randbits(64))
+        example = rng.random((INPUT_EXAMPLE_BATCH, *loaded.spec.input_shape), dtype=np.float32)
         with self._errors("creating the logged model"):
             logged = self._client.create_logged_model(
-                self._experiment(),
+                experiment_id,
                 name=MODEL_ARTIFACT,
                 source_run_id=run_id,
                 tags={"dp.role": role},
@@ -295,7 +331,9 @@ def _literal(value: str) -> str:
     raise RegistryError(f"cannot search for {value!r}: it holds both kinds of quote")
 
 
-def _default_artifact_location(tracking_uri: str) -> str | None:
+def _default_artifact_root(tracking_uri: str) -> str | None:
+    if tracking_uri.startswith(("http://", "https://")):
+        return "mlflow-artifacts:"
     if not tracking_uri.startswith("sqlite:///"):
         return None
     database = Path(tracking_uri.removeprefix("sqlite:///")).resolve()

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import requests
 from mlflow.exceptions import MlflowException
 
-from dpmerge.errors import DPMergeError, TransientError
+from dpmerge.errors import DPMergeError, InputError, IntegrityError, TransientError
 
 TEMPORARY_HTTP_STATUS = frozenset({429, 503, 504})
 """HTTP statuses of a temporary failure. MLflow maps its error codes onto them:
@@ -37,6 +37,15 @@ class RegistryError(DPMergeError):
 class RegistryUnavailableError(RegistryError, TransientError):
     """The tracking server or its database failed temporarily (unreachable, timed out, 429,
     503, 504, a locked sqlite database): worth retrying."""
+
+
+class AliasOwnershipError(RegistryError, InputError):
+    """A policy named an alias that another policy owns (docs/design.md#security)."""
+
+
+class RecordIntegrityError(RegistryError, IntegrityError):
+    """A candidate's stored record fails verification: its signature does not match its files
+    (changed after registration, unsigned, or signed with another key)."""
 
 
 class GateError(RegistryError):

@@ -1,24 +1,28 @@
-"""A merged model directory on its way into the registry: its checks, the merge request's
-hash, the privacy card, the ``dp.*`` tags, the run params and the public merge record. No
-MLflow calls. The merge record is reduced to its public keys, so no tag, param, card or
-artifact receives the RS draw."""
+"""A merged model directory on its way into the registry: its checks, the release's hash, the
+privacy card, the ``dp.*`` tags, the run params and the public merge record. No MLflow calls.
+The merge record is reduced to its public keys, so no tag, param, card or artifact receives the
+RS draw; the candidates' records in it, the card and the tags carry the keyed dataset
+identifier and keyed lineages, never the training-data fingerprint or a seed
+(:mod:`dpmerge.publication`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.artifacts import ModelDir, load_model_dir
+from dpmerge.keys import WorkflowKey
 from dpmerge.privacy_card import CardCandidate, PrivacyCard, build_privacy_card
+from dpmerge.publication import public_record
 from dpmerge.registry.errors import RegistryError
-from dpmerge.registry.names import merge_request_hash
+from dpmerge.registry.names import release_hash
 from dpmerge.registry.tags import ROLE_MERGED, tag_values
 
-PUBLIC_MERGE_KEYS = ("method", "weights", "bound", "candidates", "calibration")
+PUBLIC_MERGE_KEYS = ("method", "weights", "bound", "calibration")
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class MergedDir:
     records: tuple[tuple[Candidate, Mapping[str, Any] | None], ...]
 
     @classmethod
-    def read(cls, model_dir: str | Path, policy: Mapping[str, Any]) -> MergedDir:
+    def read(cls, model_dir: str | Path, policy: Mapping[str, Any], keys: WorkflowKey) -> MergedDir:
         loaded = load_model_dir(model_dir)
         if loaded.merge is None or loaded.privacy is None:
             raise RegistryError(f"{loaded.path} is not a merged model directory with privacy.json")
@@ -49,7 +53,7 @@ class MergedDir:
                 "policy needs numeric 'target_epsilon' and 'target_delta'"
             ) from None
         records = tuple(
-            (candidate_from_dict(entry["record"]), entry.get("privacy"))
+            (public_record(candidate_from_dict(entry["record"]), keys), entry.get("privacy"))
             for entry in merge.get("candidates", [])
             if isinstance(entry, Mapping) and "record" in entry
         )
@@ -67,6 +71,7 @@ class MergedDir:
 
     @property
     def dataset(self) -> str:
+        """The published dataset identifier."""
         return self.records[0][0].dataset
 
     @property
@@ -74,20 +79,23 @@ class MergedDir:
         return str(self.policy.get("name") or self.policy.get("id") or "") or None
 
     def request_hash(self, parent_model: str, versions: Mapping[str, str]) -> str:
-        """The merge request's identity; ``versions``: candidate name -> parent version."""
+        """The release's identity; ``versions``: candidate name -> parent version."""
         report = self.report
-        return merge_request_hash(
+        return release_hash(
             parent_model=parent_model,
             parents=[versions[n] for n in self.names],
             method=report["method"],
             weights=report["weights"],
             delta=report["delta"],
             bound=report["bound"],
-            policy=self.policy,
         )
 
     def card(
-        self, name: str, versions: Mapping[str, str], ledger: Mapping[str, Any] | None
+        self,
+        name: str,
+        versions: Mapping[str, str],
+        ledger: Mapping[str, Any] | None,
+        notes: Sequence[str] = (),
     ) -> PrivacyCard:
         return build_privacy_card(
             self.report,
@@ -97,6 +105,8 @@ class MergedDir:
             model_name=name,
             policy_id=self.policy_id,
             ledger=ledger,
+            metrics=self.loaded.metrics,
+            notes=notes,
         )
 
     def tags(
@@ -145,6 +155,15 @@ class MergedDir:
         }
 
     def public_record(self) -> bytes:
-        """The record file stored with the version: the merge's public keys only."""
-        public = {"merge": {k: self.merge[k] for k in PUBLIC_MERGE_KEYS if k in self.merge}}
-        return json.dumps(public, indent=2).encode()
+        """The record file stored with the version: the merge's public keys, and each
+        candidate's record as published (keyed dataset identifier and lineages) with its own
+        bound."""
+        public = {k: self.merge[k] for k in PUBLIC_MERGE_KEYS if k in self.merge}
+        public["candidates"] = [
+            {
+                "record": record.model_dump(mode="json", exclude_none=True),
+                **({"privacy": dict(privacy)} if privacy is not None else {}),
+            }
+            for record, privacy in self.records
+        ]
+        return json.dumps({"merge": public}, indent=2).encode()

@@ -1,10 +1,14 @@
-"""Registered-model names and content hashes.
+"""Registered-model names and content hashes (docs/design.md#registry).
 
 Candidates of one dataset and architecture form one registered model
-(``dpmerge-<dataset>-<model>``), the merges released from them another (``…-merged``). A
-version's ``dp.content_hash`` makes registration idempotent: for a candidate it hashes the
-directory's files, for a merge the *request* (never the merged weights: an RS output equals one
-candidate's weights, so a weight hash would leak the drawn index).
+(``dpmerge-<dataset>-<model>-candidates``, internal), the merges released from them another
+(``dpmerge-<dataset>-<model>-releases``). ``<dataset>`` is the published dataset identifier's
+name and 8 digits of its keyed hash (``dpmerge.publication.dataset_id``), never the training-data
+fingerprint. A version's ``dp.content_hash`` makes registration idempotent: for a candidate it
+hashes the directory's files, for a merge the *release* it is (candidates, method, weights,
+δ, gating bound; never the merged weights: an RS output equals one candidate's weights, so a
+weight hash would leak the drawn index; never the target: two targets whose calibration gives
+the same merge share one version).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +32,28 @@ def slug(text: str, limit: int = 40) -> str:
     return value
 
 
+CANDIDATES_SUFFIX, RELEASES_SUFFIX = "candidates", "releases"
+
+
 def dataset_slug(dataset: str) -> str:
-    """``fashion-mnist-sha256:3f2a…`` -> ``fashion-mnist-3f2a9c1b``: readable, yet distinct
+    """``fashion-mnist-hmac:3f2a…`` -> ``fashion-mnist-3f2a9c1b``: readable, yet distinct
     for different training data."""
-    match = re.fullmatch(r"(.+)-sha256:([0-9a-f]{8,})", dataset)
+    match = re.fullmatch(r"(.+)-(?:hmac|sha256):([0-9a-f]{8,})", dataset)
     return f"{slug(match[1])}-{match[2][:8]}" if match else slug(dataset)
 
 
+def _model_name(dataset: str, model: str, suffix: str) -> str:
+    return f"dpmerge-{dataset_slug(dataset)}-{slug(model)}-{suffix}"
+
+
 def candidate_model_name(dataset: str, model: str) -> str:
-    return f"dpmerge-{dataset_slug(dataset)}-{slug(model)}"
+    """The candidates' registered model; ``dataset`` is the published dataset identifier."""
+    return _model_name(dataset, model, CANDIDATES_SUFFIX)
 
 
 def merged_model_name(dataset: str, model: str) -> str:
-    return f"{candidate_model_name(dataset, model)}-merged"
+    """The releases' registered model (the serving aliases live here)."""
+    return _model_name(dataset, model, RELEASES_SUFFIX)
 
 
 def _canonical(document: Any) -> bytes:
@@ -61,7 +74,7 @@ def candidate_content_hash(path: str | Path) -> str:
     return _dir_hash(Path(path), (WEIGHTS_FILE, MODEL_FILE, RECORD_FILE))
 
 
-def merge_request_hash(
+def release_hash(
     *,
     parent_model: str,
     parents: Sequence[str],
@@ -69,21 +82,20 @@ def merge_request_hash(
     weights: Sequence[float],
     delta: float,
     bound: str,
-    policy: Mapping[str, Any],
 ) -> str:
-    """Identity of a merge *request*; ``parents`` in the order of ``weights``. Independent of
-    the merged weights, so for RS it carries nothing about the draw."""
+    """Identity of a release; ``parents`` in the order of ``weights``. Independent of the
+    merged weights (for RS it carries nothing about the draw) and of the policy and target
+    that asked for it (the same merge is one release, whoever asks)."""
     return hashlib.sha256(
         _canonical(
             {
-                "schema": "dpmerge.merge_request/1",
+                "schema": "dpmerge.release/1",
                 "parent_model": parent_model,
                 "parents": [str(v) for v in parents],
                 "method": method,
                 "weights": [float(w) for w in weights],
                 "delta": float(delta),
                 "bound": bound,
-                "policy": dict(policy),
             }
         )
     ).hexdigest()

@@ -10,7 +10,7 @@ from typing import Any
 from mlflow.entities.model_registry import ModelVersion
 
 from dpmerge.artifacts import ModelDir
-from dpmerge.registry.tags import tag_float
+from dpmerge.registry.tags import ROLE_CANDIDATE, tag_float
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,12 @@ class VersionSummary:
     aliases: tuple[str, ...]
 
     @classmethod
-    def of(cls, mv: StoredVersion, aliases: Sequence[str]) -> VersionSummary:
-        """The row of version ``mv``, which ``aliases`` name."""
+    def of(
+        cls, mv: StoredVersion, aliases: Sequence[str], *, internal: bool = False
+    ) -> VersionSummary:
+        """The row of version ``mv``, which ``aliases`` name; a candidate's accuracy only if
+        ``internal`` (docs/design.md#rs-secrecy)."""
+        public = mv.tags.get("dp.role") != ROLE_CANDIDATE or internal
         return cls(
             name=mv.name,
             version=mv.version,
@@ -83,7 +87,7 @@ class VersionSummary:
             delta=tag_float(mv.tags.get("dp.delta")),
             accountant=mv.tags.get("dp.accountant"),
             bound=mv.tags.get("dp.gating_bound"),
-            accuracy=tag_float(mv.tags.get("dp.accuracy")),
+            accuracy=tag_float(mv.tags.get("dp.accuracy")) if public else None,
             method=mv.tags.get("dp.method"),
             parents=mv.tags.get("dp.parents"),
             aliases=tuple(sorted(aliases)),

@@ -195,7 +195,7 @@ def _number(value: str | None) -> float | None:
 def _next_steps(home: Path) -> str:
     return f"""Look at it:
   MLflow UI:  mlflow ui --backend-store-uri sqlite:///{home}/mlflow.db --port 5000
-              then http://127.0.0.1:5000 → Models (candidates and -merged releases, alias,
+              then http://127.0.0.1:5000 → Models (…-candidates and …-releases, alias,
               privacy card in each version's description and run artifacts)
   Prefect UI: PREFECT_HOME={home}/prefect prefect server start --port 4200
               then http://127.0.0.1:4200 → Runs (train-candidates, merge-on-policy, artifacts)

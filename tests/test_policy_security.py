@@ -1,0 +1,493 @@
+"""The policy merge's security contract (docs/design.md#security) on real digits candidates in an
+embedded registry: forged records, fixed seeds and fingerprints never published, event times
+from the future, alias ownership, a ledger that cannot be read, one RS draw per release, gates
+before side effects, one version per release, abandoned registrations, and what MLflow shows.
+Each test starts from its own registry (a fresh home) unless it only reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import subprocess
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import torch
+from factories import DELTA, train_digits
+from mlflow import MlflowClient
+
+from dpmerge import policy_merge as pm
+from dpmerge.accounting.ledger import ReleaseLedger
+from dpmerge.cli import main
+from dpmerge.data import load_dataset
+from dpmerge.errors import RefusalError
+from dpmerge.policies import Policy, policy_from_dict
+from dpmerge.policy_merge import draws
+from dpmerge.registry import (
+    AliasOwnershipError,
+    RecordIntegrityError,
+    candidate_content_hash,
+)
+
+SIGMAS = (1.0, 1.6, 3.0)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("trained")
+    dirs = [train_digits(root, sigma) for sigma in SIGMAS]
+    epsilons = sorted(
+        json.loads((d / "record.json").read_text())["privacy"]["epsilon"] for d in dirs
+    )
+    seeded = train_digits(root, 2.0, noise_seed=7, batch_seed=7, suffix="-fixed")
+    return {"dirs": dirs, "epsilons": epsilons, "seeded": seeded}
+
+
+def _fresh(tmp_path: Path, dirs: list[Path]) -> pm.Workspace:
+    """A new home whose registry holds ``dirs`` as candidates."""
+    home = tmp_path / "home"
+    workspace = pm.Workspace(f"sqlite:///{home / 'mlflow.db'}", home, None)
+    registry = workspace.registry()
+    for path in dirs:
+        registry.register_candidate(path)
+    return workspace
+
+
+@pytest.fixture
+def fresh(tmp_path: Path, trained: dict[str, Any]) -> pm.Workspace:
+    return _fresh(tmp_path, trained["dirs"])
+
+
+def _policy(**fields: Any) -> Policy:
+    base = {"name": "p", "target_epsilon": 5.0, "target_delta": DELTA}
+    return policy_from_dict({**base, "dataset": "digits", "model": "logreg", **fields})
+
+
+def _apply(ws: pm.Workspace, policy: Policy, when: datetime | None = None, **steps: Any) -> Any:
+    return pm.apply_policy(policy, ws, when, steps=_steps(**steps)).outcome
+
+
+def _steps(calls: list[str] | None = None, **replaced: Callable[..., Any]) -> pm.PolicySteps:
+    def noted(name: str, step: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            if calls is not None:
+                calls.append(name)
+            return step(*args)
+
+        return run
+
+    fields = dataclasses.fields(pm.PolicySteps)
+    return pm.PolicySteps(
+        **{
+            f.name: noted(f.name, replaced.get(f.name, getattr(pm.LIBRARY_STEPS, f.name)))
+            for f in fields
+        }
+    )
+
+
+def _client(ws: pm.Workspace) -> MlflowClient:
+    return MlflowClient(ws.tracking_uri, ws.tracking_uri)
+
+
+def _pool(ws: pm.Workspace) -> pm.CandidatePool:
+    return pm.find_candidates(ws.registry(), "digits", "logreg")
+
+
+def _aliases(ws: pm.Workspace, name: str) -> dict[str, str]:
+    return {k: str(v) for k, v in _client(ws).get_registered_model(name).aliases.items()}
+
+
+def _versions(ws: pm.Workspace, name: str) -> list[Any]:
+    return _client(ws).search_model_versions(f"name = '{name}'")
+
+
+def _stored_dir(ws: pm.Workspace, name: str, version: str) -> Path:
+    """The candidate's files in the artifact store (a local directory when embedded)."""
+    source = _client(ws).get_model_version(name, version).source
+    return Path(urlparse(source).path) / "extra_files"
+
+
+# --- item 1: forged records ------------------------------------------------------------------
+
+
+def test_a_forged_record_is_refused_and_the_repairs_work(fresh: pm.Workspace, capsys) -> None:
+    """σ edited ×10 in the stored record, its content-hash tag rewritten to match (what an
+    artifact-store and registry writer can do): the merge is refused with the repair, nothing
+    is registered; quarantining the version lets the policy run without it."""
+    pool = _pool(fresh)
+    model, forged = pool.registered_model, pool.versions[0]
+    stored = _stored_dir(fresh, model, forged)
+    document = json.loads((stored / "record.json").read_text())
+    document["record"]["noise_multiplier"] *= 10
+    (stored / "record.json").write_text(json.dumps(document))
+    _client(fresh).set_model_version_tag(
+        model, forged, "dp.content_hash", candidate_content_hash(stored)
+    )
+    with pytest.raises(RecordIntegrityError, match="fails verification") as refused:
+        _apply(fresh, _policy())
+    assert f"dpmerge registry quarantine {model} {forged}" in str(refused.value)
+    assert not fresh.registry().model_exists(pool.merged_model)
+    # re-signing is refused too: the record disagrees with what its run logged
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    assert main(["registry", "sign", model, forged, *uri]) == 2
+    assert "disagrees with the params" in capsys.readouterr().err
+    assert main(["registry", "quarantine", model, forged, *uri]) == 0
+    outcome = _apply(fresh, _policy())
+    assert outcome.status == pm.Status.PROMOTED and forged not in _pool(fresh).versions
+
+
+def test_an_unsigned_record_is_refused_until_it_is_checked_and_signed(
+    fresh: pm.Workspace, capsys
+) -> None:
+    pool = _pool(fresh)
+    model, version = pool.registered_model, pool.versions[1]
+    _client(fresh).delete_model_version_tag(model, version, "dp.signature")
+    with pytest.raises(RecordIntegrityError, match=r"unsigned.*registry sign"):
+        _apply(fresh, _policy())
+    assert main(["registry", "sign", model, version, "--tracking-uri", fresh.tracking_uri]) == 0
+    assert _apply(fresh, _policy()).status == pm.Status.PROMOTED
+
+
+# --- sharp edges: fixed seeds, fingerprints ---------------------------------------------------
+
+
+def test_fixed_seed_candidates_are_refused_and_their_seeds_never_published(
+    tmp_path: Path, trained: dict[str, Any], capsys
+) -> None:
+    ws = _fresh(tmp_path, [*trained["dirs"], trained["seeded"]])
+    pool = _pool(ws)
+    seeded = max(pool.versions, key=int)
+    version = _client(ws).get_model_version(pool.registered_model, seeded)
+    run = _client(ws).get_run(version.run_id)
+    published = json.dumps([version.tags, run.data.params, version.description])
+    assert "noise-seed" not in published and "poisson-seed" not in published
+    assert "lineage-hmac:" in published
+    with pytest.raises(RefusalError, match=rf"fixed seed.*v{seeded} \(noise and batches\)"):
+        _apply(ws, _policy())
+    uri = ["--tracking-uri", ws.tracking_uri]
+    assert main(["registry", "quarantine", pool.registered_model, seeded, *uri]) == 0
+    assert _apply(ws, _policy()).status == pm.Status.PROMOTED
+
+
+def test_nothing_published_carries_the_training_fingerprint(fresh: pm.Workspace) -> None:
+    """Names, tags, params, the public merge record, the card and the dataset inputs carry the
+    keyed identifier; the fingerprint (a membership oracle) appears nowhere; the evaluation
+    split is still found by it."""
+    fingerprint = load_dataset("digits").fingerprint
+    secret = fingerprint.split("-sha256:")[1]
+    outcome = _apply(fresh, _policy(method="rs", target_epsilon=3.0))
+    assert outcome.status == pm.Status.PROMOTED and outcome.test_accuracy > 0.5
+    client = _client(fresh)
+    texts = []
+    for model in client.search_registered_models():
+        texts += [model.name, json.dumps(model.tags)]
+        for version in _versions(fresh, model.name):
+            run = client.get_run(version.run_id)
+            inputs = [
+                (d.dataset.name, d.dataset.digest, d.dataset.source)
+                for d in run.inputs.dataset_inputs
+            ]
+            texts += [json.dumps([version.tags, version.description, run.data.params, inputs])]
+    merged = _stored_dir(fresh, outcome.merged_model, outcome.version)
+    texts += [(merged / name).read_text() for name in ("record.json", "privacy_card.json")]
+    assert not [t for t in texts if secret in t]
+    assert any(_pool(fresh).dataset in t for t in texts)
+
+
+# --- item 2: event order ----------------------------------------------------------------------
+
+
+def test_events_from_the_future_are_refused_and_never_freeze_an_alias(
+    fresh: pm.Workspace, trained: dict[str, Any]
+) -> None:
+    now = datetime.now(UTC)
+    with pytest.raises(pm.EventTimeError, match="later than its arrival"):
+        pm.order_time(now + timedelta(days=3650), now)
+    with pytest.raises(pm.EventTimeError, match="after now"):
+        pm.order_time(None, now + timedelta(days=1))
+    with pytest.raises(pm.EventTimeError, match="not an ISO 8601"):
+        pm.order_time("tomorrow", now)
+    assert pm.order_time(now + timedelta(minutes=1), now) == now  # within the clock skew
+    assert pm.order_time(None, None) >= now
+    # an alias time recorded in the future (before this rule) does not supersede later events
+    first = _apply(fresh, _policy(target_epsilon=trained["epsilons"][2] * 1.5, method="lc"))
+    fresh.registry().mark_alias_time(first.merged_model, "policy-p", now + timedelta(days=3650))
+    later = _apply(fresh, _policy(target_epsilon=trained["epsilons"][1] * 1.05, method="rs"))
+    assert later.status == pm.Status.PROMOTED and later.version != first.version
+    assert _aliases(fresh, first.merged_model)["policy-p"] == later.version
+
+
+# --- item 3: alias ownership ------------------------------------------------------------------
+
+
+def test_a_policy_cannot_touch_another_policys_alias(
+    fresh: pm.Workspace, trained: dict[str, Any]
+) -> None:
+    eu = _apply(fresh, _policy(name="eu", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert eu.status == pm.Status.PROMOTED
+    calls: list[str] = []
+    hijack = _policy(name="evil", alias="policy-eu", target_epsilon=50.0, method="lc")
+    with pytest.raises(AliasOwnershipError, match="belongs to policy 'eu'"):
+        pm.apply_policy(hijack, fresh, steps=_steps(calls))
+    assert calls == ["prepare"]  # refused before anything was loaded or changed
+    revoke = _policy(name="evil", alias="policy-eu", target_epsilon=trained["epsilons"][0] / 2)
+    with pytest.raises(AliasOwnershipError):
+        _apply(fresh, revoke)
+    assert _aliases(fresh, eu.merged_model) == {"policy-eu": eu.version}
+    own = _apply(fresh, _policy(name="evil", target_epsilon=50.0, method="lc"))
+    assert own.status == pm.Status.PROMOTED
+    assert _aliases(fresh, eu.merged_model) == {"policy-eu": eu.version, "policy-evil": own.version}
+    owner = fresh.registry().alias_owner(eu.merged_model, "policy-evil")
+    assert owner == "evil"
+
+
+# --- item 4: a ledger that cannot be read -----------------------------------------------------
+
+
+def test_a_lost_or_unreadable_ledger_fails_closed_and_is_rebuilt(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys
+) -> None:
+    target = trained["epsilons"][2] * 1.5
+    first = _apply(fresh, _policy(target_epsilon=target, method="lc"))
+    assert first.status == pm.Status.PROMOTED
+    ledger = fresh.home / "ledger.json"
+    saved = ledger.read_bytes()
+    capped = _policy(target_epsilon=target * 3, method="rs", cumulative_epsilon_cap=100.0)
+    for damage in (b"", b"{not json", b'{"releases": [{"release_id": 1}]}'):
+        ledger.write_bytes(damage)
+        with pytest.raises(pm.LedgerIntegrityError, match=r"cannot be read.*ledger rebuild"):
+            _apply(fresh, capped)
+    ledger.unlink()  # lost (an S3 restart): not an empty ledger
+    with pytest.raises(pm.LedgerIntegrityError, match=r"lacks 1 release.*ledger rebuild"):
+        _apply(fresh, capped)
+    assert len(_versions(fresh, first.merged_model)) == 1  # nothing merged or registered
+    assert main(["ledger", "rebuild", "--home", str(fresh.home)]) == 0
+    assert "1 release(s) added back" in capsys.readouterr().out
+    assert json.loads(ledger.read_bytes()) == json.loads(saved)
+    assert _apply(fresh, capped).status == pm.Status.PROMOTED
+
+
+def test_a_changed_record_of_a_released_candidate_is_named(
+    fresh: pm.Workspace, trained: dict[str, Any]
+) -> None:
+    """The ledger pins the records it counted: a same-named candidate with another record is
+    refused with the repair, not left to an accountant error that needs hand surgery."""
+    first = _apply(fresh, _policy(target_epsilon=trained["epsilons"][2] * 1.5, method="lc"))
+    ledger = ReleaseLedger(fresh.home / "ledger.json")
+    document = json.loads(ledger.path.read_text())
+    counted = document["releases"][0]["candidates"][0]
+    counted["clip_norm"] *= 2
+    ledger.path.write_text(json.dumps(document))
+    with pytest.raises(pm.LedgerIntegrityError, match=rf"{counted['name']}.*registry quarantine"):
+        _apply(fresh, _policy(target_epsilon=50.0, method="rs"))
+    assert len(_versions(fresh, first.merged_model)) == 1
+
+
+# --- items 6 and 8: one draw per release, gates before side effects ----------------------------
+
+
+def _count_draws(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    drawn: list[int] = []
+    real = draws.draw_index
+
+    def counted(probabilities: Any) -> int:
+        drawn.append(real(probabilities))
+        return drawn[-1]
+
+    monkeypatch.setattr(draws, "draw_index", counted)
+    return drawn
+
+
+def test_a_retried_rs_release_draws_once(
+    fresh: pm.Workspace, trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drawn = _count_draws(monkeypatch)
+    policy = _policy(target_epsilon=trained["epsilons"][1] * 1.05, method="rs")
+
+    def crash(*args: Any) -> Any:
+        raise ConnectionError("MLflow went away after the merge")
+
+    with pytest.raises(ConnectionError):
+        _apply(fresh, policy, register=crash)
+    outcome = _apply(fresh, policy)  # the re-run of the same request
+    assert outcome.status == pm.Status.PROMOTED and len(drawn) == 1
+    audit = list((fresh.home / "audit").glob("*.json"))
+    assert [a.name for a in audit] == [f"{outcome_hash(fresh, outcome)}.json"]
+    assert json.loads(audit[0].read_text())["drawn_index"] == drawn[0]
+
+
+def outcome_hash(ws: pm.Workspace, outcome: Any) -> str:
+    return (
+        _client(ws).get_model_version(outcome.merged_model, outcome.version).tags["dp.content_hash"]
+    )
+
+
+def test_concurrent_runs_of_one_rs_release_draw_once_and_register_once(
+    fresh: pm.Workspace, trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two policies whose calibration gives the same RS merge, applied at once: one draw, one
+    version, both served by it."""
+    drawn = _count_draws(monkeypatch)
+    target = trained["epsilons"][1] * 1.05
+    _apply(fresh, _policy(name="warm", target_epsilon=target, method="lc"))  # export warmed
+    start = threading.Barrier(2)
+    results: dict[str, Any] = {}
+
+    def run(name: str) -> None:
+        start.wait()
+        results[name] = _apply(fresh, _policy(name=name, target_epsilon=target, method="rs"))
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in ("one", "two")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {r.status for r in results.values()} == {pm.Status.PROMOTED}
+    assert results["one"].version == results["two"].version and len(drawn) == 1
+    ready = [
+        v for v in _versions(fresh, results["one"].merged_model) if v.tags["dp.status"] == "ready"
+    ]
+    assert len(ready) == 2  # the warm-up LC release and the one RS release
+
+
+def test_a_cap_refusal_merges_draws_and_registers_nothing(
+    fresh: pm.Workspace, trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drawn = _count_draws(monkeypatch)
+    calls: list[str] = []
+    policy = _policy(
+        method="rs", target_epsilon=trained["epsilons"][1] * 1.05, cumulative_epsilon_cap=0.01
+    )
+    outcome = pm.apply_policy(policy, fresh, steps=_steps(calls)).outcome
+    assert outcome.status == pm.Status.NOT_PROMOTED and "above the cap 0.01" in outcome.reasons[0]
+    assert calls == ["prepare", "calibrate", "plan_release"] and drawn == []
+    assert not fresh.registry().model_exists(outcome.merged_model)
+    assert not list((fresh.home / "audit").glob("*.json"))
+
+
+# --- issue 10 item 6: one version per release -------------------------------------------------
+
+
+def test_two_targets_with_one_merge_share_one_version_and_say_why(
+    fresh: pm.Workspace, trained: dict[str, Any]
+) -> None:
+    first = _apply(fresh, _policy(name="a", target_epsilon=40.0, method="lc"))
+    second = _apply(fresh, _policy(name="b", target_epsilon=80.0, method="lc"))
+    assert (first.status, second.status) == (pm.Status.PROMOTED, pm.Status.PROMOTED)
+    assert second.reused and second.version == first.version
+    assert len(_versions(fresh, first.merged_model)) == 1
+    for outcome, target in ((first, 40), (second, 80)):
+        (note,) = outcome.notes
+        assert f"of the target ε* = {target}" in note and "peaks at ε =" in note
+    card = fresh.registry().card_text(first.merged_model, first.version)
+    assert "peaks at ε =" in card
+
+
+# --- item 10: an abandoned registration -------------------------------------------------------
+
+
+def test_a_version_left_registering_by_a_dead_process_is_marked_failed(
+    fresh: pm.Workspace, trained: dict[str, Any]
+) -> None:
+    pool = _pool(fresh)
+    registry = fresh.registry()
+    policy = _policy(target_epsilon=trained["epsilons"][2] * 1.5, method="lc")
+    dead = subprocess.Popen(["true"])  # a process that is gone
+    dead.wait()
+    orphan = {}
+
+    def crash_while_registering(ws: pm.Workspace, request: Any, release: Any, ledger: Any) -> Any:
+        client = _client(ws)
+        client.create_registered_model(pool.merged_model)
+        version = client.create_model_version(
+            pool.merged_model,
+            source=str(release.path),
+            tags={
+                "dp.role": "merged",
+                "dp.content_hash": request.content_hash,
+                "dp.status": "registering",
+                "dp.registering_by": f"{socket.gethostname()}:{dead.pid}",
+            },
+        )
+        orphan["version"] = version.version
+        raise KeyboardInterrupt  # the process dies mid-registration
+
+    with pytest.raises(KeyboardInterrupt):
+        _apply(fresh, policy, register=crash_while_registering)
+    outcome = _apply(fresh, policy)
+    assert outcome.status == pm.Status.PROMOTED and outcome.version != orphan["version"]
+    tags = registry.get_version(pool.merged_model, orphan["version"]).tags
+    assert tags["dp.status"] == "failed" and "abandoned" in tags["dp.failure"]
+
+
+# --- issue 10 item 7: MLflow the way its users expect ------------------------------------------
+
+
+def test_runs_show_privacy_metrics_dataset_timing_and_names(fresh: pm.Workspace, trained) -> None:
+    outcome = _apply(fresh, _policy(name="eu", target_epsilon=trained["epsilons"][2] * 1.5))
+    client = _client(fresh)
+    pool = _pool(fresh)
+    candidate = client.get_model_version(pool.registered_model, pool.versions[0])
+    merged = client.get_model_version(outcome.merged_model, outcome.version)
+    experiments = {}
+    for version, name in ((candidate, "dpmerge-candidates"), (merged, "dpmerge-releases")):
+        run = client.get_run(version.run_id)
+        experiment = client.get_experiment(run.info.experiment_id)
+        assert experiment.name == name and experiment.artifact_location.endswith(name.split("-")[1])
+        experiments[name] = experiment.artifact_location
+        metrics = run.data.metrics
+        assert metrics["epsilon"] == float(version.tags["dp.epsilon"]) and metrics["delta"] == DELTA
+        assert {"epsilon_pld", "epsilon_rdp", "test_accuracy"} <= set(metrics)
+        (data_input,) = run.inputs.dataset_inputs
+        assert data_input.dataset.name == "digits"
+        assert data_input.dataset.digest == pool.dataset.split(":")[-1][:32]
+    assert len(set(experiments.values())) == 2  # two artifact prefixes
+    candidate_run = client.get_run(candidate.run_id)
+    record = json.loads((trained["dirs"][0] / "metrics.json").read_text())
+    duration_s = (candidate_run.info.end_time - candidate_run.info.start_time) / 1000
+    assert candidate_run.info.run_name == "train σ=1"
+    assert abs(duration_s - record["train_seconds"]) < 0.01
+    merge_run = client.get_run(merged.run_id)
+    assert merge_run.info.run_name == f"policy-eu ε*={outcome.target_epsilon:g}"
+    assert "epsilon_generic" in merge_run.data.metrics
+    assert "**Accuracy** of this model: test" in merged.description
+
+
+def test_bad_inputs_to_the_repair_commands_change_nothing(
+    fresh: pm.Workspace, tmp_path: Path, capsys
+) -> None:
+    pool = _pool(fresh)
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    before = [(v.version, v.tags) for v in _versions(fresh, pool.registered_model)]
+    bad = [
+        ["registry", "quarantine", pool.registered_model, "abc", *uri],
+        ["registry", "quarantine", pool.registered_model, "0", *uri],
+        ["registry", "quarantine", pool.registered_model, "-1", *uri],
+        ["registry", "quarantine", pool.registered_model, "99", *uri],
+        ["registry", "quarantine", "no-such-model", "1", *uri],
+        ["registry", "quarantine", pool.registered_model, *uri],
+        ["registry", "sign", pool.registered_model, "x" * 5000, *uri],
+        ["registry", "sign", pool.merged_model, "1", *uri],
+        ["registry", "sign", pool.registered_model, "99", *uri],
+        ["ledger", "rebuild", "--home", str(tmp_path / "nowhere")],
+        ["ledger", "rebuild", "--bogus"],
+    ]
+    accepted = []
+    for argv in bad:
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+        err = capsys.readouterr().err
+        if code != 2 or len(err.strip().splitlines()) != 1 or len(err) > 400:
+            accepted.append((argv, code, err[-300:]))
+    assert accepted == []
+    assert [(v.version, v.tags) for v in _versions(fresh, pool.registered_model)] == before
+    assert not (tmp_path / "nowhere").exists()
