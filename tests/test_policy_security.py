@@ -454,6 +454,9 @@ def test_runs_show_privacy_metrics_dataset_timing_and_names(fresh: pm.Workspace,
     duration_s = (candidate_run.info.end_time - candidate_run.info.start_time) / 1000
     assert candidate_run.info.run_name == "train σ=1"
     assert abs(duration_s - record["train_seconds"]) < 0.01
+    curve = client.get_metric_history(candidate.run_id, "validation_accuracy")
+    assert [m.step for m in curve] == list(range(1, len(record["history"]) + 1))
+    assert [m.value for m in curve] == [e["validation_accuracy"] for e in record["history"]]
     merge_run = client.get_run(merged.run_id)
     assert merge_run.info.run_name == f"policy-eu ε*={outcome.target_epsilon:g}"
     assert "epsilon_generic" in merge_run.data.metrics

@@ -384,7 +384,12 @@ class Registry(RegistryQueries):
         """Metrics (and their per-epoch histories), params, the training data as a dataset
         input, and the card as run artifacts."""
         stamp = run.ended_ms or int(time.time() * 1000)
-        metrics = [Metric(k, v, stamp, 0, model_id=model_id) for k, v in run.metrics.items()]
+        # a metric with a per-epoch curve is its curve (its last point is the final value)
+        metrics = [
+            Metric(k, v, stamp, 0, model_id=model_id)
+            for k, v in run.metrics.items()
+            if k not in run.history
+        ]
         for key, values in run.history.items():
             metrics += [Metric(key, float(v), stamp, step) for step, v in enumerate(values, 1)]
         digest = run.dataset.rsplit(":", 1)[-1][:32]
