@@ -274,7 +274,9 @@ def test_cuda_run_records_what_ran_scores_each_epoch_and_resumes(
     whole = train_candidate(settings, digits)
     assert {p.device.type for p in whole.model.parameters()} == {"cuda"}
     on_cpu = train_candidate(replace(settings, device="cpu"), digits)
-    assert whole.record == on_cpu.record.model_copy(update={"name": whole.record.name})
+    assert whole.record == on_cpu.record.model_copy(
+        update={"name": whole.record.name, "run_id": whole.record.run_id}
+    )
     assert [e.step for e in whole.history] == [93, 186] and whole.record.steps == 186
     assert all(0 <= e.test_accuracy <= 1 and math.isfinite(e.train_loss) for e in whole.history)
     # a resumed run continues the same streams (kernels need not be bitwise deterministic)

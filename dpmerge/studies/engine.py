@@ -228,7 +228,7 @@ def group_rows(
     retrains: Sequence[str] = (RETRAIN, RETRAIN_MATCHED),
 ) -> list[dict[str, Any]]:
     """The candidates' rows, then per target the merges' and the retrains' rows."""
-    context = FrontierContext(candidates, data, setup.delta)
+    context = FrontierContext(candidates, data, setup.delta, setup.device)
     tag = {"group": group.label, "seed": group.seed}
     rows = [
         {

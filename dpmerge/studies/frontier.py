@@ -77,11 +77,15 @@ class _Evaluator:
     """Validation and test accuracy of LC merges of the candidates, with the released merge's
     arithmetic (:class:`~dpmerge.evaluation.MergeAccuracy`), cached by weights."""
 
-    def __init__(self, candidates: Sequence[ModelDir], data: DatasetSplits) -> None:
+    def __init__(
+        self, candidates: Sequence[ModelDir], data: DatasetSplits, device: str = "cpu"
+    ) -> None:
         specs = {c.spec for c in candidates}
         if len(specs) != 1:
             raise RecordError("the candidates do not share one architecture")
-        self.merges = MergeAccuracy(specs.pop(), [c.weights_file for c in candidates])
+        self.merges = MergeAccuracy(
+            specs.pop(), [c.weights_file for c in candidates], device=device
+        )
         self.data = data
 
     def accuracy(self, weights: Sequence[float], split: str) -> float:
@@ -94,7 +98,13 @@ class _Evaluator:
 class FrontierContext:
     """The candidates of one frontier, their accuracies, and the rows of their merges."""
 
-    def __init__(self, candidates: Sequence[ModelDir], data: DatasetSplits, delta: float) -> None:
+    def __init__(
+        self,
+        candidates: Sequence[ModelDir],
+        data: DatasetSplits,
+        delta: float,
+        device: str = "cpu",
+    ) -> None:
         records = [c.record for c in candidates]
         if any(r is None for r in records):
             raise RecordError("the frontier needs candidate directories (with mechanism records)")
@@ -102,7 +112,7 @@ class FrontierContext:
             raise RecordError("the data's fingerprint differs from the candidates' training data")
         self.records: list[MechanismRecord] = records  # type: ignore[assignment]
         self.delta = delta
-        self.evaluator = _Evaluator(candidates, data)
+        self.evaluator = _Evaluator(candidates, data, device)
         self.names = [r.name for r in self.records]
         k = len(candidates)
         self.one_hot = [tuple(1.0 if n == i else 0.0 for n in range(k)) for i in range(k)]

@@ -17,10 +17,9 @@ import numpy as np
 import pandas as pd
 
 from dpmerge.accounting.account import account
-from dpmerge.artifacts import WEIGHTS_FILE, ModelDir
+from dpmerge.artifacts import ModelDir
 from dpmerge.data import DatasetSplits, load_dataset
-from dpmerge.evaluation import evaluate
-from dpmerge.merging import linear_combination
+from dpmerge.evaluation import MergeAccuracy
 from dpmerge.studies import engine
 from dpmerge.studies.engine import RETRAIN, Group
 from dpmerge.studies.frontier import LC_GENERIC, RS, plot_frontier
@@ -59,18 +58,17 @@ def merge_probes(
     candidates: list[ModelDir],
     points: int,
     delta: float,
+    device: str = "cpu",
 ) -> list[dict[str, object]]:
     """Test accuracy along (1−t)·θ_a + t·θ_b for the two least noisy candidates, and of the
     equal-weight average of all (with its generic ε): fixed weights, no calibration."""
-    files = [c.path / WEIGHTS_FILE for c in candidates]
-    spec = candidates[0].spec
+    merges = MergeAccuracy(candidates[0].spec, [c.weights_file for c in candidates], device=device)
     order = np.argsort([c.record.noise_multiplier for c in candidates])  # type: ignore[union-attr]
     a, b = int(order[0]), int(order[1])
     k = len(candidates)
 
     def accuracy(weights: tuple[float, ...]) -> float:
-        state = linear_combination(files, weights)
-        return float(evaluate((spec, state), data.test)["accuracy"])
+        return merges.accuracy(weights, data.test)
 
     def compute() -> dict[str, object]:
         rows = []
@@ -116,7 +114,7 @@ def run_nonconvex_study(study: NonConvexStudy, folder: StudyFolder) -> StudyResu
                     folder, data, setup, group, candidates, targets, methods, retrains
                 )
                 probes += merge_probes(
-                    folder, data, group, candidates, study.path_points, study.delta
+                    folder, data, group, candidates, study.path_points, study.delta, study.device
                 )
     table, probe_table = engine.as_table(rows), pd.DataFrame(probes)
     summary = engine.summarise(table)
