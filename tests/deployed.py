@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from servers import environment, running_stack
 
-from dpmerge import stack as stack_mod
+import devstack as stack_mod
 
 REPO = Path(__file__).resolve().parents[1]
 

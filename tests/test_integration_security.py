@@ -1,4 +1,4 @@
-"""The red-team reproductions of issue 9 on the real local stack (moto S3, MLflow on S3, Prefect
+"""The red-team reproductions of issue 9 on the real local stack (S3 on disk, MLflow on S3, Prefect
 server, workers), driven by ``dpmerge.policy.updated`` events: a forged record, an event dated
 ten years ahead, an alias hijack and a lost ledger must all be refused; concurrent in-process
 promotions keep every release in the S3 ledger; an RS release is drawn once; an MLflow outage
@@ -26,8 +26,8 @@ from deployed import deployed_stack
 from factories import DELTA, train_digits
 from mlflow import MlflowClient
 
+import devstack as stack_mod
 from dpmerge import policy_merge as pm
-from dpmerge import stack as stack_mod
 from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.registry import candidate_content_hash
 from flows import runtime

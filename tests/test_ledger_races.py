@@ -1,5 +1,5 @@
 """Concurrent writers of the release ledger (docs/design.md#release-ledger) lose nothing: in S3
-(a real moto server) by conditional writes on the ETag, locally by a file lock. The same
+(a real S3 server) by conditional writes on the ETag, locally by a file lock. The same
 interleaving with an unconditional read-modify-write — what the ledger did before — loses
 releases, which shows the test can see the race."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dpmerge.stack import StackConfig
 from factories import make_record
 
+from devstack import StackConfig
 from dpmerge import policy_merge as pm
 from dpmerge.accounting.ledger import ReleaseLedger, release_of
 from dpmerge.policy_merge import release_ledger
@@ -54,7 +54,7 @@ def _all_read_first(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
 
 @pytest.fixture
 def s3_workspace(s3_mlflow: StackConfig, tmp_path: Path) -> pm.Workspace:
-    """A workspace on the session's moto server, with a bucket of its own."""
+    """A workspace on the session's S3 server, with a bucket of its own."""
     config = dataclasses.replace(s3_mlflow.s3_config(), bucket=f"ledger-{secrets.token_hex(4)}")
     S3Store(config).ensure_bucket()
     workspace = pm.Workspace(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path, config)
