@@ -10,20 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dpmerge.locate import embedded_tracking_uri, resolve_home
 from dpmerge.registry import Registry
 from dpmerge.storage import S3Config, S3Store
 
-HOME_ENV = "DPMERGE_HOME"
-DEFAULT_HOME = ".dpmerge"
-
-
-def resolve_home(home: str | Path | None = None) -> Path:
-    """The local state directory: ``home``, else ``$DPMERGE_HOME``, else ``./.dpmerge``."""
-    return Path(home or os.environ.get(HOME_ENV) or Path.cwd() / DEFAULT_HOME).absolute()
-
-
-def embedded_tracking_uri(home: str | Path | None = None) -> str:
-    return f"sqlite:///{resolve_home(home) / 'mlflow.db'}"
+__all__ = ["Workspace", "embedded_tracking_uri", "remove_tree", "resolve_home"]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The MLflow side of the registry: one private ``MlflowClient`` and the calls the registry
-makes through it, the search filters (:func:`search_filter`, the one place values are quoted)
+makes through it (search filters: :func:`~dpmerge.registry.filters.search_filter`)
 and MLflow's errors turned into :class:`RegistryError` — :class:`RegistryUnavailableError`
 (transient) where the error's type, code or HTTP status says the failure is temporary
 (:func:`~dpmerge.registry.errors.registry_error`). Goes through this client only (no fluent
@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -275,25 +275,6 @@ def _stage_files(
         (staging / CARD_JSON).write_text(card.to_json())
         files += [staging / CARD_MARKDOWN, staging / CARD_JSON]
     return files
-
-
-def search_filter(name: str | None = None, tags: Mapping[str, str] | None = None) -> str:
-    """The filter for the versions of ``name`` (any model if ``None``) whose ``tags`` hold these
-    values, each value quoted by :func:`_literal`."""
-    terms = [] if name is None else [f"name = {_literal(name)}"]
-    terms += [f"tags.`{key}` = {_literal(value)}" for key, value in (tags or {}).items()]
-    return " and ".join(terms)
-
-
-def _literal(value: str) -> str:
-    """``value`` as a filter string. MLflow's parser strips the quotes and unescapes nothing, so
-    a value holding ``'`` goes in double quotes; one holding both quote characters cannot be
-    written at all."""
-    if "'" not in value:
-        return f"'{value}'"
-    if '"' not in value:
-        return f'"{value}"'
-    raise RegistryError(f"cannot search for {value!r}: it holds both kinds of quote")
 
 
 def _default_artifact_location(tracking_uri: str) -> str | None:

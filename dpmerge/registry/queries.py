@@ -1,7 +1,7 @@
 """What the registry reads for its callers: ready versions by content hash or by candidate,
 one version's tags and privacy card, the rows of ``dpmerge registry ls``, aliases, and the
 candidates' model directories (downloaded and checked against their content hash). Every
-search goes through :func:`~dpmerge.registry.connection.search_filter`."""
+search goes through :func:`~dpmerge.registry.filters.search_filter`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from pathlib import Path
 import mlflow
 
 from dpmerge.artifacts import load_model_dir
-from dpmerge.registry.connection import EXTRA_DIR, MlflowConnection, search_filter
+from dpmerge.registry.catalog import summaries
+from dpmerge.registry.connection import EXTRA_DIR, MlflowConnection
 from dpmerge.registry.errors import RegistryError
+from dpmerge.registry.filters import search_filter
 from dpmerge.registry.names import candidate_content_hash, slug
 from dpmerge.registry.tags import ROLE_CANDIDATE, ROLE_MERGED, STATUS_READY
 from dpmerge.registry.versions import RegisteredCandidate, StoredVersion, VersionSummary
@@ -64,12 +66,7 @@ class RegistryQueries(MlflowConnection):
             for role in (ROLE_CANDIDATE, ROLE_MERGED)
             for v in self._search(search_filter(name or None, {"dp.role": role}))
         ]
-        aliases: dict[str, dict[str, list[str]]] = {}
-        for model in {v.name for v in found}:
-            for alias, version in self._aliases(model).items():
-                aliases.setdefault(model, {}).setdefault(str(version), []).append(alias)
-        rows = [VersionSummary.of(v, aliases.get(v.name, {}).get(v.version, [])) for v in found]
-        return sorted(rows, key=lambda r: (r.name, int(r.version)))
+        return summaries(found, self._aliases)
 
     def load_candidates(
         self,
