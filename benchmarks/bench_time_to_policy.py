@@ -85,7 +85,7 @@ def main() -> int:
     import torch
 
     from dpmerge import stack
-    from flows.commands.policy import default_dataset
+    from flows.commands.policy_options import default_dataset
 
     dataset = args.dataset or default_dataset()
     s3_port, mlflow_port, prefect_port = free_ports(3)

@@ -11,6 +11,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from dpmerge import policy_merge as pm
+from dpmerge.formatting import epsilon_text
 from dpmerge.registry import RegisteredCandidate
 from tasks.common import LOCAL, REMOTE
 
@@ -20,10 +21,15 @@ REPORT_EXPERIMENT = "dpmerge-reports"
 def markdown_table(table: Any) -> str:
     """A Markdown table of a DataFrame (no optional dependency)."""
 
-    def cell(value: Any) -> str:
+    def cell(column: str, value: Any) -> str:
+        if column == "epsilon":  # a certified ε: rounded up, like everywhere else
+            return epsilon_text(value)
         return f"{value:.4f}" if isinstance(value, float) else str(value)
 
-    rows = [list(table.columns)] + [[cell(v) for v in row] for row in table.itertuples(False)]
+    columns = list(table.columns)
+    rows = [columns] + [
+        [cell(c, v) for c, v in zip(columns, row, strict=True)] for row in table.itertuples(False)
+    ]
     lines = ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     lines.insert(1, "|" + "---|" * len(table.columns))
     return "\n".join(lines)

@@ -95,3 +95,24 @@ def test_help_is_quick_and_imports_nothing_heavy(tmp_path: Path, args: list[str]
         f"{' '.join(args)}: {result['seconds']:.2f} s in-process, "
         f"{time.perf_counter() - start:.2f} s with the interpreter"
     )
+
+
+def test_policy_set_options_are_the_policy_model() -> None:
+    """Every Policy field has its option, closed vocabularies are choices of the field's enum,
+    and the option's help is the field's description: the two cannot drift."""
+    import argparse
+    from enum import StrEnum
+
+    from dpmerge.policies import Policy
+    from flows.commands.policy_options import _base_type, add_policy_options
+
+    parser = argparse.ArgumentParser()
+    add_policy_options(parser)
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    assert set(actions) == set(Policy.model_fields)
+    for name, field in Policy.model_fields.items():
+        kind = _base_type(field.annotation)
+        if isinstance(kind, type) and issubclass(kind, StrEnum):
+            assert actions[name].choices == [m.value for m in kind]
+        assert actions[name].help.startswith(field.description)
+    assert actions["target_delta"].option_strings == ["--target-delta", "--delta"]

@@ -37,12 +37,14 @@ Modules: :mod:`~dpmerge.policy_merge.apply` (the state machine),
 :mod:`~dpmerge.policy_merge.calibration` (step 3), :mod:`~dpmerge.policy_merge.release`
 (steps 4–5), :mod:`~dpmerge.policy_merge.release_ledger`,
 :mod:`~dpmerge.policy_merge.promotion` (steps 6–7, revocation, event order),
-:mod:`~dpmerge.policy_merge.outcome` (statuses and outcomes).
+:mod:`~dpmerge.policy_merge.outcome` (statuses and outcomes),
+:mod:`~dpmerge.policy_merge.dry_run` (what a policy would release, without side effects).
 """
 
 from dpmerge.policy_merge.apply import LIBRARY_STEPS, PolicyResult, PolicySteps, apply_policy
 from dpmerge.policy_merge.calibration import PolicyPlan, calibrate_policy
 from dpmerge.policy_merge.candidates import CandidatePool, find_candidates, load_candidates
+from dpmerge.policy_merge.dry_run import DryRun, Gate, Verdict, dry_run
 from dpmerge.policy_merge.evaluation_data import (
     DATA_ROOT_ENV,
     SPLIT_SEED,
@@ -51,8 +53,6 @@ from dpmerge.policy_merge.evaluation_data import (
     load_evaluation_data,
 )
 from dpmerge.policy_merge.outcome import (
-    PolicyInfeasibleError,
-    PolicyNotMetError,
     PolicyOutcome,
     Status,
 )
@@ -95,10 +95,10 @@ __all__ = [
     "SPLIT_SEED",
     "VALIDATION_FRACTION",
     "CandidatePool",
+    "DryRun",
     "EvaluationData",
+    "Gate",
     "MergeRequest",
-    "PolicyInfeasibleError",
-    "PolicyNotMetError",
     "PolicyOutcome",
     "PolicyPlan",
     "PolicyResult",
@@ -109,9 +109,11 @@ __all__ = [
     "Release",
     "ReleasePlan",
     "Status",
+    "Verdict",
     "Workspace",
     "apply_policy",
     "calibrate_policy",
+    "dry_run",
     "embedded_tracking_uri",
     "find_candidates",
     "find_release",

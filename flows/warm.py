@@ -1,0 +1,286 @@
+"""Start each flow run from a warm process instead of a fresh interpreter
+(docs/workflow.md#time-to-policy).
+
+A fresh ``python -m prefect.engine`` spends seconds importing Prefect, torch, MLflow and
+dp-accounting before the flow's first line; on a loaded two-core host that was most of the
+time from a policy event to the alias. The deployments' ``command`` (deployments/prefect.yaml)
+is this script instead, run by the process worker like the engine would be:
+
+* **client** (the default): connect to the warm server of this checkout and hand it the run —
+  its environment, working directory and the worker's stdin/stdout/stderr (passed as file
+  descriptors, so logs stream to the worker as before) — then wait and exit with the run's
+  exit code. With no server yet it starts one and waits for it to be ready (it costs the same
+  imports the cold start would); whatever fails, it falls back to ``python -m prefect.engine``.
+* **server** (``--serve SOCKET``): imports Prefect's engine and the flows once, then for each
+  run forks a child that takes the run's environment and file descriptors, refreshes Prefect's
+  settings and runs the engine's ``__main__``. The server runs no torch operation, opens no
+  client connection and starts no thread, so forking it is safe. When a client goes away (the
+  worker cancelled or killed the run), its child gets SIGTERM.
+
+Safety: the socket lives in a 0700 directory under ``$DPMERGE_HOME`` (default ``.dpmerge/`` in
+the checkout) and its name includes a digest of the interpreter, the checkout and the mtimes of
+its Python files, so changed code gets a new server (an idle server exits after
+:data:`IDLE_EXIT_S`). The server is started in the worker's process group, so stopping the
+worker (``dpmerge stack down`` signals the group) stops it too. Each child reseeds Python's and
+NumPy's generators (the RS draw uses the OS's generator anyway).
+
+Only the standard library is imported until a process knows which role it has.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CODE_DIRS = ("dpmerge", "flows", "tasks")
+PRELOAD = ("prefect.engine", "prefect.flow_engine", "flows.merge", "flows.training", "flows.report")
+IDLE_EXIT_S = 1800.0
+READY_TIMEOUT_S = 120.0
+MAX_MESSAGE = 1 << 20
+SOCKET_PATH_LIMIT = 100  # AF_UNIX paths are limited to 107 bytes on Linux
+
+
+def run_dir() -> Path:
+    home = Path(os.environ.get("DPMERGE_HOME") or REPO / ".dpmerge")
+    return home / "run"
+
+
+def code_stamp() -> str:
+    """A digest of the interpreter, the checkout and its Python files' mtimes."""
+    digest = hashlib.sha256(f"{sys.executable}\0{REPO}".encode())
+    for folder in CODE_DIRS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            digest.update(f"{path}\0{path.stat().st_mtime_ns}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def socket_path() -> Path:
+    return run_dir() / f"engine-{code_stamp()}.sock"
+
+
+def _send(sock: socket.socket, document: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(document).encode()
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
+
+
+def _receive(sock: socket.socket, fds: int = 0) -> tuple[dict | None, list[int]]:
+    if fds:
+        data, received, _, _ = socket.recv_fds(sock, MAX_MESSAGE, fds)
+    else:
+        data, received = sock.recv(MAX_MESSAGE), []
+    return (json.loads(data) if data else None), list(received)
+
+
+# --- client --------------------------------------------------------------------------------
+
+
+def client() -> int:
+    path = socket_path()
+    if len(str(path)) <= SOCKET_PATH_LIMIT:
+        sock = _connect(path) or _start_server(path)
+        if sock is not None:
+            return _hand_over(sock)
+    os.execv(sys.executable, [sys.executable, "-m", "prefect.engine", *sys.argv[1:]])
+    return 1  # not reached
+
+
+def _connect(path: Path) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _start_server(path: Path) -> socket.socket | None:
+    """Start the server for ``path`` (unless another client just did) and wait until it
+    accepts; ``None`` when it does not come up in time."""
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory.chmod(0o700)
+    with open(directory / "start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sock = _connect(path)
+        if sock is not None:
+            return sock
+        log = open(directory / f"{path.stem}.log", "ab")  # noqa: SIM115 (the server owns it)
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--serve", str(path)],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env={k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")},
+        )
+        log.close()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            sock = _connect(path)
+            if sock is not None:
+                return sock
+            time.sleep(0.1)
+    return None
+
+
+def _hand_over(sock: socket.socket) -> int:
+    request = {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}
+    try:
+        _send(sock, request, [0, 1, 2])
+        while True:
+            reply, _ = _receive(sock)
+            if reply is None:  # the server went away mid-run
+                return 1
+            if "exit" in reply:
+                return int(reply["exit"])
+    finally:
+        sock.close()
+
+
+# --- server --------------------------------------------------------------------------------
+
+
+def serve(path: Path) -> int:
+    sys.path.insert(0, str(REPO))
+    for module in PRELOAD:
+        __import__(module)
+    listener = _bind(path)
+    if listener is None:
+        return 0  # another server holds the path
+    children: dict[int, socket.socket] = {}
+    clients: dict[socket.socket, int] = {}
+    last_activity = time.monotonic()
+    try:
+        while children or time.monotonic() - last_activity < IDLE_EXIT_S:
+            readable, _, _ = select.select([listener, *clients], [], [], 0.5)
+            for sock in readable:
+                if sock is listener:
+                    connection, _ = listener.accept()
+                    pid = _start_child(connection, listener)
+                    if pid is None:
+                        connection.close()
+                        continue
+                    children[pid], clients[connection] = connection, pid
+                    last_activity = time.monotonic()
+                else:  # a client hung up before its run ended: stop the run
+                    data = sock.recv(MAX_MESSAGE)
+                    if not data and clients[sock] in children:
+                        os.kill(clients[sock], signal.SIGTERM)
+            _reap(children, clients)
+    finally:
+        listener.close()
+        path.unlink(missing_ok=True)
+    return 0
+
+
+def _bind(path: Path) -> socket.socket | None:
+    with open(path.parent / "bind.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _connect(path) is not None:
+            return None
+        path.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(str(path))
+        path.chmod(0o600)
+        listener.listen(64)
+    return listener
+
+
+def _reap(children: dict[int, socket.socket], clients: dict[socket.socket, int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = children.pop(pid, None)
+        if connection is None:
+            continue
+        clients.pop(connection, None)
+        with contextlib.suppress(OSError):  # the client may be gone
+            _send(connection, {"exit": os.waitstatus_to_exitcode(status)})
+        connection.close()
+
+
+def _start_child(connection: socket.socket, listener: socket.socket) -> int | None:
+    request, fds = _receive(connection, fds=3)
+    if request is None or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        return None
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        return pid
+    code = 1
+    try:
+        listener.close()
+        connection.close()
+        code = _run_child(request, fds)
+    finally:
+        os._exit(code)
+
+
+def _run_child(request: dict, fds: list[int]) -> int:
+    """In the forked child: become the flow run's process and run Prefect's engine."""
+    import random
+    import runpy
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    from prefect.context import refresh_global_settings_context
+
+    refresh_global_settings_context()
+    sys.argv = ["prefect.engine", *request["argv"]]
+    code = 0
+    try:
+        runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    return code
+
+
+def main(argv: list[str]) -> int:
+    if argv[1:2] == ["--serve"] and len(argv) == 3:
+        return serve(Path(argv[2]))
+    return client()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
