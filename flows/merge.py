@@ -44,7 +44,6 @@ from dpmerge.documents import cut
 from dpmerge.errors import InputError
 from dpmerge.policies import Policy, PolicyError, check_registered, policy_from_dict
 from dpmerge.policy_merge import PolicyOutcome, Status
-from dpmerge.policy_merge.promotion import superseded_reason
 from dpmerge.registry.catalog import open_catalog
 from flows import policy_runs
 from tasks import policy as steps
@@ -60,6 +59,10 @@ STATES: dict[Status, tuple[Any, str]] = {
     Status.SUPERSEDED: (Cancelled, "Superseded"),
 }
 """Each outcome's final state: its type and name (see the module docstring)."""
+STATUS_OF_STATE = {name: status.value for status, (_, name) in STATES.items()} | {
+    REJECTED: "rejected"
+}
+"""The outcome a final state's name stands for (a run without its artifact)."""
 OUTCOME_JSON = re.compile(r"```json\n(.*?)\n```", re.DOTALL)
 
 
@@ -130,8 +133,8 @@ def _rejected(payload: Any, error: InputError) -> State:
 
 
 def _superseded(policy: Policy, later: str) -> State:
-    reason = superseded_reason(later, str(policy.alias))
-    return _finish(PolicyOutcome.of(policy, Status.SUPERSEDED, reasons=(reason,)))
+    reason = f"a later event for policy {policy.name} ({later}) is pending or applied"
+    return _finish(PolicyOutcome.of(policy, Status.SUPERSEDED, reasons=(reason, "nothing changed")))
 
 
 @flow(name=FLOW_NAME, flow_run_name=run_name, persist_result=False)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from prefect.client.orchestration import get_client
@@ -28,6 +28,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.client.schemas.filters import (
     FlowRunFilter,
     FlowRunFilterDeploymentId,
+    FlowRunFilterExpectedStartTime,
     FlowRunFilterState,
     FlowRunFilterStateType,
 )
@@ -43,6 +44,9 @@ from dpmerge.policy_merge import parse_time
 LOCK_PREFIX = "dpmerge-policy-"
 LOCK_TIMEOUT_S = 900.0
 RECENT_RUNS = 200
+CLOCK_MARGIN = timedelta(minutes=10)
+"""A later event's run was created after that event, so after ours: only runs expected to
+start after our event time (less a margin for the sender's clock) are read."""
 LIVE_STATES = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.COMPLETED]
 
 
@@ -76,6 +80,7 @@ def later_event(
             flow_run_filter=FlowRunFilter(
                 deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=LIVE_STATES)),
+                expected_start_time=FlowRunFilterExpectedStartTime(after_=occurred - CLOCK_MARGIN),
             ),
             sort=FlowRunSort.EXPECTED_START_TIME_DESC,
             limit=RECENT_RUNS,

@@ -45,7 +45,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("dpmerge", "flows", "tasks")
-PRELOAD = ("prefect.engine", "prefect.flow_engine", "flows.merge", "flows.training", "flows.report")
+PRELOAD = (
+    "prefect.engine",
+    "prefect.flow_engine",
+    "prefect._internal.metrics",
+    "flows.merge",
+    "flows.training",
+    "flows.report",
+)
 IDLE_EXIT_S = 1800.0
 READY_TIMEOUT_S = 120.0
 MAX_MESSAGE = 1 << 20
@@ -95,7 +102,7 @@ def client() -> int:
         sock = _connect(path) or _start_server(path)
         if sock is not None:
             return _hand_over(sock)
-    os.execv(sys.executable, [sys.executable, "-m", "prefect.engine", *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), "--run"])
     return 1  # not reached
 
 
@@ -140,7 +147,7 @@ def _start_server(path: Path) -> socket.socket | None:
 
 
 def _hand_over(sock: socket.socket) -> int:
-    request = {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}
+    request = {"env": dict(os.environ), "cwd": os.getcwd()}
     try:
         _send(sock, request, [0, 1, 2])
         while True:
@@ -242,7 +249,6 @@ def _start_child(connection: socket.socket, listener: socket.socket) -> int | No
 def _run_child(request: dict, fds: list[int]) -> int:
     """In the forked child: become the flow run's process and run Prefect's engine."""
     import random
-    import runpy
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -259,26 +265,51 @@ def _run_child(request: dict, fds: list[int]) -> int:
     from prefect.context import refresh_global_settings_context
 
     refresh_global_settings_context()
-    sys.argv = ["prefect.engine", *request["argv"]]
-    code = 0
+    sys.argv = [str(Path(__file__).resolve()), "--run"]
+    code = 1
     try:
-        runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
+        code = run_engine()
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     except BaseException:
         import traceback
 
         traceback.print_exc()
-        code = 1
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     return code
 
 
+def run_engine() -> int:
+    """What ``python -m prefect.engine`` does for ``$PREFECT__FLOW_RUN_ID``, except that the
+    run's final state is kept, not turned back into an exception: a flow that ends in a named
+    state it chose (``Rejected``, ``Superseded``) is an outcome, and must not leave a traceback
+    in the run's logs. Exit 1 only for a plain ``Failed`` or ``Crashed`` run."""
+    from uuid import UUID
+
+    sys.path.insert(0, str(REPO))
+    from prefect._internal.control_listener import configure_from_env
+    from prefect._internal.metrics import RunMetrics
+    from prefect.engine import handle_engine_signals
+    from prefect.flow_engine import flow_run_logger, load_flow, load_flow_run, run_flow
+
+    flow_run_id = UUID(os.environ["PREFECT__FLOW_RUN_ID"])
+    configure_from_env()
+    with handle_engine_signals(flow_run_id):
+        flow_run = load_flow_run(flow_run_id=flow_run_id)
+        logger = flow_run_logger(flow_run=flow_run)
+        flow = load_flow(flow_run)
+        with RunMetrics(flow_run, flow):
+            state = run_flow(flow, flow_run=flow_run, error_logger=logger, return_type="state")
+    return 1 if state.name in ("Failed", "Crashed") else 0
+
+
 def main(argv: list[str]) -> int:
     if argv[1:2] == ["--serve"] and len(argv) == 3:
         return serve(Path(argv[2]))
+    if argv[1:] == ["--run"]:  # the cold start: this process runs the flow itself
+        return run_engine()
     return client()
 
 

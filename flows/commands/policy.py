@@ -160,6 +160,7 @@ def _dry_runs(policies: tuple[Policy, ...], args: argparse.Namespace) -> int:
 
 def _emit(policies: tuple[Policy, ...], args: argparse.Namespace) -> int:
     from flows import runtime
+    from flows.merge import STATUS_OF_STATE
 
     codes = []
     for policy in policies:
@@ -184,7 +185,7 @@ def _emit(policies: tuple[Policy, ...], args: argparse.Namespace) -> int:
             )
         )
         _print(document, line, args.json)
-        codes.append(_exit_code(outcome.get("status")))
+        codes.append(_exit_code(outcome.get("status") or STATUS_OF_STATE.get(str(run.state))))
     return max(codes)
 
 
