@@ -87,11 +87,11 @@ def deploy(*names: str) -> None:
 
 
 def train_candidates(
-    dataset: str, sigmas: list[float], epochs: int, delta: float
+    dataset: str, sigmas: list[float], epochs: int, delta: float, *, prime: bool = True
 ) -> tuple[str, list[float]]:
     """Train and register one logistic-regression candidate per σ in this process; the
-    candidates' registered model and each training's seconds. Then prime the merge caches, as
-    the train-candidates flow does once its candidates are registered."""
+    candidates' registered model and each training's seconds. Then (``prime``) fill the merge
+    caches, as the train-candidates flow does once its candidates are registered."""
     import torch
 
     from dpmerge import policy_merge as pm
@@ -123,9 +123,10 @@ def train_candidates(
                 f"  candidate σ = {sigma:g}: trained in {seconds[-1]:.1f} s, test accuracy "
                 f"{result.metrics['test_accuracy']:.4f}, v{registered.version}"
             )
-    start = time.perf_counter()
-    pm.prime_caches(pm.Workspace.from_env(), dataset, "logreg")
-    print(f"merge caches primed in {time.perf_counter() - start:.1f} s")
+    if prime:
+        start = time.perf_counter()
+        pm.prime_caches(pm.Workspace.from_env(), dataset, "logreg")
+        print(f"merge caches primed in {time.perf_counter() - start:.1f} s")
     return name, seconds
 
 
