@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dpmerge.errors import DPMergeError
-from dpmerge.locate import LocalStack, embedded_tracking_uri, resolve_home
+from dpmerge.locate import LocalStack, command, embedded_tracking_uri, resolve_home
 
 EVENT = "dpmerge.policy.updated"
 TELEMETRY_OFF = {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -94,8 +94,8 @@ def check_server(url: str, timeout_s: float = 5.0) -> None:
             healthy = json.loads(response.read() or b"null")
     except (urllib.error.URLError, OSError, ValueError) as error:
         raise ServerError(
-            f"Prefect server {url} unreachable ({error}); start it (`dpmerge stack up`) or unset "
-            "PREFECT_API_URL to run in-process"
+            f"Prefect server {url} unreachable ({error}); start it (`{command('stack', 'up')}`) "
+            "or unset PREFECT_API_URL to run in-process"
         ) from None
     if healthy is not True:
         raise ServerError(f"Prefect server {url} is not healthy (health: {healthy!r})")

@@ -253,16 +253,22 @@ def test_one_policy_at_a_time_the_later_event_wins(stack, candidates) -> None:
 
 
 def test_different_policies_run_side_by_side(stack, candidates) -> None:
+    """The lock is per policy: while policy side-a's lock is held (here, by the test), an event
+    for side-b is applied and one for side-a waits; released, side-a's run completes."""
+    from flows.policy_runs import policy_lock
+
     epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
-    policies = [
+    side_a, side_b = (
         _policy(name=name, target_epsilon=epsilons[2] * factor, method="lc")
         for name, factor in (("side-a", 1.7), ("side-b", 1.9))
-    ]
-    ids = [_emit(stack, p.event_payload(), p.name) for p in policies]
-    runs = [_wait_event(stack, event_id) for event_id in ids]
-    assert all(r.state == "Completed" for r in runs), runs
-    (a0, a1), (b0, b1) = (_work_span(stack, r.id) for r in runs)
-    assert a0 < b1 and b0 < a1, "policies waited for each other"
+    )
+    with policy_lock("side-a"):
+        id_a = _emit(stack, side_a.event_payload(), "side-a")
+        id_b = _emit(stack, side_b.event_payload(), "side-b")
+        assert _wait_event(stack, id_b).state == "Completed"
+        waiting = _wait_event(stack, id_a, timeout_s=3)
+        assert waiting.state not in ("Completed", "Superseded"), waiting
+    assert _wait_event(stack, id_a).state == "Completed"
 
 
 MALFORMED = {

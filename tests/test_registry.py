@@ -354,6 +354,8 @@ def test_embedded_registry_and_ls_cli(
     shown = capsys.readouterr().out
     assert shown.startswith(f"{MERGED} v1 — merged, ready; aliases: production")
     assert "# Privacy card" in shown and "policy `toy-eps5`" in shown
+    assert main(["registry", "show", "@production", "--tracking-uri", mlflow_embedded]) == 0
+    assert capsys.readouterr().out == shown  # the release model that carries the alias
     assert main(["registry", "show", f"{CANDIDATES}/2", "--tracking-uri", mlflow_embedded]) == 0
     assert "Candidate cand-b" in capsys.readouterr().out
     for missing in (f"{MERGED}@nope", f"{MERGED}/9", "dpmerge-none"):

@@ -24,7 +24,9 @@ TRACKING_HELP = (
     "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else a running local stack, else "
     "the embedded state $DPMERGE_HOME or ./.dpmerge)"
 )
-_REFERENCE = re.compile(r"^(?P<name>[^@/]+)(?:@(?P<alias>[^@/]+)|/(?P<version>\d+))?$")
+_REFERENCE = re.compile(
+    r"^(?P<name>[^@/]+)(?:@(?P<alias>[^@/]+)|/(?P<version>\d+))?$|^@(?P<only>[^@/]+)$"
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,13 +49,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ls.set_defaults(handler=_list)
     show = actions.add_parser(
         "show",
-        help="one version's privacy card: NAME, NAME@ALIAS or NAME/VERSION",
+        help="one version's privacy card: NAME, NAME@ALIAS, NAME/VERSION or @ALIAS",
         description=(
             "Print one version: its tags and description (for a release, its privacy card). "
-            "NAME alone shows the latest version."
+            "NAME alone shows the latest version; @ALIAS the release a policy's alias names."
         ),
     )
-    show.add_argument("reference", metavar="NAME[@ALIAS|/VERSION]")
+    show.add_argument("reference", metavar="NAME[@ALIAS|/VERSION] | @ALIAS")
     show.set_defaults(handler=_show)
     for sub in (ls, show):
         sub.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
@@ -108,7 +110,7 @@ def _show(args: argparse.Namespace) -> int:
     match = _REFERENCE.match(args.reference)
     if match is None:
         raise InputError(f"expected NAME, NAME@ALIAS or NAME/VERSION, got {args.reference[:80]!r}")
-    detail = _catalog(args).detail(match["name"], match["version"], match["alias"])
+    detail = _catalog(args).detail(match["name"], match["version"], match["alias"] or match["only"])
     if args.json:
         print(json.dumps(detail.to_dict(), indent=2))
         return 0

@@ -13,6 +13,7 @@ from typing import Any
 
 from dpmerge.artifacts import load_model_dir
 from dpmerge.errors import DPMergeError
+from dpmerge.locate import command
 from dpmerge.registry import (
     ROLE_CANDIDATE,
     STATUS_READY,
@@ -23,6 +24,9 @@ from dpmerge.registry import (
     candidate_model_name,
     merged_model_name,
 )
+
+TRAIN_DEPLOYMENT = "train-candidates/train-candidates"
+"""The deployment that trains candidates on a server (deployments/prefect.yaml)."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,8 @@ def find_candidates(registry: Registry, dataset: str, model: str) -> CandidatePo
     if not groups:
         raise RegistryError(
             f"no ready candidates of model {model!r} on dataset {dataset!r} at "
-            f"{registry.tracking_uri}; train some first (dpmerge demo, or the train-candidates "
-            "flow)"
+            f"{registry.tracking_uri}; train some first: `{command('demo')}` (embedded) or "
+            f"`{command('deployment', 'run', TRAIN_DEPLOYMENT, '--watch', tool='prefect')}`"
         )
     if len(groups) > 1:
         listed = ", ".join(f"{fp} ({name})" for name, fp in sorted(groups))

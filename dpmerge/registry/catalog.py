@@ -97,9 +97,11 @@ class Catalog(ABC):
         return summaries(found, self.aliases)
 
     def detail(
-        self, name: str, version: str | None = None, alias: str | None = None
+        self, name: str | None, version: str | None = None, alias: str | None = None
     ) -> VersionDetail:
-        """Version ``version`` of ``name``, or the one ``alias`` names, or the latest."""
+        """Version ``version`` of ``name``, or the one ``alias`` names, or the latest. Without
+        ``name``, the release model that carries ``alias``."""
+        name = name or self.holder(alias or "")
         aliases = self.aliases(name)
         if alias is not None:
             if alias not in aliases:
@@ -116,6 +118,18 @@ class Catalog(ABC):
             )
         naming = tuple(sorted(a for a, v in aliases.items() if v == version))
         return VersionDetail(found[version], self.description(name, version) or "", naming)
+
+    def holder(self, alias: str) -> str:
+        """The one registered model of releases that carries ``alias``."""
+        models = {v.name for v in self.search(ROLE_MERGED)}
+        holders = sorted(m for m in models if alias in self.aliases(m))
+        if len(holders) != 1:
+            found = ", ".join(holders) or "none"
+            raise RegistryError(
+                f"alias {alias!r} is on {len(holders)} release models ({found}); "
+                "name the model: MODEL@ALIAS"
+            )
+        return holders[0]
 
     def inventory(self) -> Inventory:
         """The ready candidates, counted by dataset fingerprint and model family."""

@@ -44,6 +44,7 @@ from dpmerge.artifacts import (
     WEIGHTS_FILE,
     ModelDir,
 )
+from dpmerge.locate import command
 from dpmerge.privacy_card import PrivacyCard
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
 from dpmerge.registry.tags import ROLE_CANDIDATE, STATUS_FAILED, tag_float
@@ -290,6 +291,6 @@ def _check_server(url: str) -> None:
             response.read()
     except (urllib.error.URLError, OSError) as error:
         raise RegistryUnavailableError(
-            f"MLflow server {url} unreachable ({error}); start it (`dpmerge stack up`) "
+            f"MLflow server {url} unreachable ({error}); start it (`{command('stack', 'up')}`) "
             "or point MLFLOW_TRACKING_URI elsewhere"
         ) from None
