@@ -112,10 +112,11 @@ def burst(args: argparse.Namespace, url: str) -> int:
         print(f"  {alias}: latest event ε* = {latest:g}, alias → v{version} (ε* = {served})")
     lost = len(sent) - len(runs)
     unfinished = sum(1 for r in runs if not (r.state and r.state.is_final()))
-    ok = lost == 0 and unfinished == 0 and overlap_same == 0 and correct == len(names)
+    failed = sum(1 for r in runs if r.state and (r.state.is_failed() or r.state.is_crashed()))
+    ok = not (lost or unfinished or failed or overlap_same) and correct == len(names)
     print(
-        f"summary: {len(sent)} sent, {lost} lost, drain {drain:.0f} s, "
-        + ("ok" if ok else "NOT OK")
+        f"summary: {len(sent)} sent, {lost} lost, {failed} failed or crashed, "
+        f"drain {drain:.0f} s, " + ("ok" if ok else "NOT OK")
     )
     return 0 if ok else 1
 

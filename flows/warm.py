@@ -54,6 +54,10 @@ PRELOAD = (
     "flows.report",
 )
 IDLE_EXIT_S = 1800.0
+MAX_RUNS_ENV = "DPMERGE_WARM_MAX_RUNS"
+MAX_RUNS = 4
+"""Runs started at once; later ones wait in the server (their clients wait too). A burst of 50
+runs starting together made the local stack's sqlite-backed Prefect server time out."""
 READY_TIMEOUT_S = 120.0
 MAX_MESSAGE = 1 << 20
 SOCKET_PATH_LIMIT = 100  # AF_UNIX paths are limited to 107 bytes on Linux
@@ -170,30 +174,56 @@ def serve(path: Path) -> int:
     listener = _bind(path)
     if listener is None:
         return 0  # another server holds the path
-    children: dict[int, socket.socket] = {}
-    clients: dict[socket.socket, int] = {}
+    limit = int(os.environ.get(MAX_RUNS_ENV) or MAX_RUNS)
+    children: dict[int, socket.socket | None] = {}  # pid -> its client (None: gone)
+    waiting: list[tuple[socket.socket, dict, list[int]]] = []  # runs beyond the limit, in order
     last_activity = time.monotonic()
     try:
-        while children or time.monotonic() - last_activity < IDLE_EXIT_S:
-            readable, _, _ = select.select([listener, *clients], [], [], 0.5)
+        while children or waiting or time.monotonic() - last_activity < IDLE_EXIT_S:
+            clients = [c for c in children.values() if c is not None]
+            watched = [listener, *clients, *(c for c, _, _ in waiting)]
+            readable, _, _ = select.select(watched, [], [], 0.5)
             for sock in readable:
                 if sock is listener:
                     connection, _ = listener.accept()
-                    pid = _start_child(connection, listener)
-                    if pid is None:
-                        connection.close()
+                    request, fds = _receive(connection, fds=3)
+                    if request is None or len(fds) != 3:
+                        _close(connection, fds)
                         continue
-                    children[pid], clients[connection] = connection, pid
+                    waiting.append((connection, request, fds))
                     last_activity = time.monotonic()
-                else:  # a client hung up before its run ended: stop the run
-                    data = sock.recv(MAX_MESSAGE)
-                    if not data and clients[sock] in children:
-                        os.kill(clients[sock], signal.SIGTERM)
-            _reap(children, clients)
+                elif not sock.recv(MAX_MESSAGE):  # a client hung up: stop or drop its run
+                    _hung_up(sock, children, waiting)
+            _reap(children)
+            while waiting and len(children) < limit:
+                connection, request, fds = waiting.pop(0)
+                children[_fork(connection, request, fds, listener)] = connection
     finally:
         listener.close()
         path.unlink(missing_ok=True)
     return 0
+
+
+def _close(connection: socket.socket, fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+    connection.close()
+
+
+def _hung_up(
+    sock: socket.socket,
+    children: dict[int, socket.socket | None],
+    waiting: list[tuple[socket.socket, dict, list[int]]],
+) -> None:
+    """The worker cancelled or killed a run's client: SIGTERM its child, or drop it unstarted."""
+    for pid, connection in list(children.items()):
+        if connection is sock:
+            os.kill(pid, signal.SIGTERM)
+            children[pid] = None  # reaped later; nobody to tell
+    for entry in [w for w in waiting if w[0] is sock]:
+        waiting.remove(entry)
+        _close(entry[0], entry[2])
+    sock.close()
 
 
 def _bind(path: Path) -> socket.socket | None:
@@ -209,7 +239,8 @@ def _bind(path: Path) -> socket.socket | None:
     return listener
 
 
-def _reap(children: dict[int, socket.socket], clients: dict[socket.socket, int]) -> None:
+def _reap(children: dict[int, socket.socket | None]) -> None:
+    """Tell each finished child's client its exit code."""
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -220,18 +251,12 @@ def _reap(children: dict[int, socket.socket], clients: dict[socket.socket, int])
         connection = children.pop(pid, None)
         if connection is None:
             continue
-        clients.pop(connection, None)
         with contextlib.suppress(OSError):  # the client may be gone
             _send(connection, {"exit": os.waitstatus_to_exitcode(status)})
         connection.close()
 
 
-def _start_child(connection: socket.socket, listener: socket.socket) -> int | None:
-    request, fds = _receive(connection, fds=3)
-    if request is None or len(fds) != 3:
-        for fd in fds:
-            os.close(fd)
-        return None
+def _fork(connection: socket.socket, request: dict, fds: list[int], listener: socket.socket) -> int:
     pid = os.fork()
     if pid:
         for fd in fds:

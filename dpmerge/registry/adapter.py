@@ -16,6 +16,7 @@ from torch import nn
 
 from dpmerge.artifacts import RECORD_FILE, ModelDir, ModelSpec, load_model_dir
 from dpmerge.errors import DPMergeError, RecordError
+from dpmerge.formatting import epsilon_text
 from dpmerge.privacy_card import PrivacyCard
 from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
 from dpmerge.registry.errors import GateError, RegistryError, registry_error
@@ -118,7 +119,7 @@ class Registry(RegistryQueries):
             params=params,
             record_bytes=(loaded.path / RECORD_FILE).read_bytes(),
             description=(
-                f"Candidate {record.name}: (ε = {privacy['epsilon']:.4f}, "
+                f"Candidate {record.name}: (ε = {epsilon_text(privacy['epsilon'])}, "
                 f"δ = {privacy['delta']:g}) under {str(privacy.get('accountant')).upper()}. "
                 "Internal: publishing these weights voids every guarantee of merges built from "
                 "them."

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dpmerge.locate import command
+from dpmerge.locate import command, resolve_home
 from flows.commands.policy import EXIT_CODES, outcome_line, run_policy
 from flows.commands.policy_options import default_dataset
 
@@ -205,8 +205,21 @@ def _shown(path: Path) -> str:
 def _next_steps(home: Path, policy: str, release: str | None) -> str:
     mlflow = command("ui", "--backend-store-uri", f"sqlite:///{home}/mlflow.db", tool="mlflow")
     prefect = command("server", "start", tool="prefect")
-    show = command("registry", "show", f"{release or 'MODEL'}@policy-{policy}")
-    policy_set = command("policy", "set", "--name", policy, "--target-epsilon", "3")
+    # the commands find ./.dpmerge (or $DPMERGE_HOME) by themselves; another home is named
+    found = home == resolve_home()
+    where = [] if found else ["--tracking-uri", f"sqlite:///{home}/mlflow.db"]
+    show = command("registry", "show", f"{release or 'MODEL'}@policy-{policy}", *where)
+    policy_set = command(
+        "policy",
+        "set",
+        "--name",
+        policy,
+        "--target-epsilon",
+        "3",
+        "--delta",
+        "1e-5",
+        *([] if found else ["--home", str(home)]),
+    )
     return f"""Look at it (commands run from this directory):
   MLflow UI:  {mlflow} --port 5000
               then http://127.0.0.1:5000 → Models (candidates and releases, the alias, each
@@ -215,7 +228,7 @@ def _next_steps(home: Path, policy: str, release: str | None) -> str:
   Prefect UI: PREFECT_HOME={_shown(home)}/prefect {prefect} --port 4200
               then http://127.0.0.1:4200 → Runs (train-candidates, merge-on-policy, artifacts);
               on another port P also set PREFECT_SERVER_API_PORT=P (the UI calls its API there)
-  Registry:   {command("registry", "ls")}
+  Registry:   {command("registry", "ls", *where)}
               {show}
-  Policies:   {policy_set} --delta 1e-5 --dry-run   (what it would release)
-              {policy_set} --delta 1e-5             (apply it here, in-process)"""
+  Policies:   {policy_set} --dry-run   (what it would release)
+              {policy_set}             (apply it here, in-process)"""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -107,9 +108,11 @@ def handle(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     server = None if args.home is not None else runtime.server_url()
+    located = locate_registry(home=args.home)  # before the embedded defaults enter the env
     if server is None:
-        runtime.configure_embedded(args.home)
-    located = locate_registry(home=args.home)
+        if args.home is None:  # an in-process run uses the registry that was checked
+            os.environ.setdefault("MLFLOW_TRACKING_URI", located.tracking_uri)
+        runtime.configure_embedded(args.home, force=args.home is not None)
     _check(policies, located, server is not None)
     if args.dry_run:
         return _dry_runs(policies, args)
