@@ -99,9 +99,10 @@ def _artifact(key_name: str, title: str, lines: list[str], document: dict[str, A
 
 
 def outcome_from_markdown(markdown: str) -> dict[str, Any] | None:
-    """The outcome document an artifact of this flow carries (``None`` if none)."""
-    found = OUTCOME_JSON.search(markdown or "")
-    return json.loads(found[1]) if found else None
+    """The outcome document an artifact of this flow carries, its last JSON block (``None`` if
+    none)."""
+    found = OUTCOME_JSON.findall(markdown or "")
+    return json.loads(found[-1]) if found else None
 
 
 def _finish(outcome: PolicyOutcome, card: str = "") -> State:

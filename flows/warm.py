@@ -132,7 +132,7 @@ def _start_server(path: Path) -> socket.socket | None:
         if sock is not None:
             return sock
         log = open(directory / f"{path.stem}.log", "ab")  # noqa: SIM115 (the server owns it)
-        subprocess.Popen(
+        server = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--serve", str(path)],
             cwd=REPO,
             stdin=subprocess.DEVNULL,
@@ -142,12 +142,12 @@ def _start_server(path: Path) -> socket.socket | None:
         )
         log.close()
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and server.poll() is None:
             sock = _connect(path)
             if sock is not None:
                 return sock
             time.sleep(0.1)
-    return None
+        return _connect(path)  # None: it failed to start (see its log); this run starts cold
 
 
 def _hand_over(sock: socket.socket) -> int:

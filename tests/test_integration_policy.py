@@ -255,6 +255,8 @@ def test_one_policy_at_a_time_the_later_event_wins(stack, candidates) -> None:
 def test_different_policies_run_side_by_side(stack, candidates) -> None:
     """The lock is per policy: while policy side-a's lock is held (here, by the test), an event
     for side-b is applied and one for side-a waits; released, side-a's run completes."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from flows.policy_runs import policy_lock
 
     epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
@@ -262,7 +264,8 @@ def test_different_policies_run_side_by_side(stack, candidates) -> None:
         _policy(name=name, target_epsilon=epsilons[2] * factor, method="lc")
         for name, factor in (("side-a", 1.7), ("side-b", 1.9))
     )
-    with policy_lock("side-a"):
+    # this process's Prefect settings may predate the stack (another module's test server)
+    with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}), policy_lock("side-a"):
         id_a = _emit(stack, side_a.event_payload(), "side-a")
         id_b = _emit(stack, side_b.event_payload(), "side-b")
         assert _wait_event(stack, id_b).state == "Completed"
