@@ -9,7 +9,6 @@ or a test needs to use the stack.
 from __future__ import annotations
 
 import json
-import os
 import random
 import socket
 from dataclasses import asdict, dataclass, field, replace
@@ -18,6 +17,7 @@ from typing import Any
 
 from dpmerge.environment import TELEMETRY_OFF
 from dpmerge.errors import DPMergeError
+from dpmerge.locate import STACK_FILE, stack_state_dir
 from dpmerge.storage import DEFAULT_AUDIT_BUCKET, DEFAULT_BUCKET, S3Config
 
 LOOPBACK = "127.0.0.1"
@@ -38,7 +38,7 @@ worker dials it there whatever ``-admin.port.grpc`` says."""
 ADMIN_GRPC_OFFSET = 10000
 DEFAULT_STORE_PORTS = tuple(range(5002, 5002 + len(STORE_PORT_NAMES)))
 POOLS = ("cpu", "gpu")
-CONFIG_FILE = "stack.json"
+CONFIG_FILE = STACK_FILE
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "devstack",
     "AWS_SECRET_ACCESS_KEY": "devstack-local-only",
@@ -58,7 +58,7 @@ def repo_root() -> Path:
 
 
 def default_state_dir() -> Path:
-    return Path(os.environ.get("DPMERGE_STACK_DIR") or repo_root() / ".stack")
+    return stack_state_dir()
 
 
 def port_free(port: int) -> bool:

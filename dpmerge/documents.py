@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import reprlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,16 @@ def cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, MAX_SHOWN, MAX_SHOWN
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+"""Bounded ``repr``: a YAML alias bomb (a list of lists of … sharing one node) is not expanded,
+so echoing it costs microseconds and a few characters, not gigabytes."""
+
+
 def shorten(value: Any, limit: int = MAX_SHOWN) -> str:
-    """``repr(value)``, cut to ``limit`` characters with an ellipsis."""
-    return cut(repr(value), limit)
+    """``repr(value)`` (bounded, see :data:`_REPR`), cut to ``limit`` characters."""
+    return cut(_REPR.repr(value), limit)
 
 
 class _StrictYamlLoader(yaml.SafeLoader):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import (
     BaseModel,
@@ -29,9 +29,12 @@ from pydantic import (
     model_validator,
 )
 
-from dpmerge.documents import describe_validation_error, load_yaml, read_item_list
+from dpmerge.documents import describe_validation_error, load_yaml, read_item_list, shorten
 from dpmerge.errors import InputError
 from dpmerge.vocabulary import GatingBound, OnInfeasible, PolicyMethod
+
+if TYPE_CHECKING:
+    from dpmerge.registry.catalog import Inventory
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _ALIAS = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
@@ -46,18 +49,42 @@ class Policy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=True)
 
-    name: StrictStr
-    target_epsilon: StrictFloat = Field(gt=0, le=1000, allow_inf_nan=False)
-    target_delta: StrictFloat = Field(gt=0, lt=1, allow_inf_nan=False)
-    dataset: StrictStr = Field(min_length=1, max_length=256)
-    model: StrictStr = Field(min_length=1, max_length=256)
-    method: PolicyMethod = PolicyMethod.AUTO
-    gating_bound: GatingBound = GatingBound.GENERIC
-    min_accuracy: StrictFloat = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
-    alias: StrictStr | None = None
-    on_infeasible: OnInfeasible = OnInfeasible.REVOKE
+    name: StrictStr = Field(description="policy name (its alias is policy-<name>)")
+    target_epsilon: StrictFloat = Field(
+        gt=0, le=1000, allow_inf_nan=False, description="target ε* of the release"
+    )
+    target_delta: StrictFloat = Field(
+        gt=0, lt=1, allow_inf_nan=False, description="target δ* of the release"
+    )
+    dataset: StrictStr = Field(
+        min_length=1,
+        max_length=256,
+        description="dataset name (e.g. fashion-mnist) or full fingerprint of the candidates",
+    )
+    model: StrictStr = Field(
+        min_length=1, max_length=256, description="model family of the candidates (e.g. logreg)"
+    )
+    method: PolicyMethod = Field(
+        default=PolicyMethod.AUTO, description="merge method (auto: RS or LC, chosen per target)"
+    )
+    gating_bound: GatingBound = Field(
+        default=GatingBound.GENERIC, description="the LC bound that gates promotion"
+    )
+    min_accuracy: StrictFloat = Field(
+        default=0.0, ge=0, le=1, allow_inf_nan=False, description="test-accuracy floor"
+    )
+    alias: StrictStr | None = Field(
+        default=None, description="registry alias the policy moves (default policy-<name>)"
+    )
+    on_infeasible: OnInfeasible = Field(
+        default=OnInfeasible.REVOKE, description="what happens to the alias if ε* is unreachable"
+    )
     cumulative_epsilon_cap: StrictFloat | None = Field(
-        default=None, gt=0, le=1000, allow_inf_nan=False
+        default=None,
+        gt=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="release-ledger cap on the cumulative ε (docs/design.md#release-ledger)",
     )
 
     @field_validator("name")
@@ -66,7 +93,7 @@ class Policy(BaseModel):
         if not _NAME.match(value):
             raise ValueError(
                 "must be 1–63 characters of lower-case letters, digits, '-' or '_', starting "
-                f"with a letter or digit (got {value!r})"
+                f"with a letter or digit (got {shorten(value)})"
             )
         return value
 
@@ -75,7 +102,7 @@ class Policy(BaseModel):
         alias = self.alias or f"policy-{self.name}"
         if not _ALIAS.match(alias) or alias == "latest" or re.fullmatch(r"[vV]\d+", alias):
             raise ValueError(
-                f"alias {alias!r} is not a valid registry alias (letters, digits, '-', '_'; "
+                f"alias {shorten(alias)} is not a valid registry alias (letters, digits, '-', '_'; "
                 "not 'latest' or a version like 'v3')"
             )
         if self.gating_bound == "structured" and self.method == "rs":
@@ -97,10 +124,37 @@ class Policy(BaseModel):
         return self.model_dump(mode="json")
 
 
+def check_registered(policies: Iterable[Policy], inventory: Inventory) -> None:
+    """Each policy's model family and dataset must have ready candidates in ``inventory`` (the
+    registry it targets): otherwise :class:`PolicyError` naming the field and the choices, before
+    any event is sent or any run starts."""
+    for policy in policies:
+        where = f"policy {policy.name!r}: field"
+        models = inventory.models
+        if policy.model not in models:
+            raise PolicyError(
+                f"{where} 'model': no ready candidates of {shorten(policy.model)} at "
+                f"{inventory.tracking_uri}; choose one of: {_choices(models)}"
+            )
+        fingerprints = [d for d, m in inventory.counts if m == policy.model]
+        names = sorted({d.split("-sha256:")[0] for d in fingerprints})
+        if not any(policy.dataset in (d, d.split("-sha256:")[0]) for d in fingerprints):
+            raise PolicyError(
+                f"{where} 'dataset': no ready {policy.model} candidates on "
+                f"{shorten(policy.dataset)} at {inventory.tracking_uri}; choose one of: "
+                f"{_choices(names)}"
+            )
+
+
+def _choices(values: Iterable[str]) -> str:
+    listed = [repr(v) for v in values]
+    return ", ".join(listed) if listed else "none (train candidates first)"
+
+
 def policy_from_dict(data: Mapping[str, Any]) -> Policy:
     if not isinstance(data, Mapping):
         raise PolicyError(f"a policy must be a mapping, got {type(data).__name__}")
-    where = f"policy {data.get('name', '<unnamed>')!r}"
+    where = f"policy {shorten(data.get('name', '<unnamed>'))}"
     try:
         return Policy.model_validate(dict(data))
     except ValidationError as error:

@@ -14,7 +14,6 @@ the drawn candidate, which it is never given (SPEC §4).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -22,6 +21,7 @@ from typing import Any
 
 from dpmerge.accounting.records import Candidate, MechanismRecord
 from dpmerge.errors import RecordError
+from dpmerge.formatting import epsilon_text
 
 CARD_SCHEMA = "dpmerge.privacy_card/1"
 LIBRARIES = ("dpmerge", "dp-accounting", "opacus", "torch", "mlflow")
@@ -113,15 +113,6 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-def eps_text(value: float | None) -> str:
-    """An ε for display, rounded up to 4 decimals (never toward the unsafe side)."""
-    if value is None:
-        return "—"
-    if math.isinf(value):
-        return "∞"
-    return f"{math.ceil(value * 1e4 - 1e-9) / 1e4:.4f}"
-
-
 def _num(value: Any) -> str:
     return "—" if value is None else f"{value:g}"
 
@@ -144,7 +135,7 @@ def _require(report: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _bound_rows(bound: Mapping[str, Any]) -> list[str]:
     delta = _num(bound.get("delta"))
-    pld, rdp = eps_text(bound.get("epsilon_pld")), eps_text(bound.get("epsilon_rdp"))
+    pld, rdp = epsilon_text(bound.get("epsilon_pld")), epsilon_text(bound.get("epsilon_rdp"))
     return [
         f"| PLD (dp_accounting, connect-the-dots, pessimistic) | {pld} | {delta} "
         f"| value discretisation {_num(bound.get('discretisation'))} |",
@@ -164,7 +155,7 @@ def _ledger_section(ledger: Mapping[str, Any]) -> list[str]:
     lines = [
         "## Release ledger (cumulative)",
         "",
-        f"All releases from this dataset together: ε = **{eps_text(ledger.get('epsilon'))}** "
+        f"All releases from this dataset together: ε = **{epsilon_text(ledger.get('epsilon'))}** "
         f"at δ = {_num(ledger.get('delta'))}"
         + (f" ({'; '.join(details)})" if details else "")
         + ".",
@@ -196,7 +187,7 @@ def _bound_section(title: str, bound: Mapping[str, Any]) -> list[str]:
     if bound.get("epsilon") is None:
         return [*lines, f"Not available: {bound.get('reason') or 'no reason given'}.", ""]
     lines += [
-        f"ε = **{eps_text(bound['epsilon'])}** ({str(bound.get('accountant')).upper()}), "
+        f"ε = **{epsilon_text(bound['epsilon'])}** ({str(bound.get('accountant')).upper()}), "
         f"δ = {_num(bound.get('delta'))}, neighbouring relation: "
         f"{str(bound.get('neighbouring', '')).replace('_', '-')}.",
         "",
@@ -247,7 +238,7 @@ def build_privacy_card(
     md = [
         f"# Privacy card{f' — {model_name}' if model_name else ''}",
         "",
-        f"**Guarantee:** (ε = {eps_text(epsilon)}, δ = {_num(delta)})-DP under "
+        f"**Guarantee:** (ε = {epsilon_text(epsilon)}, δ = {_num(delta)})-DP under "
         f"{str(report.get('neighbouring', gating.get('neighbouring', ''))).replace('_', '-')} "
         f"adjacency, gated by the **{_BOUND_LABELS.get(report['bound'], report['bound'])}** bound "
         f"({str(report.get('accountant')).upper()} accountant).",
@@ -288,7 +279,7 @@ def build_privacy_card(
     for name, weight in zip(names, weights, strict=True):
         c = by_name[name]
         md.append(
-            f"| {c.name} | {c.version or '—'} | {weight:.4f} | {eps_text(c.epsilon)} "
+            f"| {c.name} | {c.version or '—'} | {weight:.4f} | {epsilon_text(c.epsilon)} "
             f"({c.accountant or '—'}, {_num(c.delta)}) | {_num(c.noise_multiplier)} "
             f"| {_num(c.sample_rate)} | {_num(c.steps)} | {c.noise_lineage or '—'} "
             f"| {c.batch_lineage or '—'} |"

@@ -40,6 +40,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from dpmerge.errors import DPMergeError, TransientError
+from dpmerge.locate import command
 
 DEFAULT_BUCKET = "dpmerge"
 DEFAULT_AUDIT_BUCKET = "dpmerge-audit"
@@ -173,13 +174,14 @@ class S3Store:
         except BotoConnectionError as error:
             raise StorageUnavailableError(
                 f"S3 endpoint {self.config.where} unreachable while {action} {target} "
-                f"({type(error).__name__}); start the local stack (`dpmerge stack up`) or set "
-                "DPMERGE_S3_ENDPOINT_URL"
+                f"({type(error).__name__}); start the local stack (`{command('stack', 'up')}`) "
+                "or set DPMERGE_S3_ENDPOINT_URL"
             ) from None
         except NoCredentialsError:
             raise StorageError(
                 f"no AWS credentials for {self.config.where} while {action} {target}; set "
-                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (local stack: eval $(dpmerge stack env))"
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (local stack: "
+                f'eval "$({command("stack", "env")})")'
             ) from None
         except ClientError as error:
             code = str(error.response.get("Error", {}).get("Code", ""))

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dpmerge.environment import QUIET, TELEMETRY_OFF, probe
 from dpmerge.errors import DPMergeError
 from dpmerge.keys import KEY_ENV
-from dpmerge.policy_merge import embedded_tracking_uri, resolve_home
+from dpmerge.locate import LocalStack, command, embedded_tracking_uri, resolve_home
 
 EVENT = "dpmerge.policy.updated"
 EPHEMERAL_SERVER = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
@@ -59,6 +60,24 @@ def server_url() -> str | None:
     return os.environ.get("PREFECT_API_URL") or None
 
 
+def adopt_running_stack() -> LocalStack | None:
+    """With neither ``PREFECT_API_URL`` nor ``MLFLOW_TRACKING_URI`` set, point this process at
+    a running local stack (its ``stack.json``): its client environment (Prefect, MLflow, S3) is
+    set in ``os.environ`` and the stack returned; otherwise nothing changes (``None``)."""
+    if server_url() or os.environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    found = LocalStack.find()
+    if found is None or not found.running or found.prefect_api_url is None:
+        return None
+    from devstack import StackConfig  # the stack's own account of its client settings
+
+    config = StackConfig.load(found.state_dir)
+    if config is None:
+        return None
+    os.environ.update(config.client_env())
+    return found
+
+
 def configure_embedded(home: str | Path | None = None, *, force: bool = False) -> dict[str, str]:
     """Set the embedded defaults in ``os.environ`` (before Prefect or MLflow are imported) and
     return what was set. Existing settings win unless ``force`` (the demo: everything under
@@ -88,8 +107,8 @@ def check_server(url: str, timeout_s: float = 5.0) -> None:
     health = probe(f"{url.rstrip('/')}/health", timeout_s=timeout_s)
     if health.status is None:
         raise ServerError(
-            f"Prefect server {url} unreachable ({health.error}); start it (`dpmerge stack up`) "
-            "or unset PREFECT_API_URL to run in-process"
+            f"Prefect server {url} unreachable ({health.error}); start it "
+            f"(`{command('stack', 'up')}`) or unset PREFECT_API_URL to run in-process"
         )
     if health.body is not True:
         raise ServerError(f"Prefect server {url} is not healthy (health: {health.body!r})")
@@ -136,7 +155,7 @@ def find_policy_run(event_id: str, client: Any) -> Any | None:
     runs = client.read_flow_runs(
         flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
         sort=FlowRunSort.EXPECTED_START_TIME_DESC,
-        limit=50,
+        limit=200,
     )
     for run in runs:
         if str(run.parameters.get("event_id")) == event_id:
@@ -144,12 +163,27 @@ def find_policy_run(event_id: str, client: Any) -> Any | None:
     return None
 
 
+@dataclass(frozen=True)
+class PolicyRun:
+    """A finished (or last seen) run for a policy event, and the outcome document its
+    artifact carries (``None`` if it has none)."""
+
+    id: str | None
+    state: str | None
+    message: str | None
+    outcome: dict[str, Any] | None
+
+
 def wait_for_policy_run(
     event_id: str, timeout_s: float, poll_s: float = 0.5, *, url: str | None = None
-) -> Any:
-    """Wait until the run for ``event_id`` reaches a final state; returns it (or the last
-    seen run, ``None`` if none was created in time). ``url`` defaults to ``$PREFECT_API_URL``."""
+) -> PolicyRun:
+    """Wait until the run for ``event_id`` reaches a final state; returns it with its outcome
+    (or the last seen run; ``id`` ``None`` if none was created in time). ``url`` defaults to
+    ``$PREFECT_API_URL``."""
     from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from flows.merge import outcome_from_markdown
 
     url = url or server_url()
     if url is None:
@@ -160,6 +194,18 @@ def wait_for_policy_run(
         while time.monotonic() < deadline:
             run = find_policy_run(event_id, client)
             if run is not None and run.state is not None and run.state.is_final():
-                return run
+                break
             time.sleep(poll_s)
-    return run
+        if run is None:
+            return PolicyRun(None, None, "no run created in time", None)
+        outcome = None
+        if run.state is not None and run.state.is_final():
+            artifacts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
+            )
+            for artifact in artifacts:
+                outcome = outcome_from_markdown(str(artifact.data or "")) or outcome
+    state = run.state
+    return PolicyRun(
+        str(run.id), state.name if state else None, state.message if state else None, outcome
+    )

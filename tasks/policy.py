@@ -19,6 +19,7 @@ from prefect import get_run_logger, task
 
 from dpmerge import policy_merge as pm
 from dpmerge.errors import InfeasibleTargetError
+from dpmerge.formatting import epsilon_text, number_text
 from dpmerge.policies import Policy
 from dpmerge.policy_merge import Status
 from dpmerge.registry import RegisteredCandidate
@@ -107,15 +108,19 @@ def load_evaluation_data(
 
 
 @task(name="calibrate", **LOCAL)
-def calibrate(
+def _calibrate(
     policy: Policy, candidates: Sequence[RegisteredCandidate], data: pm.EvaluationData
-) -> pm.PolicyPlan:
-    plan = pm.calibrate_policy(policy, candidates, data)
+) -> pm.PolicyPlan | InfeasibleTargetError:
+    try:
+        plan = pm.calibrate_policy(policy, candidates, data)
+    except InfeasibleTargetError as infeasible:
+        get_run_logger().warning("policy %s: %s", policy.name, infeasible)
+        return infeasible
     report = plan.calibration.report
     get_run_logger().info(
-        "calibrated %s: ε = %.4f (%s, %s bound) ≤ target %g at δ = %g; compared %s",
+        "calibrated %s: ε = %s (%s, %s bound) ≤ target %g at δ = %g; compared %s",
         plan.method,
-        report.epsilon,
+        epsilon_text(report.epsilon),
         report.gating.accountant,
         report.gating.kind,
         policy.target_epsilon,
@@ -123,6 +128,18 @@ def calibrate(
         {m: c.get("noise_proxy") for m, c in plan.compared.items()},
     )
     return plan
+
+
+def calibrate(
+    policy: Policy, candidates: Sequence[RegisteredCandidate], data: pm.EvaluationData
+) -> pm.PolicyPlan:
+    """The calibrate step (``calibrate_policy``'s contract): the task's plan, or its
+    infeasible target raised here, outside the task, so that the task run completes — an
+    infeasible target is an outcome of the policy, not a failed task with a traceback."""
+    result = _calibrate(policy, candidates, data)
+    if isinstance(result, InfeasibleTargetError):
+        raise result
+    return result
 
 
 @task(name="merge", **LOCAL)
@@ -136,10 +153,10 @@ def merge(
 ) -> pm.Release:
     release = pm.merge_release(workspace, request, candidates, plan, data, workdir)
     get_run_logger().info(
-        "merged by %s: test accuracy %.4f, validation accuracy %.4f",
+        "merged by %s: test accuracy %s, validation accuracy %s",
         release.method,
-        release.metrics["test_accuracy"],
-        release.metrics["validation_accuracy"],
+        number_text(release.metrics["test_accuracy"]),
+        number_text(release.metrics["validation_accuracy"]),
     )
     return release
 

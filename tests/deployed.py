@@ -1,6 +1,6 @@
 """The whole local stack with deployments/prefect.yaml applied, for the workflow's integration
-tests: the Prefect server requeues waiting runs after 1 s (default 30 s), flow runs keep their
-state under a temporary ``DPMERGE_HOME``, and this process's environment points at the stack."""
+tests: flow runs keep their state under a temporary ``DPMERGE_HOME``, and this process's
+environment points at the stack."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ REPO = Path(__file__).resolve().parents[1]
 @contextmanager
 def deployed_stack(factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackConfig]:
     server_env = {
-        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
         "DPMERGE_HOME": str(factory.mktemp("dpmerge-home")),
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
         "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",

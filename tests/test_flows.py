@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import yaml
 from mlflow import MlflowClient
 
 from dpmerge import policy_merge as pm
-from dpmerge.policies import Policy, PolicyError, policy_from_dict
+from dpmerge.policies import Policy, policy_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
@@ -100,13 +99,22 @@ def test_prefect_yaml_pools_schedule_and_concurrency() -> None:
     document = yaml.safe_load(PREFECT_YAML.read_text())
     found = _deployments()
     assert set(found) == {"merge_on_policy", "train_candidate", "train_candidates", "pareto_report"}
+    names = {k: d["name"] for k, d in found.items()}
+    assert names == {  # deployment names say what they run
+        "merge_on_policy": "merge-on-policy",
+        "train_candidate": "train-candidate-gpu",
+        "train_candidates": "train-candidates",
+        "pareto_report": "pareto-report-nightly",
+    }
     assert found["merge_on_policy"]["work_pool"]["name"] == "cpu"
     assert found["train_candidate"]["work_pool"]["name"] == "gpu"
-    assert found["train_candidates"]["parameters"]["deployment"] == "train-candidate/gpu"
-    assert found["merge_on_policy"]["concurrency_limit"] == {
-        "limit": 1,
-        "collision_strategy": "ENQUEUE",
-    }
+    assert found["train_candidates"]["parameters"]["deployment"] == (
+        "train-candidate/train-candidate-gpu"
+    )
+    # serialised per policy inside the flow, not per deployment: policies run side by side
+    assert "concurrency_limit" not in found["merge_on_policy"]
+    command = found["merge_on_policy"]["work_pool"]["job_variables"]["command"]
+    assert command.endswith("/flows/warm.py")  # runs start from a warm process
     assert found["pareto_report"]["schedules"][0]["cron"] == "0 2 * * *"
     (pull,) = document["pull"]
     assert "set_working_directory" in next(iter(pull))
@@ -154,20 +162,20 @@ def test_training_flows_take_the_declared_training_parameters() -> None:
         train_candidate.validate_parameters({**spec.parameters(), "dataset": "imagenet"})
 
 
-def test_trigger_templates_take_every_parameter_from_the_payload() -> None:
+def test_trigger_is_named_and_passes_the_whole_payload() -> None:
     from flows.merge import merge_on_policy
 
     (trigger,) = _deployments()["merge_on_policy"]["triggers"]
+    assert trigger["name"] == "apply a policy when dpmerge.policy.updated is emitted"
+    assert "merge-on-policy" in trigger["description"]
     assert trigger["expect"] == ["dpmerge.policy.updated"]
     assert trigger["match"] == {"prefect.resource.id": "dpmerge.policy.*"}
     assert trigger["for_each"] == ["prefect.resource.id"]
     parameters = trigger["parameters"]
-    payload_keys = set(_policy().event_payload())
-    assert payload_keys == set(Policy.model_fields)
-    assert set(parameters) == payload_keys | EVENT_FIELDS
+    assert parameters["payload"] == "{{ event.payload }}"
+    assert set(parameters) == {"payload"} | EVENT_FIELDS
     assert set(parameters) == set(merge_on_policy.parameters.properties)
-    for key in payload_keys:
-        assert parameters[key] == f"{{{{ event.payload.{key} }}}}"
+    assert merge_on_policy.parameters.required == ["payload"]
 
 
 def _render(payload: dict[str, Any], resource_id: str) -> dict[str, Any]:
@@ -192,30 +200,24 @@ def _render(payload: dict[str, Any], resource_id: str) -> dict[str, Any]:
     return hydrate(parameters, context)
 
 
-def test_rendered_payload_gives_native_parameters_and_missing_keys_no_run() -> None:
-    from prefect.utilities.schema_tools.hydration import InvalidJinja
-
+def test_every_payload_renders_to_one_native_parameter() -> None:
+    """Whatever the payload holds — every key, a key missing, a string where a number belongs —
+    the server renders it to a run (no template can fail on a missing key); the flow decides."""
     policy = _policy(name="eu", min_accuracy=0.8, cumulative_epsilon_cap=3.0)
     rendered = _render(policy.event_payload(), policy.resource_id)
-    assert rendered["target_epsilon"] == 5.0 and isinstance(rendered["target_delta"], float)
-    assert rendered["cumulative_epsilon_cap"] == 3.0 and rendered["alias"] == "policy-eu"
+    assert rendered["payload"] == policy.event_payload()
+    assert isinstance(rendered["payload"]["target_delta"], float)
+    assert rendered["payload"]["cumulative_epsilon_cap"] == 3.0
     assert rendered["resource_id"] == "dpmerge.policy.eu"
     assert pm.parse_time(rendered["occurred"]) <= datetime.now(UTC)
     assert pm.parse_time(rendered["received"]) <= datetime.now(UTC)  # the server's clock
     uuid.UUID(rendered["event_id"])
-    fields = {k: v for k, v in rendered.items() if k not in EVENT_FIELDS}
-    assert policy_from_dict(fields) == policy
-    none_cap = _render(_policy().event_payload(), "dpmerge.policy.p")
-    assert none_cap["cumulative_epsilon_cap"] is None
-    # why every key must be sent: a missing one makes the server create no run at all
+    assert policy_from_dict(rendered["payload"]) == policy
     partial = policy.event_payload()
     del partial["min_accuracy"]
-    logging.disable(logging.CRITICAL)
-    try:
-        with pytest.raises(InvalidJinja):
-            _render(partial, policy.resource_id)
-    finally:
-        logging.disable(logging.NOTSET)
+    assert _render(partial, policy.resource_id)["payload"] == partial
+    odd = partial | {"target_epsilon": "2", "extra": None}
+    assert _render(odd, policy.resource_id)["payload"] == odd
 
 
 # --- flows in-process ---------------------------------------------------------------------
@@ -275,26 +277,38 @@ def test_train_candidates_registers_each_level(env, trained) -> None:
     assert [s.config.target_epsilon for s in specs] == [1.0, 2.0] and specs[0].config.epochs == 2
 
 
-def test_merge_on_policy_promotes_then_reuses(env, trained) -> None:
+def _apply(payload: dict[str, Any], **event: Any) -> Any:
+    """Run merge-on-policy in-process; its final state."""
     from flows.merge import merge_on_policy
 
+    return merge_on_policy(payload, **event, return_state=True)
+
+
+def test_merge_on_policy_promotes_then_reuses(env, trained) -> None:
     policy = _policy(name="flow-lc", target_epsilon=_eps(trained)[1] * 1.2, method="lc")
-    result = merge_on_policy(**policy.event_payload())
+    state = _apply(policy.event_payload())
+    result = state.result()
+    assert state.is_completed() and state.name == "Completed"
     assert result["status"] == "promoted" and result["method"] == "lc"
     assert result["epsilon"] <= policy.target_epsilon and not result["reused"]
     assert _alias(env, result["merged_model"], "policy-flow-lc") == result["version"]
     card = _registry(env).card_text(result["merged_model"], result["version"])
     assert card.startswith("# Privacy card")
-    again = merge_on_policy(**policy.event_payload())
-    assert again["status"] == "unchanged" and again["reused"]
-    assert again["version"] == result["version"]
+    # one way to print ε: rounded up, the same on the card, the run's line and the CLI's
+    from dpmerge.formatting import epsilon_text
+
+    shown = epsilon_text(result["epsilon"])
+    assert f"ε = **{shown}**" in card and f"ε = {shown} (" in state.message
+    again = _apply(policy.event_payload())
+    assert again.is_completed() and again.name == "Unchanged"
+    assert again.result()["status"] == "unchanged" and again.result()["reused"]
+    assert again.result()["version"] == result["version"]
+    assert again.message.startswith("policy flow-lc: unchanged — ")
 
 
 def test_rs_flow_keeps_the_draw_out_of_its_result(env, trained) -> None:
-    from flows.merge import merge_on_policy
-
     policy = _policy(name="flow-rs", target_epsilon=_eps(trained)[1] * 1.05, method="rs")
-    result = merge_on_policy(**policy.event_payload())
+    result = _apply(policy.event_payload()).result()
     assert result["status"] == "promoted" and result["method"] == "rs"
     text = json.dumps(result)
     assert "drawn" not in text and "audit" not in text
@@ -302,38 +316,64 @@ def test_rs_flow_keeps_the_draw_out_of_its_result(env, trained) -> None:
     assert any(r["notes"]["policy"] == "flow-rs" for r in records)
 
 
-def test_bad_policy_changes_nothing(env, trained) -> None:
-    from flows.merge import merge_on_policy
+MALFORMED = {
+    "missing name": ({"name": None}, "name"),
+    "missing target": ({"target_epsilon": ...}, "missing field 'target_epsilon'"),
+    "string for a number": ({"target_epsilon": "2.0"}, "target_epsilon"),
+    "boolean for a number": ({"min_accuracy": True}, "min_accuracy"),
+    "null for a number": ({"target_delta": None}, "target_delta"),
+    "extra field": ({"gpu": "yes"}, "unknown field 'gpu'"),
+    "unknown method": ({"method": "avg"}, "method"),
+    "negative target": ({"target_epsilon": -1.0}, "target_epsilon"),
+    "typo'd dataset": ({"dataset": "digitz"}, "field 'dataset'"),
+    "unknown model": ({"model": "resnet"}, "field 'model'"),
+    "huge name": ({"name": "x" * 100_000}, "name"),
+}
 
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_event_is_a_rejected_run_that_changes_nothing(env, trained, case) -> None:
+    """Every event ends as a run: a bad one is ``Rejected`` (Failed type, no traceback) with one
+    line naming the field; nothing is read or written."""
+    change, expected = MALFORMED[case]
+    payload = _policy(name="bad").event_payload() | change
+    payload = {k: v for k, v in payload.items() if v is not ...}
     before = _versions(env)
-    fields = _policy(name="bad").event_payload() | {"target_epsilon": -1.0}
-    with pytest.raises(PolicyError, match="target_epsilon"):
-        merge_on_policy(**fields)
-    good = _policy(name="bad").event_payload()
-    with pytest.raises(PolicyError, match="does not match"):
-        merge_on_policy(**good, resource_id="dpmerge.policy.other")
+    state = _apply(payload)
+    assert state.is_failed() and state.name == "Rejected"
+    assert expected in state.message and len(state.message) < 400
+    assert "\n" not in state.message and "Traceback" not in state.message
+    assert state.result(raise_on_failure=False)["status"] == "rejected"
     assert _versions(env) == before
 
 
-def test_infeasible_and_failed_gate_fail_the_run(env, trained) -> None:
-    from flows.merge import merge_on_policy
+def test_an_event_for_another_resource_is_rejected(env, trained) -> None:
+    state = _apply(_policy(name="bad").event_payload(), resource_id="dpmerge.policy.other")
+    assert state.name == "Rejected" and "does not match" in state.message
+    state = _apply(_policy(name="bad").event_payload(), occurred="yesterday")
+    assert state.name == "Rejected" and "is not a time" in state.message
 
+
+def test_infeasible_and_not_promoted_are_named_completed_states(env, trained) -> None:
+    """Expected outcomes are not crashes: Completed runs named Infeasible and NotPromoted, one
+    line each, and the same document as the artifact."""
     policy = _policy(name="flow-gate", target_epsilon=_eps(trained)[2] * 1.5)
-    first = merge_on_policy(**policy.event_payload())
+    first = _apply(policy.event_payload()).result()
     assert first["status"] == "promoted"
     before = _versions(env)
     below = _policy(name="flow-gate", target_epsilon=_eps(trained)[0] / 2)
-    with pytest.raises(pm.PolicyInfeasibleError, match="below the most private") as infeasible:
-        merge_on_policy(**below.event_payload())
-    assert infeasible.value.outcome["revoked_version"] == first["version"]
+    infeasible = _apply(below.event_payload())
+    assert infeasible.is_completed() and infeasible.name == "Infeasible"
+    assert "below the most private" in infeasible.message
+    assert infeasible.result()["revoked_version"] == first["version"]
     assert _alias(env, first["merged_model"], "policy-flow-gate") is None
     assert _versions(env) == before  # nothing registered
     strict = _policy(
         name="flow-gate", target_epsilon=_eps(trained)[2] * 1.4, method="rs", min_accuracy=0.999
     )
-    with pytest.raises(pm.PolicyNotMetError, match="not promoted") as gate:
-        merge_on_policy(**strict.event_payload())
-    assert gate.value.outcome["status"] == "not_promoted"
+    gate = _apply(strict.event_payload())
+    assert gate.is_completed() and gate.name == "NotPromoted"
+    assert gate.result()["status"] == "not_promoted" and "below the minimum" in gate.message
     assert len(_versions(env)) == len(before) + 1  # registered, but no alias
     assert _alias(env, first["merged_model"], "policy-flow-gate") is None
 
@@ -375,6 +415,13 @@ def test_pareto_report_logs_the_frontier_to_mlflow(env, trained) -> None:
 
 
 # --- the CLI without a server: in-process ---------------------------------------------------
+
+
+def _flow_runs() -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return len(client.read_flow_runs(limit=200))
 
 
 def test_cli_policy_set_and_apply_run_in_process(
@@ -424,7 +471,88 @@ def test_cli_policy_set_and_apply_run_in_process(
     assert statuses == ["promoted", "promoted"]
 
 
-def test_emit_needs_a_reachable_server(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_policy_set_fails_fast_on_a_typo_and_starts_no_run(env, trained, capsys) -> None:
+    """A typo'd dataset or model is refused before any flow starts: one line naming the field
+    and listing the registered choices, exit 2, within seconds."""
+    import time
+
+    from flows.cli import main
+
+    runs = _flow_runs()
+    for flag, value, field in (("--dataset", "digitz", "dataset"), ("--model", "cnn", "model")):
+        start = time.perf_counter()
+        args = ["policy", "set", "--name", "typo", "--target-epsilon", "2", "--delta", "1e-5"]
+        code = main([*args, "--dataset", "digits", flag, value])
+        seconds = time.perf_counter() - start
+        err = capsys.readouterr().err
+        assert code == 2 and seconds < 10, (code, seconds)
+        assert err.count("\n") == 1 and f"field '{field}'" in err and "choose one of" in err
+    assert "'digits'" in err or "'logreg'" in err
+    with pytest.raises(SystemExit) as bad_choice:  # choices come from the Policy model
+        main([*args, "--method", "avg"])
+    assert bad_choice.value.code == 2 and "invalid choice: 'avg'" in capsys.readouterr().err
+    assert _flow_runs() == runs  # no flow run started
+
+
+def _state_files(env: dict[str, Any]) -> dict[str, bytes]:
+    home = env["home"]
+    files = {
+        "ledger": (home / "ledger.json").read_bytes() if (home / "ledger.json").exists() else b""
+    }
+    for path in sorted((home / "audit").glob("*")):
+        files[f"audit/{path.name}"] = path.read_bytes()
+    return files
+
+
+def test_dry_run_reports_the_release_and_changes_nothing(env, trained, capsys) -> None:
+    from dpmerge.registry.catalog import open_catalog
+    from flows.cli import main
+
+    catalog = open_catalog(env["uri"])
+    merged = pm.find_candidates(_registry(env), "digits", "logreg").merged_model
+
+    def snapshot() -> tuple[Any, ...]:
+        rows = catalog.rows()
+        cards = [catalog.description(r.name, r.version) for r in rows]
+        return rows, cards, catalog.aliases(merged), _state_files(env), _flow_runs()
+
+    before = snapshot()
+    base = ["policy", "set", "--name", "what-if", "--delta", "1e-5", "--dataset", "digits"]
+    code = main([*base, "--target-epsilon", f"{_eps(trained)[1] * 1.2:.4f}", "--dry-run", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["dry_run"] and report["verdict"] == "would_promote"
+    assert report["epsilon"] <= _eps(trained)[1] * 1.2 and report["method"] in ("rs", "lc")
+    assert 0 < report["test_accuracy"] <= 1 and 0 < report["validation_accuracy"] <= 1
+    assert {g["name"] for g in report["gates"]} == {"epsilon", "delta", "accuracy", "ledger"}
+    code = main([*base, "--target-epsilon", f"{_eps(trained)[1] * 1.2:.4f}", "--dry-run"])
+    line = capsys.readouterr().out
+    assert code == 0 and line.startswith("policy what-if (dry run): would promote — ")
+    # an infeasible what-if revokes nothing and exits as the real one would
+    code = main([*base, "--target-epsilon", f"{_eps(trained)[0] / 2:.4f}", "--dry-run"])
+    assert code == 3 and "infeasible" in capsys.readouterr().out
+    code = main([*base, "--target-epsilon", "9", "--min-accuracy", "0.999", "--dry-run"])
+    assert code == 4 and "would not promote" in capsys.readouterr().out
+    assert snapshot() == before  # versions, cards, aliases, ledger, audit, runs
+
+
+def test_cli_exit_codes_match_the_outcome(env, trained, capsys) -> None:
+    from flows.cli import main
+
+    base = ["policy", "set", "--name", "codes", "--delta", "1e-5", "--dataset", "digits"]
+    assert main([*base, "--target-epsilon", f"{_eps(trained)[2] * 1.5:.4f}"]) == 0
+    assert capsys.readouterr().out.startswith("policy codes: promoted — ")
+    assert main([*base, "--target-epsilon", f"{_eps(trained)[0] / 2:.4f}"]) == 3
+    out, err = capsys.readouterr()
+    assert out.startswith("policy codes: infeasible — ") and out.count("\n") == 1
+    assert "Traceback" not in out + err
+    strict = [*base, "--target-epsilon", f"{_eps(trained)[2] * 1.4:.4f}", "--min-accuracy", "0.999"]
+    assert main(strict) == 4
+    assert capsys.readouterr().out.startswith("policy codes: not promoted — ")
+
+
+def test_emit_needs_a_reachable_server(
+    env, trained, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     from flows import runtime
     from flows.cli import main
 
@@ -432,7 +560,8 @@ def test_emit_needs_a_reachable_server(monkeypatch: pytest.MonkeyPatch, capsys) 
     with pytest.raises(runtime.ServerError, match="not set"):
         runtime.emit_policy_event({}, "dpmerge.policy.x", "x")
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
-    code = main(["policy", "set", "--name", "x", "--target-epsilon", "1", "--delta", "1e-5"])
+    args = ["policy", "set", "--name", "x", "--target-epsilon", "1", "--delta", "1e-5"]
+    code = main([*args, "--dataset", "digits"])
     assert code == 2 and "unreachable" in capsys.readouterr().err
 
 
@@ -459,9 +588,11 @@ def test_demo_trains_registers_applies_and_promotes(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "training 5 DP-SGD candidates" in out
-    assert "policy eu: promoted" in out and "alias 'policy-eu' -> v1" in out
+    assert "policy eu: promoted" in out and "alias 'policy-eu' → v1" in out
     assert "# Privacy card" in out and "test accuracy" in out
-    assert "mlflow ui --backend-store-uri sqlite:///" in out and "prefect server start" in out
+    assert "bin/mlflow ui --backend-store-uri sqlite:///" in out and "prefect server start" in out
+    assert "PREFECT_SERVER_API_PORT" in out and "bin/dpmerge registry ls" in out
+    assert "[4/4] the privacy–utility frontier" in out and "logged to MLflow run" in out
     home = tmp_path / ".dpmerge"
     assert (home / "mlflow.db").is_file() and (home / "mlartifacts").is_dir()
     assert (home / "prefect" / "prefect.db").is_file()  # the runs, for `prefect server start`

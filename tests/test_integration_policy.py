@@ -1,13 +1,13 @@
 """The workflow on the real local stack (S3, MLflow on S3, Prefect server, cpu/gpu
 workers polling every second): deploy deployments/prefect.yaml, train candidates through the
-``gpu`` pool, then drive ``merge-on-policy`` with ``dpmerge.policy.updated`` events.
-
-The Prefect server runs with a 1 s concurrency-slot requeue wait (default 30 s) so the
-serialised second run starts promptly."""
+``gpu`` pool, then drive ``merge-on-policy`` with ``dpmerge.policy.updated`` events: every event
+becomes a run (applied or rejected), one policy at a time, policies side by side, the same
+outcomes and exit codes as in-process."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -62,10 +62,10 @@ def _wait_run(config: stack_mod.StackConfig, run_id: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def candidates(stack: stack_mod.StackConfig) -> list[Any]:
-    """Three small digits candidates, trained by runs of train-candidate/gpu that the
-    deployed train-candidates/cpu fan-out creates."""
+    """Three small digits candidates, trained by runs of train-candidate-gpu that the deployed
+    train-candidates fan-out creates."""
     with _client(stack) as client:
-        deployment = client.read_deployment_by_name("train-candidates/cpu")
+        deployment = client.read_deployment_by_name("train-candidates/train-candidates")
         run = client.create_flow_run_from_deployment(
             deployment.id,
             parameters={
@@ -74,7 +74,7 @@ def candidates(stack: stack_mod.StackConfig) -> list[Any]:
                 "epochs": 3,
                 "batch_size": 64,
                 "learning_rate": 1.0,
-                "deployment": "train-candidate/gpu",
+                "deployment": "train-candidate/train-candidate-gpu",
             },
         )
     finished = _wait_run(stack, run.id)
@@ -127,6 +127,23 @@ def _served(client: MlflowClient, model: str, alias: str) -> str | None:
         return None
 
 
+def _completed(run: Any) -> bool:
+    return run.id is not None and run.state == "Completed"
+
+
+def test_deployments_and_automation_are_named_for_what_they_run(stack, candidates) -> None:
+    with _client(stack) as client:
+        names = {f"{client.read_flow(d.flow_id).name}/{d.name}" for d in client.read_deployments()}
+        automations = {a.name: a.description for a in client.read_automations()}
+    assert names == {
+        "merge-on-policy/merge-on-policy",
+        "train-candidates/train-candidates",
+        "train-candidate/train-candidate-gpu",
+        "pareto-report/pareto-report-nightly",
+    }
+    assert "apply a policy when dpmerge.policy.updated is emitted" in automations
+
+
 def test_policy_event_promotes_a_carded_release_stored_in_s3(stack, candidates) -> None:
     client = MlflowClient(stack.mlflow_url)
     epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
@@ -140,7 +157,8 @@ def test_policy_event_promotes_a_carded_release_stored_in_s3(stack, candidates) 
         time.sleep(0.2)
     seconds = time.monotonic() - start
     run = _wait_event(stack, event_id)
-    assert run is not None and run.state.is_completed(), run and run.state.message
+    assert _completed(run), run
+    assert run.outcome["status"] == "promoted" and run.outcome["version"] == version
     assert version is not None, "the alias never moved"
     print(f"time to policy (emit → alias moved): {seconds:.1f} s")
     mv = client.get_model_version(merged, version)
@@ -177,37 +195,106 @@ def test_policy_event_promotes_a_carded_release_stored_in_s3(stack, candidates) 
     assert "drawn_index" in records[0]
     public = json.dumps([mv.tags, mv.description, client.get_run(mv.run_id).data.params])
     assert "drawn_index" not in public and "drawn_candidate" not in public
+    # the run started from the warm flow-run process (flows/warm.py), not a fresh interpreter
+    assert list((Path(os.environ["DPMERGE_HOME"]) / "run").glob("engine-*.sock"))
 
 
-def test_back_to_back_events_are_serialised_and_the_later_wins(stack, candidates) -> None:
+def _work_span(stack: stack_mod.StackConfig, run_id: Any) -> tuple[Any, Any] | None:
+    """First task start and last task end of a run: its work under the policy's lock."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with _client(stack) as client:
+        tasks = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+        )
+    times = [(t.start_time, t.end_time) for t in tasks if t.start_time and t.end_time]
+    return (min(a for a, _ in times), max(b for _, b in times)) if times else None
+
+
+def test_one_policy_at_a_time_the_later_event_wins(stack, candidates) -> None:
     client = MlflowClient(stack.mlflow_url)
     epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
     first = _policy(target_epsilon=epsilons[2] * 1.5, method="lc")
     later = _policy(target_epsilon=epsilons[2] * 2.0, method="rs")  # another release
     ids = [_emit(stack, first.event_payload()), _emit(stack, later.event_payload())]
     runs = [_wait_event(stack, event_id) for event_id in ids]
-    assert all(r is not None and r.state.is_completed() for r in runs)
-    (a_start, a_end), (b_start, b_end) = ((r.start_time, r.end_time) for r in runs)
-    assert a_end <= b_start or b_end <= a_start, "the two policy runs overlapped"
+    assert runs[1].state == "Completed" and runs[0].state in ("Completed", "Superseded")
+    spans = [_work_span(stack, r.id) for r in runs]
+    if all(spans):  # both did work: never at the same time
+        (a0, a1), (b0, b1) = spans
+        assert a1 <= b0 or b1 <= a0, "two runs of one policy overlapped"
     merged = _merged(client, candidates)
     version = _alias(client, merged, "policy-int")
-    assert version is not None
     tags = client.get_model_version(merged, version).tags
     assert tags["dp.method"] == "rs"  # the later policy's release
 
 
-def test_bad_payload_creates_no_version_and_keeps_the_alias(stack, candidates) -> None:
+def test_different_policies_run_side_by_side(stack, candidates) -> None:
+    """The lock is per policy: while policy side-a's lock is held (here, by the test), an event
+    for side-b is applied and one for side-a waits; released, side-a's run completes."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.policy_runs import policy_lock
+
+    epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
+    side_a, side_b = (
+        _policy(name=name, target_epsilon=epsilons[2] * factor, method="lc")
+        for name, factor in (("side-a", 1.7), ("side-b", 1.9))
+    )
+    # this process's Prefect settings may predate the stack (another module's test server)
+    with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}), policy_lock("side-a"):
+        id_a = _emit(stack, side_a.event_payload(), "side-a")
+        id_b = _emit(stack, side_b.event_payload(), "side-b")
+        assert _wait_event(stack, id_b).state == "Completed"
+        waiting = _wait_event(stack, id_a, timeout_s=3)
+        assert waiting.state not in ("Completed", "Superseded"), waiting
+    assert _wait_event(stack, id_a).state == "Completed"
+
+
+MALFORMED = {
+    "missing target": lambda p: {k: v for k, v in p.items() if k != "target_epsilon"},
+    "string for a number": lambda p: p | {"target_epsilon": "2.0"},
+    "boolean for a number": lambda p: p | {"min_accuracy": True},
+    "null for a number": lambda p: p | {"target_delta": None},
+    "extra field": lambda p: p | {"gpu": "yes"},
+    "negative target": lambda p: p | {"target_epsilon": -1.0},
+    "typo'd dataset": lambda p: p | {"dataset": "digitz"},
+}
+
+
+def test_every_malformed_event_is_a_rejected_run(stack, candidates) -> None:
+    """The red team's silently dropped events: each now ends as a visible ``Rejected`` run
+    with one line naming the field, and nothing changes."""
     client = MlflowClient(stack.mlflow_url)
     merged = _merged(client, candidates)
     alias_before = _alias(client, merged, "policy-int")
     versions_before = len(client.search_model_versions(f"name = '{merged}'"))
     payload = _policy(target_epsilon=1.0).event_payload()
-    missing = {k: v for k, v in payload.items() if k != "min_accuracy"}
-    missing_id = _emit(stack, missing)
-    bad_id = _emit(stack, payload | {"target_epsilon": -1.0})
-    run = _wait_event(stack, bad_id)
-    assert run is not None and run.state.is_failed()
-    assert "target_epsilon" in (run.state.message or "")
-    assert _wait_event(stack, missing_id, timeout_s=3) is None  # Prefect creates no run
+    ids = {case: _emit(stack, change(payload)) for case, change in MALFORMED.items()}
+    runs = {case: _wait_event(stack, event_id) for case, event_id in ids.items()}
+    rejected = [case for case, run in runs.items() if run.state == "Rejected"]
+    assert sorted(rejected) == sorted(MALFORMED), {c: (r.state, r.message) for c, r in runs.items()}
+    for run in runs.values():
+        assert run.outcome["status"] == "rejected" and "\n" not in run.message
+    assert "target_epsilon" in runs["missing target"].message
+    assert "unknown field 'gpu'" in runs["extra field"].message
+    assert "field 'dataset'" in runs["typo'd dataset"].message
     assert len(client.search_model_versions(f"name = '{merged}'")) == versions_before
     assert _alias(client, merged, "policy-int") == alias_before
+
+
+def test_outcome_exit_codes_are_the_embedded_ones(stack, candidates, capsys) -> None:
+    """``dpmerge policy set --wait`` on the stack exits as in-process (tests/test_flows.py):
+    3 infeasible, 4 not promoted; one line each, no traceback."""
+    from flows.cli import main
+
+    epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
+    base = ["policy", "set", "--name", "codes", "--delta", "1e-5", "--dataset", "digits"]
+    infeasible = [*base, "--target-epsilon", f"{epsilons[0] / 2:.4f}", "--wait", "180"]
+    assert main(infeasible) == 3
+    out, err = capsys.readouterr()
+    assert out.startswith("policy codes: infeasible — ") and "Traceback" not in out + err
+    strict = [*base, "--target-epsilon", f"{epsilons[2] * 1.3:.4f}", "--min-accuracy", "0.999"]
+    assert main([*strict, "--wait", "180"]) == 4
+    assert capsys.readouterr().out.startswith("policy codes: not promoted — ")
+    assert main([*base, "--target-epsilon", "2", "--dataset", "digitz"]) == 2  # before any event

@@ -115,3 +115,54 @@ def test_yaml_duplicate_keys_are_refused_and_exponents_are_numbers(tmp_path):
     )
     (policy,) = load_policies(path)
     assert policy.target_delta == 1e-5 and policy.target_epsilon == 2.0
+
+
+@pytest.mark.parametrize("field", ["name", "dataset", "alias", "target_epsilon"])
+def test_an_alias_bomb_is_refused_in_one_short_line(tmp_path, field):
+    """A YAML "billion laughs" (each level ten aliases of the one below: 10^9 leaves) in any
+    field is refused at once, and the error echoes a few characters of it, not gigabytes."""
+    import time
+
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)
+    ]
+    policy = {"name": "eu", "target_epsilon": 2, "target_delta": "1e-5", "dataset": "d"}
+    policy[field] = "*a8"
+    items = ", ".join(f"{k}: {v}" for k, v in {**policy, "model": "m"}.items())
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(levels) + f"\npolicies:\n  - {{{items}}}\n")
+    start = time.perf_counter()
+    with pytest.raises(PolicyError, match=field) as raised:
+        load_policies(path)
+    assert time.perf_counter() - start < 5
+    message = str(raised.value)
+    assert "\n" not in message and len(message) < 400
+
+
+def test_long_values_are_cut_in_errors():
+    with pytest.raises(PolicyError) as raised:
+        policy_from_dict(base(name="N" * 100_000))
+    assert len(str(raised.value)) < 400
+    with pytest.raises(PolicyError) as raised:
+        policy_from_dict(base(alias="a b" * 50_000))
+    assert len(str(raised.value)) < 400
+
+
+def test_a_policy_must_target_registered_candidates():
+    from dpmerge.policies import check_registered
+    from dpmerge.registry.catalog import Inventory
+
+    inventory = Inventory(
+        "sqlite:///x.db",
+        {("fashion-mnist-sha256:0123abcd", "logreg"): 5, ("digits-sha256:99", "logreg"): 3},
+    )
+    check_registered([policy_from_dict(base())], inventory)
+    check_registered([policy_from_dict(base(dataset="fashion-mnist-sha256:0123abcd"))], inventory)
+    with pytest.raises(PolicyError) as typo:
+        check_registered([policy_from_dict(base(dataset="fashion-mnst"))], inventory)
+    assert str(typo.value) == (
+        "policy 'eu': field 'dataset': no ready logreg candidates on 'fashion-mnst' at "
+        "sqlite:///x.db; choose one of: 'digits', 'fashion-mnist'"
+    )
+    with pytest.raises(PolicyError, match=r"field 'model'.*choose one of: 'logreg'"):
+        check_registered([policy_from_dict(base(model="cnn"))], inventory)

@@ -12,12 +12,12 @@ from dpmerge.accounting.account import account
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.errors import RecordError
+from dpmerge.formatting import epsilon_text
 from dpmerge.privacy_card import (
     INTERNAL_NOTE,
     STRUCTURED_LABEL,
     CardCandidate,
     build_privacy_card,
-    eps_text,
 )
 
 DELTA = 1e-5
@@ -136,8 +136,8 @@ def test_real_lc_report_with_structured_gate_shows_generic_beside_it() -> None:
     card = build_privacy_card(report, target_epsilon=5.0, target_delta=DELTA, candidates=entries())
     md = card.markdown
     assert f"Gating bound: {STRUCTURED_LABEL}" in md
-    assert "Generic bound" in md and eps_text(report["bounds"]["generic"]["epsilon"]) in md
-    assert eps_text(report["epsilon"]) in md
+    assert "Generic bound" in md and epsilon_text(report["bounds"]["generic"]["epsilon"]) in md
+    assert epsilon_text(report["epsilon"]) in md
 
 
 def test_rs_card_names_probabilities_but_no_draw() -> None:
@@ -190,6 +190,6 @@ def test_candidates_must_match_the_report() -> None:
 
 
 def test_eps_text_rounds_up() -> None:
-    assert eps_text(1.00001) == "1.0001"
-    assert eps_text(2.0) == "2.0000"
-    assert eps_text(None) == "—"
+    assert epsilon_text(1.00001) == "1.0001"
+    assert epsilon_text(2.0) == "2.0000"
+    assert epsilon_text(None) == "—"

@@ -42,8 +42,9 @@ from dpmerge.registry import (
     candidate_model_name,
     merged_model_name,
 )
-from dpmerge.registry.connection import search_filter
+from dpmerge.registry.catalog import open_catalog
 from dpmerge.registry.errors import registry_error
+from dpmerge.registry.filters import search_filter
 from dpmerge.storage import S3Store
 
 DELTA = 1e-5
@@ -105,6 +106,18 @@ def server_registry(mlflow_server: str) -> Registry:
 @pytest.fixture(scope="module")
 def registered(server_registry: Registry, candidate_dirs: list[Path]) -> list[str]:
     return [server_registry.register_candidate(d).version for d in candidate_dirs]
+
+
+@pytest.mark.integration
+def test_rest_catalog_reads_what_the_client_reads(
+    server_registry: Registry, registered: list[str]
+) -> None:
+    catalog = open_catalog(server_registry.tracking_uri)
+    assert catalog.rows() == server_registry.list_versions() != []
+    assert catalog.detail(CANDIDATES, registered[0]).stored.tags["dp.role"] == "candidate"
+    assert catalog.aliases("dpmerge-no-such-model") == {}
+    inventory = catalog.inventory()
+    assert inventory.counts[(DATASET, "logreg")] >= len(registered)
 
 
 @pytest.mark.integration
@@ -343,9 +356,25 @@ def test_embedded_registry_and_ls_cli(
     assert [r["accuracy"] for r in rows[:3]] == [None, None, None]  # candidates' are internal
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded, "--json", "--internal"]) == 0
     assert [r["accuracy"] for r in json.loads(capsys.readouterr().out)[:3]] == [0.7, 0.71, 0.72]
+    assert rows[3]["policy"] == "toy-eps5" and rows[3]["target_epsilon"] == 5.0
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded]) == 0
     table = capsys.readouterr().out
-    assert "production" in table and "pld" in table.lower()
+    assert "production" in table and "pld" in table.lower() and "toy-eps5" in table
+    # the catalog (sqlite read-only, no MLflow import) reads what the MLflow client reads
+    assert open_catalog(mlflow_embedded).rows() == registry.list_versions()
+    assert (
+        main(["registry", "show", f"{MERGED}@production", "--tracking-uri", mlflow_embedded]) == 0
+    )
+    shown = capsys.readouterr().out
+    assert shown.startswith(f"{MERGED} v1 — merged, ready; aliases: production")
+    assert "# Privacy card" in shown and "policy `toy-eps5`" in shown
+    assert main(["registry", "show", "@production", "--tracking-uri", mlflow_embedded]) == 0
+    assert capsys.readouterr().out == shown  # the release model that carries the alias
+    assert main(["registry", "show", f"{CANDIDATES}/2", "--tracking-uri", mlflow_embedded]) == 0
+    assert "Candidate cand-b" in capsys.readouterr().out
+    for missing in (f"{MERGED}@nope", f"{MERGED}/9", "dpmerge-none"):
+        assert main(["registry", "show", missing, "--tracking-uri", mlflow_embedded]) == 2
+        assert capsys.readouterr().err.count("\n") == 1  # one line
 
 
 def test_registrations_from_threads(

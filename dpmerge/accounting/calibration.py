@@ -33,6 +33,7 @@ from dpmerge.accounting.records import Candidate
 from dpmerge.accounting.rs_calibration import calibrate_rs
 from dpmerge.accounting.structured_search import calibrate_structured
 from dpmerge.errors import InfeasibleTargetError, RecordError
+from dpmerge.formatting import epsilon_text
 from dpmerge.vocabulary import GatingBound, Method, choose
 
 
@@ -80,7 +81,8 @@ def calibrate(
     if target_epsilon < most_private:
         raise InfeasibleTargetError(
             f"target ε = {target_epsilon:g} at δ = {delta:g} is below the most private "
-            f"candidate's ε = {most_private:.4f}; no merge of these candidates reaches it",
+            f"candidate's ε = {epsilon_text(most_private)}; no merge of these candidates "
+            "reaches it",
             target_epsilon=target_epsilon,
             delta=delta,
             reachable_epsilon_range=(most_private, max(epsilons)),

@@ -25,6 +25,7 @@ from dpmerge.accounting.bounds import PairBound
 from dpmerge.accounting.generic import release_units, units_bound
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.errors import RecordError, RefusalError
+from dpmerge.formatting import epsilon_text
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ class ReleaseLedger:
         if cap is not None and bound.epsilon > cap:
             raise RefusalError(
                 f"release {release.release_id!r} would raise the cumulative ε of dataset "
-                f"{release.dataset!r} to {bound.epsilon:.4f} (δ = {delta:g}, {bound.accountant}) "
+                f"{release.dataset!r} to {epsilon_text(bound.epsilon)} "
+                f"(δ = {delta:g}, {bound.accountant}) "
                 f"above the cap {cap:g}"
             )
         return bound

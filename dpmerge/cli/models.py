@@ -21,6 +21,7 @@ from dpmerge.cli.common import float_list, fmt, positive_float, print_json
 from dpmerge.data import DATASET_NAMES, DatasetSplits, Split, load_dataset
 from dpmerge.errors import DatasetError
 from dpmerge.evaluation import MergeAccuracy, evaluate, expected_accuracy
+from dpmerge.formatting import epsilon_text
 from dpmerge.merging import Metrics, merge_model_dirs, read_candidate_dir
 
 
@@ -201,7 +202,8 @@ def _merge(args: argparse.Namespace) -> int:
     )
     print(f"  {'π' if result.method == 'rs' else 'λ'}: {names}")
     print(
-        f"  ε = {fmt(report.epsilon)} ({report.gating.accountant}, {report.gating.kind} bound) "
+        f"  ε = {epsilon_text(report.epsilon)} ({report.gating.accountant}, "
+        f"{report.gating.kind} bound) "
         f"at δ = {report.delta:g}"
     )
     if calibration is not None:

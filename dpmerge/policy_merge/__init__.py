@@ -43,12 +43,14 @@ Modules: :mod:`~dpmerge.policy_merge.apply` (the state machine),
 (steps 4–5), :mod:`~dpmerge.policy_merge.draws`, :mod:`~dpmerge.policy_merge.release_ledger`,
 :mod:`~dpmerge.policy_merge.events`,
 :mod:`~dpmerge.policy_merge.promotion` (steps 6–7, revocation, event order),
-:mod:`~dpmerge.policy_merge.outcome` (statuses and outcomes).
+:mod:`~dpmerge.policy_merge.outcome` (statuses and outcomes),
+:mod:`~dpmerge.policy_merge.dry_run` (what a policy would release, without side effects).
 """
 
 from dpmerge.policy_merge.apply import LIBRARY_STEPS, PolicyResult, PolicySteps, apply_policy
 from dpmerge.policy_merge.calibration import PolicyPlan, calibrate_policy
 from dpmerge.policy_merge.candidates import CandidatePool, find_candidates, load_candidates
+from dpmerge.policy_merge.dry_run import DryRun, Gate, Verdict, dry_run
 from dpmerge.policy_merge.evaluation_data import (
     DATA_ROOT_ENV,
     SPLIT_SEED,
@@ -58,8 +60,6 @@ from dpmerge.policy_merge.evaluation_data import (
 )
 from dpmerge.policy_merge.events import CLOCK_SKEW, EventTimeError, order_time, parse_time
 from dpmerge.policy_merge.outcome import (
-    PolicyInfeasibleError,
-    PolicyNotMetError,
     PolicyOutcome,
     Status,
 )
@@ -104,13 +104,13 @@ __all__ = [
     "SPLIT_SEED",
     "VALIDATION_FRACTION",
     "CandidatePool",
+    "DryRun",
     "EvaluationData",
     "EventTimeError",
+    "Gate",
     "LedgerEntry",
     "LedgerIntegrityError",
     "MergeRequest",
-    "PolicyInfeasibleError",
-    "PolicyNotMetError",
     "PolicyOutcome",
     "PolicyPlan",
     "PolicyResult",
@@ -121,9 +121,11 @@ __all__ = [
     "Release",
     "ReleasePlan",
     "Status",
+    "Verdict",
     "Workspace",
     "apply_policy",
     "calibrate_policy",
+    "dry_run",
     "embedded_tracking_uri",
     "find_candidates",
     "find_release",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dpmerge.errors import RefusalError
+from dpmerge.locate import command
 from dpmerge.publication import FINGERPRINT_MARK, dataset_id, fixed_seed_streams
 from dpmerge.registry import (
     ROLE_CANDIDATE,
@@ -25,6 +26,9 @@ from dpmerge.registry import (
     candidate_content_hash,
 )
 from dpmerge.registry.names import CANDIDATES_SUFFIX, RELEASES_SUFFIX
+
+TRAIN_DEPLOYMENT = "train-candidates/train-candidates"
+"""The deployment that trains candidates on a server (deployments/prefect.yaml)."""
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,8 @@ def find_candidates(registry: Registry, dataset: str, model: str) -> CandidatePo
     if not groups:
         raise RegistryError(
             f"no ready candidates of model {model!r} on dataset {dataset!r} at "
-            f"{registry.tracking_uri}; train some first (dpmerge demo, or the train-candidates "
-            "flow)"
+            f"{registry.tracking_uri}; train some first: `{command('demo')}` (embedded) or "
+            f"`{command('deployment', 'run', TRAIN_DEPLOYMENT, '--watch', tool='prefect')}`"
         )
     if len(groups) > 1:
         listed = ", ".join(f"{fp} ({name})" for name, fp in sorted(groups))

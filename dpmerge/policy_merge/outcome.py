@@ -1,14 +1,13 @@
-"""What applying a policy did: its status, its outcome, and the errors a flow raises with one."""
+"""What applying a policy did: its status and its outcome (docs/design.md#policies)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from dpmerge.errors import DPMergeError, InfeasibleTargetError
+from dpmerge.formatting import epsilon_text, number_text
 from dpmerge.policies import Policy
 
 
@@ -20,34 +19,6 @@ class Status(StrEnum):
     NOT_PROMOTED = "not_promoted"  # registered, a gate failed; the alias stayed
     INFEASIBLE = "infeasible"  # no merge meets the target; the alias revoked or kept
     SUPERSEDED = "superseded"  # a later policy event already set the alias; nothing touched
-
-
-class PolicyNotMetError(DPMergeError):
-    """The policy's merged model was not promoted (a gate failed); ``outcome`` says why."""
-
-    def __init__(self, message: str, outcome: Mapping[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.outcome = dict(outcome or {})
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.outcome))
-
-
-class PolicyInfeasibleError(InfeasibleTargetError):
-    """No merge meets the policy's target; the alias was revoked or kept per ``on_infeasible``."""
-
-    def __init__(self, message: str, outcome: Mapping[str, Any]) -> None:
-        low, high = outcome.get("reachable_epsilon_range") or (math.nan, math.nan)
-        super().__init__(
-            message,
-            target_epsilon=float(outcome.get("target_epsilon", math.nan)),
-            delta=float(outcome.get("target_delta", math.nan)),
-            reachable_epsilon_range=(float(low), float(high)),
-        )
-        self.outcome = dict(outcome)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.outcome))
 
 
 @dataclass(frozen=True)
@@ -89,6 +60,39 @@ class PolicyOutcome:
             target_delta=policy.target_delta,
             **fields,
         )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PolicyOutcome:
+        """The inverse of :meth:`to_dict` (e.g. read back from a run's artifact)."""
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        for key in ("weights", "candidates", "reachable_epsilon_range", "reasons"):
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key])
+        return cls(**{**fields, "status": Status(fields["status"])})
+
+    def summary(self) -> str:
+        """One line for people: the status, the release and its ε (rounded up), the alias."""
+        head = f"policy {self.policy}: {self.status.value.replace('_', ' ')}"
+        release = ""
+        if self.version:
+            release = (
+                f" — {self.merged_model} v{self.version}{' (reused)' if self.reused else ''} by "
+                f"{str(self.method).upper()}, ε = {epsilon_text(self.epsilon)} ({self.accountant}, "
+                f"{self.bound} bound, δ = {self.target_delta:g}) ≤ ε* = {self.target_epsilon:g}"
+            )
+            if self.test_accuracy is not None:
+                release += f", test accuracy {number_text(self.test_accuracy)}"
+        alias = repr(self.alias)
+        tails = {
+            Status.PROMOTED: f"alias {alias} → v{self.version}"
+            + (f" (was v{self.previous_version})" if self.previous_version else ""),
+            Status.UNCHANGED: f"alias {alias} already names v{self.version}",
+            Status.NOT_PROMOTED: f"alias {alias} left as it was",
+        }
+        parts = [*self.reasons, *([tails[self.status]] if self.status in tails else [])]
+        if not parts:
+            return head + release
+        return head + (f"{release}; " if release else " — ") + "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -12,6 +12,7 @@ from typing import Any
 
 from dpmerge.home import DEFAULT_HOME, HOME_ENV, resolve_home
 from dpmerge.keys import WorkflowKey
+from dpmerge.locate import embedded_tracking_uri
 from dpmerge.registry import Registry
 from dpmerge.storage import S3Config, S3Store
 
@@ -23,10 +24,6 @@ __all__ = [
     "remove_tree",
     "resolve_home",
 ]
-
-
-def embedded_tracking_uri(home: str | Path | None = None) -> str:
-    return f"sqlite:///{resolve_home(home) / 'mlflow.db'}"
 
 
 @dataclass(frozen=True)

@@ -42,40 +42,45 @@ the pt2 upload),
 :mod:`~dpmerge.registry.merged` (a merged version's card, tags and params),
 :mod:`~dpmerge.registry.names` (names and content hashes), :mod:`~dpmerge.registry.tags`,
 :mod:`~dpmerge.registry.versions` (what the registry returns), :mod:`~dpmerge.registry.errors`.
+
+Reading the registry for people (``dpmerge registry ls|show``, a policy's check against what
+is registered) goes through :mod:`~dpmerge.registry.catalog`, which imports neither MLflow nor
+torch; the names below are therefore imported on first use (PEP 562), so that importing the
+catalog does not import the adapter.
 """
 
-from dpmerge.registry.adapter import Registry
-from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
-from dpmerge.registry.errors import (
-    AliasOwnershipError,
-    GateError,
-    RecordIntegrityError,
-    RegistryError,
-    RegistryUnavailableError,
-)
-from dpmerge.registry.names import (
-    candidate_content_hash,
-    candidate_model_name,
-    merged_model_name,
-    release_hash,
-)
-from dpmerge.registry.queries import repair_hint
-from dpmerge.registry.tags import (
-    ROLE_CANDIDATE,
-    ROLE_MERGED,
-    STATUS_FAILED,
-    STATUS_QUARANTINED,
-    STATUS_READY,
-    STATUS_REGISTERING,
-    tag_float,
-)
-from dpmerge.registry.versions import (
-    Promotion,
-    RegisteredCandidate,
-    RegisteredVersion,
-    StoredVersion,
-    VersionSummary,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Registry": "adapter",
+    "CARD_JSON": "connection",
+    "CARD_MARKDOWN": "connection",
+    "AliasOwnershipError": "errors",
+    "GateError": "errors",
+    "RecordIntegrityError": "errors",
+    "RegistryError": "errors",
+    "RegistryUnavailableError": "errors",
+    "candidate_content_hash": "names",
+    "candidate_model_name": "names",
+    "merged_model_name": "names",
+    "release_hash": "names",
+    "repair_hint": "queries",
+    "ROLE_CANDIDATE": "tags",
+    "ROLE_MERGED": "tags",
+    "STATUS_FAILED": "tags",
+    "STATUS_QUARANTINED": "tags",
+    "STATUS_READY": "tags",
+    "STATUS_REGISTERING": "tags",
+    "tag_float": "tags",
+    "Promotion": "versions",
+    "RegisteredCandidate": "versions",
+    "RegisteredVersion": "versions",
+    "StoredVersion": "versions",
+    "VersionSummary": "versions",
+}
 
 __all__ = [
     "CARD_JSON",
@@ -104,3 +109,46 @@ __all__ = [
     "repair_hint",
     "tag_float",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from dpmerge.registry.adapter import Registry
+    from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
+    from dpmerge.registry.errors import (
+        AliasOwnershipError,
+        GateError,
+        RecordIntegrityError,
+        RegistryError,
+        RegistryUnavailableError,
+    )
+    from dpmerge.registry.names import (
+        candidate_content_hash,
+        candidate_model_name,
+        merged_model_name,
+        release_hash,
+    )
+    from dpmerge.registry.queries import repair_hint
+    from dpmerge.registry.tags import (
+        ROLE_CANDIDATE,
+        ROLE_MERGED,
+        STATUS_FAILED,
+        STATUS_QUARANTINED,
+        STATUS_READY,
+        STATUS_REGISTERING,
+        tag_float,
+    )
+    from dpmerge.registry.versions import (
+        Promotion,
+        RegisteredCandidate,
+        RegisteredVersion,
+        StoredVersion,
+        VersionSummary,
+    )

@@ -1,5 +1,5 @@
 """The MLflow side of the registry: one private ``MlflowClient`` and the calls the registry
-makes through it, the search filters (:func:`search_filter`, the one place values are quoted)
+makes through it (search filters: :func:`~dpmerge.registry.filters.search_filter`)
 and MLflow's errors turned into :class:`RegistryError` — :class:`RegistryUnavailableError`
 (transient) where the error's type, code or HTTP status says the failure is temporary
 (:func:`~dpmerge.registry.errors.registry_error`). Goes through this client only (no fluent
@@ -19,7 +19,7 @@ import secrets
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from dpmerge.artifacts import (
     ModelDir,
 )
 from dpmerge.environment import probe
+from dpmerge.locate import command
 from dpmerge.privacy_card import PrivacyCard
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
 from dpmerge.registry.tags import FAILURE_TAG, ROLE_CANDIDATE, STATUS_FAILED, tag_float
@@ -312,25 +313,6 @@ def _stage_files(
     return files
 
 
-def search_filter(name: str | None = None, tags: Mapping[str, str] | None = None) -> str:
-    """The filter for the versions of ``name`` (any model if ``None``) whose ``tags`` hold these
-    values, each value quoted by :func:`_literal`."""
-    terms = [] if name is None else [f"name = {_literal(name)}"]
-    terms += [f"tags.`{key}` = {_literal(value)}" for key, value in (tags or {}).items()]
-    return " and ".join(terms)
-
-
-def _literal(value: str) -> str:
-    """``value`` as a filter string. MLflow's parser strips the quotes and unescapes nothing, so
-    a value holding ``'`` goes in double quotes; one holding both quote characters cannot be
-    written at all."""
-    if "'" not in value:
-        return f"'{value}'"
-    if '"' not in value:
-        return f'"{value}"'
-    raise RegistryError(f"cannot search for {value!r}: it holds both kinds of quote")
-
-
 def _default_artifact_root(tracking_uri: str) -> str | None:
     if tracking_uri.startswith(("http://", "https://")):
         return "mlflow-artifacts:"
@@ -344,6 +326,7 @@ def _check_server(url: str) -> None:
     health = probe(f"{url.rstrip('/')}/health", timeout_s=5)
     if not health.ok:
         raise RegistryUnavailableError(
-            f"MLflow server {url} unreachable ({health.error}); start it (`dpmerge stack up`) "
+            f"MLflow server {url} unreachable ({health.error}); start it "
+            f"(`{command('stack', 'up')}`) "
             "or point MLFLOW_TRACKING_URI elsewhere"
         )

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import requests
-from mlflow.exceptions import MlflowException
 
 from dpmerge.errors import DPMergeError, InputError, IntegrityError, TransientError
 
@@ -60,6 +59,8 @@ def registry_error(message: str, error: BaseException) -> RegistryError:
     """``message`` as a :class:`RegistryUnavailableError` when ``error`` — by its type, MLflow
     error code or HTTP status, on its whole chain of causes — is a temporary failure, else as a
     :class:`RegistryError`."""
+    from mlflow.exceptions import MlflowException  # here: reading the registry imports no MLflow
+
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:

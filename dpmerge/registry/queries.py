@@ -2,7 +2,7 @@
 one version's tags and privacy card, the rows of ``dpmerge registry ls``, aliases and their
 owners, the releases the ledger must count, and the candidates' model directories (downloaded,
 checked against their content hash and their signature). Every search goes through
-:func:`~dpmerge.registry.connection.search_filter`."""
+:func:`~dpmerge.registry.filters.search_filter`."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import mlflow
 from dpmerge.artifacts import ModelDir, load_model_dir
 from dpmerge.keys import WorkflowKey
 from dpmerge.publication import signature_ok
-from dpmerge.registry.connection import EXTRA_DIR, MlflowConnection, search_filter
+from dpmerge.registry.catalog import summaries
+from dpmerge.registry.connection import EXTRA_DIR, MlflowConnection
 from dpmerge.registry.errors import RecordIntegrityError, RegistryError
+from dpmerge.registry.filters import search_filter
 from dpmerge.registry.names import candidate_content_hash, slug
 from dpmerge.registry.tags import (
     ALIAS_OWNER_TAG,
@@ -115,15 +117,7 @@ class RegistryQueries(MlflowConnection):
             for role in (ROLE_CANDIDATE, ROLE_MERGED)
             for v in self._search(search_filter(name or None, {"dp.role": role}))
         ]
-        aliases: dict[str, dict[str, list[str]]] = {}
-        for model in {v.name for v in found}:
-            for alias, version in self._aliases(model).items():
-                aliases.setdefault(model, {}).setdefault(str(version), []).append(alias)
-        rows = [
-            VersionSummary.of(v, aliases.get(v.name, {}).get(v.version, []), internal=internal)
-            for v in found
-        ]
-        return sorted(rows, key=lambda r: (r.name, int(r.version)))
+        return summaries(found, self._aliases, internal=internal)
 
     def verify_candidate(self, stored: StoredVersion, path: Path) -> ModelDir:
         """Load the candidate directory ``path`` of version ``stored`` after checking that its

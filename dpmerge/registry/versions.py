@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlflow.entities.model_registry import ModelVersion
-
-from dpmerge.artifacts import ModelDir
 from dpmerge.registry.tags import ROLE_CANDIDATE, tag_float
+
+if TYPE_CHECKING:  # neither is imported to read the registry (``dpmerge registry ls``)
+    from mlflow.entities.model_registry import ModelVersion
+
+    from dpmerge.artifacts import ModelDir
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class VersionSummary:
     method: str | None
     parents: str | None
     aliases: tuple[str, ...]
+    policy: str | None = None
+    target_epsilon: float | None = None
 
     @classmethod
     def of(
@@ -91,6 +95,8 @@ class VersionSummary:
             method=mv.tags.get("dp.method"),
             parents=mv.tags.get("dp.parents"),
             aliases=tuple(sorted(aliases)),
+            policy=mv.tags.get("dp.policy"),
+            target_epsilon=tag_float(mv.tags.get("dp.target_epsilon")),
         )
 
     def to_dict(self) -> dict[str, Any]:

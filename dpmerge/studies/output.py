@@ -22,6 +22,8 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
+from dpmerge.formatting import epsilon_text
+
 UNITS_DIR = "units"
 
 
@@ -137,14 +139,20 @@ class StudyFolder:
 
 
 def markdown_table(table: pd.DataFrame, digits: int = 4) -> str:
-    """A Markdown table of a DataFrame (floats to ``digits`` places; missing values blank)."""
+    """A Markdown table of a DataFrame (floats to ``digits`` places, a column named ``epsilon``
+    or ``epsilon_*`` rounded up like every ε shown to people; missing values blank)."""
 
-    def cell(value: Any) -> str:
+    def cell(column: str, value: Any) -> str:
         if value is None or (isinstance(value, float) and value != value):
             return ""
+        if str(column).startswith("epsilon") and isinstance(value, float):
+            return epsilon_text(value)
         return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
-    rows = [list(table.columns)] + [[cell(v) for v in row] for row in table.itertuples(False)]
+    columns = list(table.columns)
+    rows = [columns] + [
+        [cell(c, v) for c, v in zip(columns, row, strict=True)] for row in table.itertuples(False)
+    ]
     lines = ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     lines.insert(1, "|" + "---|" * len(table.columns))
     return "\n".join(lines)

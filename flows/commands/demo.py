@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.commands.policy import default_dataset, print_outcome
+from dpmerge.locate import command, resolve_home
+from flows.commands.policy import EXIT_CODES, outcome_line, run_policy
+from flows.commands.policy_options import default_dataset
 
 POLICY_FILE = Path(__file__).resolve().parents[2] / "deployments" / "policies.yaml"
 DEMO_POLICY = "eu"
@@ -124,7 +126,7 @@ def handle(args: argparse.Namespace) -> int:
 
     from dpmerge import policy_merge as pm
     from dpmerge.registry import RegistryError
-    from flows.merge import merge_on_policy
+    from flows.report import pareto_report
     from flows.training import train_candidates
 
     workspace = pm.Workspace.from_env()
@@ -132,42 +134,42 @@ def handle(args: argparse.Namespace) -> int:
     existing: tuple[str, ...] = ()
     with contextlib.suppress(RegistryError):
         existing = pm.find_candidates(workspace.registry(), dataset, "logreg").versions
-    if existing and not args.retrain:
-        print(f"[1/3] reusing {len(existing)} registered candidates (--retrain to train new)")
+    trained = not existing or args.retrain
+    if not trained:
+        print(f"[1/4] reusing {len(existing)} registered candidates (--retrain to train new)")
     else:
         print(
-            f"[1/3] training {len(plan['noise_multipliers'])} DP-SGD candidates "
+            f"[1/4] training {len(plan['noise_multipliers'])} DP-SGD candidates "
             f"(σ = {', '.join(f'{s:g}' for s in plan['noise_multipliers'])}, "
             f"{plan['epochs']} epochs each) and registering them …"
         )
         train_candidates(dataset=dataset, model="logreg", limit=args.limit, **plan)
     _print_candidates(workspace, dataset, policy.target_delta)
     print(
-        f"\n[2/3] applying policy {policy.name!r} (calibrate → merge → evaluate → register → "
+        f"\n[2/4] applying policy {policy.name!r} (calibrate → merge → evaluate → register → "
         "promote) …"
     )
-    state = merge_on_policy(**policy.event_payload(), return_state=True)
-    if state.is_completed():
-        outcome = state.result()
-    else:
-        error = state.result(raise_on_failure=False)
-        outcome = getattr(error, "outcome", None) or {}
-        if not outcome:
-            raise error if isinstance(error, Exception) else RuntimeError(str(state.message))
+    outcome = run_policy(policy)
     print()
-    print_outcome(outcome)
+    print(outcome_line(outcome))
     if outcome.get("version"):
         card = workspace.registry().card_text(outcome["merged_model"], outcome["version"])
-        print("\n[3/3] privacy card of the release\n")
+        print("\n[3/4] privacy card of the release\n")
         print(card)
+    if trained:
+        print("\n[4/4] the privacy–utility frontier (RS and LC at 6 targets) → MLflow …")
+        report = pareto_report(dataset=dataset, model="logreg", delta=policy.target_delta)
+        print(f"  logged to MLflow run {report['run_id']} (experiment dpmerge-reports)")
+    else:
+        print("\n[4/4] frontier: logged when the candidates were trained (--retrain to redo)")
     print(f"\ndone in {time.perf_counter() - start:.0f} s.\n")
-    print(_next_steps(home))
-    return 0 if outcome.get("status") in ("promoted", "unchanged") else 1
+    print(_next_steps(home, policy.name, outcome.get("merged_model")))
+    return EXIT_CODES.get(str(outcome.get("status")), 1)
 
 
 def _print_candidates(workspace: Any, dataset: str, delta: float) -> None:
     from dpmerge import policy_merge as pm
-    from dpmerge.privacy_card import eps_text
+    from dpmerge.formatting import epsilon_text
 
     registry = workspace.registry()
     pool = pm.find_candidates(registry, dataset, "logreg")
@@ -179,7 +181,7 @@ def _print_candidates(workspace: Any, dataset: str, delta: float) -> None:
                 f"v{version}",
                 tags.get("dp.candidate", "?"),
                 f"{float(tags.get('dp.noise_multiplier', 'nan')):.3g}",
-                f"{eps_text(_number(tags.get('dp.epsilon')))} "
+                f"{epsilon_text(_number(tags.get('dp.epsilon')))} "
                 f"({tags.get('dp.accountant')}, {float(tags.get('dp.delta', delta)):g})",
                 f"{float(tags.get('dp.accuracy', 'nan')):.4f}",
             ]
@@ -192,12 +194,41 @@ def _number(value: str | None) -> float | None:
     return None if value is None else float(value)
 
 
-def _next_steps(home: Path) -> str:
-    return f"""Look at it:
-  MLflow UI:  mlflow ui --backend-store-uri sqlite:///{home}/mlflow.db --port 5000
-              then http://127.0.0.1:5000 → Models (…-candidates and …-releases, alias,
-              privacy card in each version's description and run artifacts)
-  Prefect UI: PREFECT_HOME={home}/prefect prefect server start --port 4200
-              then http://127.0.0.1:4200 → Runs (train-candidates, merge-on-policy, artifacts)
-  Registry:   MLFLOW_TRACKING_URI=sqlite:///{home}/mlflow.db dpmerge registry ls
-  Policies:   dpmerge policy set --name eu --target-epsilon 3 --delta 1e-5   (runs here)"""
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it lies below it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _next_steps(home: Path, policy: str, release: str | None) -> str:
+    mlflow = command("ui", "--backend-store-uri", f"sqlite:///{home}/mlflow.db", tool="mlflow")
+    prefect = command("server", "start", tool="prefect")
+    # the commands find ./.dpmerge (or $DPMERGE_HOME) by themselves; another home is named
+    found = home == resolve_home()
+    where = [] if found else ["--tracking-uri", f"sqlite:///{home}/mlflow.db"]
+    show = command("registry", "show", f"{release or 'MODEL'}@policy-{policy}", *where)
+    policy_set = command(
+        "policy",
+        "set",
+        "--name",
+        policy,
+        "--target-epsilon",
+        "3",
+        "--delta",
+        "1e-5",
+        *([] if found else ["--home", str(home)]),
+    )
+    return f"""Look at it (commands run from this directory):
+  MLflow UI:  {mlflow} --port 5000
+              then http://127.0.0.1:5000 → Models (…-candidates and …-releases, the alias,
+              each release's privacy card in its description); Experiments → dpmerge-reports
+              (frontier.png, the privacy–utility frontier)
+  Prefect UI: PREFECT_HOME={_shown(home)}/prefect {prefect} --port 4200
+              then http://127.0.0.1:4200 → Runs (train-candidates, merge-on-policy, artifacts);
+              on another port P also set PREFECT_SERVER_API_PORT=P (the UI calls its API there)
+  Registry:   {command("registry", "ls", *where)}
+              {show}
+  Policies:   {policy_set} --dry-run   (what it would release)
+              {policy_set}             (apply it here, in-process)"""

@@ -1,29 +1,49 @@
-"""``dpmerge policy set|apply``: validate a policy, then emit ``dpmerge.policy.updated`` to the
-configured Prefect server (``PREFECT_API_URL``) or, with none, run ``merge-on-policy`` in this
-process (embedded: Prefect's temporary API, MLflow on ``.dpmerge/mlflow.db``).
+"""``dpmerge policy set|apply``: validate policies, check them against the registry they
+target, then emit ``dpmerge.policy.updated`` to the Prefect server or, with none, run
+``merge-on-policy`` in this process; ``--dry-run`` reports the release a policy would get and
+changes nothing.
 
-Exit codes: 0 applied (promoted, unchanged or superseded) or event sent; 2 bad input or a
-registered version that failed a gate (not promoted); 3 infeasible target (alias revoked or
-kept per ``on_infeasible``); 1 a waited-for server run that did not complete.
+Where: ``--home`` chooses the embedded state; else ``$PREFECT_API_URL`` (a server; the registry
+from ``$MLFLOW_TRACKING_URI``); else ``$MLFLOW_TRACKING_URI`` (in-process against it); else a
+running local stack (its ``stack.json``: events go to its Prefect); else the embedded state
+(``$DPMERGE_HOME`` or ./.dpmerge).
+
+Every policy is checked before anything is sent or run: its fields (types, ranges, choices),
+and its dataset and model family against the ready candidates of the registry (one line naming
+the field and the choices, exit 2).
+
+Exit codes, the same in-process and with a server (``--wait``): 0 promoted or unchanged (or
+event sent, without ``--wait``; a dry run that would promote); 2 bad input or a rejected event;
+3 infeasible target; 4 not promoted (a gate failed); 5 superseded by a later event of the same
+policy; 1 anything else (a failed run, no run in time).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from dpmerge.cli.common import positive_float
-from dpmerge.policies import Policy, load_policies, policy_from_dict
+from dpmerge.locate import Located, command, locate_registry
+from dpmerge.policies import Policy, PolicyError, check_registered, load_policies, policy_from_dict
+from flows.commands.policy_options import add_policy_options, policy_fields
 
-FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-
-
-def default_dataset() -> str:
-    """Fashion-MNIST where its Debian package is installed, else scikit-learn's digits."""
-    return "fashion-mnist" if FASHION_MNIST_DIR.is_dir() else "digits"
+EXIT_CODES = {
+    "promoted": 0,
+    "unchanged": 0,
+    "would_promote": 0,
+    "would_be_unchanged": 0,
+    "rejected": 2,
+    "infeasible": 3,
+    "not_promoted": 4,
+    "would_not_promote": 4,
+    "superseded": 5,
+}
+"""Exit code per outcome (``status``, or a dry run's ``verdict``); anything else is 1."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,23 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="set one policy from flags",
         description="Validate one policy and apply it (event or in-process merge).",
     )
-    set_.add_argument("--name", required=True, help="policy name (alias policy-<name>)")
-    set_.add_argument("--target-epsilon", required=True, type=float, help="ε*")
-    set_.add_argument("--delta", "--target-delta", dest="target_delta", required=True, type=float)
-    set_.add_argument(
-        "--dataset",
-        default=None,
-        help="dataset name or fingerprint (default: fashion-mnist if installed, else digits)",
-    )
-    set_.add_argument("--model", default="logreg")
-    set_.add_argument("--method", default="auto", help="auto (default), rs or lc")
-    set_.add_argument("--gating-bound", default="generic", help="generic (default) or structured")
-    set_.add_argument("--min-accuracy", type=float, default=0.0, help="accuracy floor (test)")
-    set_.add_argument("--alias", default=None, help="registry alias (default policy-<name>)")
-    set_.add_argument("--on-infeasible", default="revoke", help="revoke (default) or keep")
-    set_.add_argument(
-        "--cumulative-epsilon-cap", type=float, default=None, help="release-ledger cap (SPEC §7)"
-    )
+    add_policy_options(set_)
     apply = actions.add_parser(
         "apply",
         help="apply every policy of a YAML file (all validated first)",
@@ -67,16 +71,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     apply.add_argument("file", type=Path, help="YAML file with a 'policies' list")
     for sub in (set_, apply):
         sub.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="calibrate and report the release it would get; change nothing",
+        )
+        sub.add_argument(
             "--wait",
             type=positive_float,
             default=None,
             metavar="SECONDS",
-            help="server mode: wait up to SECONDS for each triggered run to finish",
+            help="server mode: wait up to SECONDS for each triggered run and report its outcome",
         )
         sub.add_argument(
             "--home",
             default=None,
-            help="embedded mode: state directory (default $DPMERGE_HOME or ./.dpmerge)",
+            help="embedded state directory (default $DPMERGE_HOME or ./.dpmerge)",
         )
         sub.add_argument("--json", action="store_true", help="machine-readable output")
         sub.set_defaults(handler=handle)
@@ -85,117 +94,131 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _policies(args: argparse.Namespace) -> tuple[Policy, ...]:
     if args.policy_command == "apply":
         return load_policies(args.file)
-    return (
-        policy_from_dict(
-            {
-                "name": args.name,
-                "target_epsilon": args.target_epsilon,
-                "target_delta": args.target_delta,
-                "dataset": args.dataset or default_dataset(),
-                "model": args.model,
-                "method": args.method,
-                "gating_bound": args.gating_bound,
-                "min_accuracy": args.min_accuracy,
-                "alias": args.alias,
-                "on_infeasible": args.on_infeasible,
-                "cumulative_epsilon_cap": args.cumulative_epsilon_cap,
-            }
-        ),
-    )
+    return (policy_from_dict(policy_fields(args)),)
 
 
 def handle(args: argparse.Namespace) -> int:
     policies = _policies(args)  # every policy validated before anything happens
     from flows import runtime
 
-    if runtime.server_url():
+    if args.home is None and runtime.adopt_running_stack() is not None:
+        print(
+            "dpmerge: using the running local stack; "
+            f'eval "$({command("stack", "env")})" points this shell at it',
+            file=sys.stderr,
+        )
+    server = None if args.home is not None else runtime.server_url()
+    located = locate_registry(home=args.home)  # before the embedded defaults enter the env
+    if server is None:
+        if args.home is None:  # an in-process run uses the registry that was checked
+            os.environ.setdefault("MLFLOW_TRACKING_URI", located.tracking_uri)
+        runtime.configure_embedded(args.home, force=args.home is not None)
+    _check(policies, located, server is not None)
+    if args.dry_run:
+        return _dry_runs(policies, args)
+    if server is not None:
         return _emit(policies, args)
-    runtime.configure_embedded(args.home)
     return _run_in_process(policies, args)
+
+
+def _check(policies: tuple[Policy, ...], located: Located, server: bool) -> None:
+    """Each policy's dataset and model against the ready candidates at ``located``."""
+    from dpmerge.registry.catalog import open_catalog
+
+    inventory = open_catalog(located.tracking_uri).inventory()
+    if not inventory.counts:
+        deployment = "train-candidates/train-candidates"
+        train = (
+            command("deployment", "run", deployment, "--watch", tool="prefect")
+            if server
+            else command("demo")
+        )
+        raise PolicyError(
+            f"no ready candidates at {located.tracking_uri} ({located.source}); train some "
+            f"first: {train}"
+        )
+    check_registered(policies, inventory)
+
+
+def _exit_code(key: str | None) -> int:
+    return EXIT_CODES.get(str(key), 1)
+
+
+def _print(document: dict[str, Any], line: str, as_json: bool) -> None:
+    print(json.dumps(document, default=str) if as_json else line)
+
+
+def _dry_runs(policies: tuple[Policy, ...], args: argparse.Namespace) -> int:
+    from dpmerge import policy_merge as pm
+
+    workspace = pm.Workspace.from_env(args.home)
+    workspace.use_caches()
+    codes = []
+    for policy in policies:
+        result = pm.dry_run(policy, workspace)
+        _print(result.to_dict(), result.summary(), args.json)
+        codes.append(_exit_code(result.verdict.value))
+    return max(codes)
 
 
 def _emit(policies: tuple[Policy, ...], args: argparse.Namespace) -> int:
     from flows import runtime
+    from flows.merge import STATUS_OF_STATE
 
-    code = 0
+    codes = []
     for policy in policies:
         event_id = runtime.emit_policy_event(
             policy.event_payload(), policy.resource_id, policy.name
         )
-        line: dict[str, Any] = {"policy": policy.name, "event": event_id, "sent": True}
-        if args.wait:
-            run = runtime.wait_for_policy_run(event_id, args.wait)
-            state = run.state if run is not None else None
-            line.update(
-                flow_run=str(run.id) if run else None,
-                state=state.name if state else None,
-                message=state.message if state else "no run created in time",
+        if not args.wait:
+            document = {"policy": policy.name, "event": event_id, "sent": True}
+            line = f"policy {policy.name}: event {runtime.EVENT} sent ({event_id})"
+            _print(document, line, args.json)
+            codes.append(0)
+            continue
+        run = runtime.wait_for_policy_run(event_id, args.wait)
+        outcome = run.outcome or {}
+        document = {**outcome, "event": event_id, "flow_run": run.id, "state": run.state}
+        line = (
+            outcome_line(outcome)
+            if outcome
+            else (
+                f"policy {policy.name}: run {run.id or '-'} {run.state or 'not created'}"
+                f"{f' — {run.message}' if run.message else ''}"
             )
-            if state is None or not state.is_completed():
-                code = 1
-        if args.json:
-            print(json.dumps(line))
-        else:
-            text = f"policy {policy.name}: event {runtime.EVENT} sent ({event_id})"
-            if args.wait:
-                text += f"; run {line['flow_run']}: {line['state']}"
-                if line["state"] != "Completed" and line["message"]:
-                    text += f" — {line['message']}"
-            print(text)
-    return code
+        )
+        _print(document, line, args.json)
+        codes.append(_exit_code(outcome.get("status") or STATUS_OF_STATE.get(str(run.state))))
+    return max(codes)
+
+
+def outcome_line(outcome: dict[str, Any]) -> str:
+    if outcome.get("status") == "rejected":
+        return f"policy {outcome.get('policy')}: rejected — {'; '.join(outcome['reasons'])}"
+    from dpmerge.policy_merge import PolicyOutcome
+
+    return PolicyOutcome.from_dict(outcome).summary()
 
 
 def _run_in_process(policies: tuple[Policy, ...], args: argparse.Namespace) -> int:
-    from dpmerge import policy_merge as pm
+    codes = []
+    for policy in policies:
+        document = run_policy(policy)
+        _print(document, outcome_line(document), args.json)
+        codes.append(_exit_code(document.get("status")))
+    return max(codes)
+
+
+def run_policy(policy: Policy) -> dict[str, Any]:
+    """Apply ``policy`` in this process and return its outcome document (an expected outcome,
+    or ``rejected``); a run that failed for another reason raises its error (a bug's traceback
+    is the news)."""
     from flows.merge import merge_on_policy
 
-    failures: list[Exception] = []
-    for policy in policies:
-        state = merge_on_policy(**policy.event_payload(), return_state=True)
-        if state.is_completed():
-            print_outcome(state.result(), as_json=args.json)
-            continue
-        error = state.result(raise_on_failure=False)
-        if not isinstance(error, Exception):
-            error = RuntimeError(f"policy {policy.name}: run ended {state.name}: {state.message}")
-        outcome = getattr(error, "outcome", None)
-        if outcome:
-            print_outcome(outcome, as_json=args.json)
-        failures.append(error)
-    if not failures:
-        return 0
-    infeasible = [e for e in failures if isinstance(e, pm.PolicyInfeasibleError)]
-    for error in failures[:-1]:
-        print(f"dpmerge: error: {error}", file=sys.stderr)
-    raise (infeasible or failures)[-1]
-
-
-def print_outcome(outcome: dict[str, Any], *, as_json: bool = False, card: bool = False) -> None:
-    if as_json:
-        print(json.dumps(outcome, default=str))
-        return
-    status = outcome["status"]
-    head = f"policy {outcome['policy']}: {status}"
-    if outcome.get("version"):
-        head += (
-            f" — {outcome['merged_model']} v{outcome['version']}"
-            f"{' (reused)' if outcome.get('reused') else ''} by {str(outcome['method']).upper()}, "
-            f"ε = {outcome['epsilon']:.4f} ({outcome['accountant']}, {outcome['bound']} bound, "
-            f"δ = {outcome['target_delta']:g}) ≤ ε* = {outcome['target_epsilon']:g}"
-        )
-        if outcome.get("test_accuracy") is not None:
-            head += f", test accuracy {outcome['test_accuracy']:.4f}"
-    print(head)
-    if status in ("promoted", "unchanged"):
-        print(
-            f"  alias {outcome['alias']!r} -> v{outcome['version']}"
-            + (
-                f" (was v{outcome['previous_version']})"
-                if outcome.get("previous_version") not in (None, outcome["version"])
-                else ""
-            )
-        )
-    if outcome.get("cumulative_epsilon") is not None:
-        print(f"  release ledger: cumulative ε = {outcome['cumulative_epsilon']:.4f}")
-    for reason in outcome.get("reasons") or []:
-        print(f"  - {reason}")
+    state = merge_on_policy(policy.event_payload(), return_state=True)
+    document = state.result(raise_on_failure=False)
+    if isinstance(document, dict):
+        return document
+    if isinstance(document, BaseException):
+        raise document
+    raise RuntimeError(f"policy {policy.name}: run ended {state.name}: {state.message}")

@@ -1,0 +1,276 @@
+"""What-if: the release a policy would get, without side effects (docs/design.md#policies).
+
+:func:`dry_run` runs the read-only part of the state machine — find and load the candidates
+and the evaluation split, calibrate, look for an existing release of the same request, read
+the ledger — and evaluates the merge it would release: an LC merge is computed in memory and
+evaluated exactly; for RS nothing is drawn (a draw is a release step that costs privacy and
+must stay secret), and the accuracy reported is the expectation over the draw. It writes no
+version, alias, ledger entry or audit record; only this host's caches (candidate files,
+evaluation splits, PLDs) may be filled, as any run would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from dpmerge.artifacts import WEIGHTS_FILE
+from dpmerge.errors import InfeasibleTargetError
+from dpmerge.evaluation import expected_accuracy
+from dpmerge.formatting import epsilon_text, number_text
+from dpmerge.merging import linear_combination
+from dpmerge.policies import Policy
+from dpmerge.policy_merge.calibration import PolicyPlan, calibrate_policy
+from dpmerge.policy_merge.candidates import CandidatePool, find_candidates, load_candidates
+from dpmerge.policy_merge.evaluation_data import EvaluationData, load_evaluation_data
+from dpmerge.policy_merge.promotion import find_release
+from dpmerge.policy_merge.release import evaluation_metrics, merge_request
+from dpmerge.policy_merge.release_ledger import LedgerEntry, ledger_release, ledger_summary
+from dpmerge.policy_merge.workspace import Workspace, remove_tree
+from dpmerge.registry import RegisteredCandidate
+from dpmerge.vocabulary import Method
+
+
+class Verdict(StrEnum):
+    """What applying the policy now would do."""
+
+    WOULD_PROMOTE = "would_promote"
+    WOULD_BE_UNCHANGED = "would_be_unchanged"  # the alias already names this release
+    WOULD_NOT_PROMOTE = "would_not_promote"  # a gate would fail
+    INFEASIBLE = "infeasible"
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One promotion gate: whether it would pass (``None``: it depends on the RS draw)."""
+
+    name: str
+    passes: bool | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """The release a policy would get (see the module docstring). JSON-safe; no RS draw."""
+
+    policy: str
+    verdict: Verdict
+    alias: str
+    target_epsilon: float
+    target_delta: float
+    merged_model: str
+    alias_version: str | None = None
+    method: str | None = None
+    candidates: tuple[str, ...] = ()
+    parents: tuple[str, ...] = ()
+    weights: tuple[float, ...] | None = None
+    epsilon: float | None = None
+    accountant: str | None = None
+    bound: str | None = None
+    generic_epsilon: float | None = None
+    structured_epsilon: float | None = None
+    validation_accuracy: float | None = None
+    test_accuracy: float | None = None
+    accuracy_is_expected: bool = False  # RS: the expectation over the draw
+    existing_version: str | None = None
+    gates: tuple[Gate, ...] = ()
+    reachable_epsilon_range: tuple[float, float] | None = None
+    reasons: tuple[str, ...] = ()
+    compared: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["verdict"] = self.verdict.value
+        data["dry_run"] = True
+        return data
+
+    def summary(self) -> str:
+        """One line for people."""
+        head = f"policy {self.policy} (dry run): {self.verdict.value.replace('_', ' ')}"
+        if self.verdict == Verdict.INFEASIBLE:
+            return f"{head} — {'; '.join(self.reasons)}"
+        expected = "expected " if self.accuracy_is_expected else ""
+        shown = ", ".join(
+            f"{name} v{version} {weight:.4f}"
+            for name, version, weight in zip(
+                self.candidates, self.parents, self.weights or (), strict=False
+            )
+            if weight > 0
+        )
+        line = (
+            f"{head} — {str(self.method).upper()} of {shown}: ε = {epsilon_text(self.epsilon)} "
+            f"({self.accountant}, {self.bound} bound, δ = {self.target_delta:g}) ≤ ε* = "
+            f"{self.target_epsilon:g}"
+        )
+        if self.bound != "generic" and self.generic_epsilon is not None:
+            line += f", generic bound ε = {epsilon_text(self.generic_epsilon)}"
+        if self.structured_epsilon is not None and self.bound != "structured":
+            line += f", structured bound ε = {epsilon_text(self.structured_epsilon)}"
+        line += (
+            f"; {expected}validation accuracy {number_text(self.validation_accuracy)}, "
+            f"{expected}test accuracy {number_text(self.test_accuracy)}"
+        )
+        if self.existing_version:
+            line += f"; reuses {self.merged_model} v{self.existing_version}"
+        failing = [g.detail for g in self.gates if g.passes is not True]
+        return line + (f"; gates: {'; '.join(failing)}" if failing else "; every gate passes")
+
+
+def dry_run(policy: Policy, workspace: Workspace) -> DryRun:
+    """What :func:`~dpmerge.policy_merge.apply_policy` would release for ``policy`` now."""
+    registry = workspace.registry()
+    pool = find_candidates(registry, policy.dataset, policy.model)
+    exists = registry.model_exists(pool.merged_model)
+    alias_now = registry.aliases(pool.merged_model).get(str(policy.alias)) if exists else None
+    base = dict(
+        policy=policy.name,
+        alias=str(policy.alias),
+        target_epsilon=policy.target_epsilon,
+        target_delta=policy.target_delta,
+        merged_model=pool.merged_model,
+        alias_version=alias_now,
+    )
+    scratch = workspace.scratch()
+    try:
+        candidates = load_candidates(
+            registry, pool, scratch, cache_dir=workspace.cache_dir / "candidates"
+        )
+        first = candidates[0].model_dir.record
+        data = load_evaluation_data(
+            pool.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
+        )
+        try:
+            plan = calibrate_policy(policy, candidates, data)
+        except InfeasibleTargetError as error:
+            action = (
+                f"alias {policy.alias!r} would be removed (now v{alias_now})"
+                if alias_now and policy.on_infeasible == "revoke"
+                else f"alias {policy.alias!r} would stay"
+                + (f" on v{alias_now}" if alias_now else " unset")
+            )
+            low, high = error.reachable_epsilon_range
+            return DryRun(
+                verdict=Verdict.INFEASIBLE,
+                reachable_epsilon_range=(float(low), float(high)),
+                reasons=(str(error), action),
+                **base,
+            )
+        return _planned(policy, workspace, pool, candidates, data, plan, base)
+    finally:
+        remove_tree(scratch)
+
+
+def _planned(
+    policy: Policy,
+    workspace: Workspace,
+    pool: CandidatePool,
+    candidates: list[RegisteredCandidate],
+    data: EvaluationData,
+    plan: PolicyPlan,
+    base: dict[str, Any],
+) -> DryRun:
+    calibration, report = plan.calibration, plan.calibration.report
+    weights = tuple(float(w) for w in calibration.weights or ())
+    validation, test = _accuracies(candidates, weights, plan.method, data)
+    request = merge_request(policy, pool, candidates, plan)
+    existing = find_release(workspace.registry(), request)
+    gates = [
+        Gate("epsilon", report.epsilon <= policy.target_epsilon, "ε within the target"),
+        Gate("delta", report.delta <= policy.target_delta, "δ within the target"),
+        _accuracy_gate(policy, candidates, weights, plan.method, data, test),
+        _ledger_gate(policy, workspace, ledger_release(request, candidates, plan)),
+    ]
+    if any(g.passes is False for g in gates):
+        verdict = Verdict.WOULD_NOT_PROMOTE
+    elif existing is not None and existing.version == base["alias_version"]:
+        verdict = Verdict.WOULD_BE_UNCHANGED
+    else:
+        verdict = Verdict.WOULD_PROMOTE
+    return DryRun(
+        verdict=verdict,
+        method=plan.method,
+        candidates=tuple(report.names),
+        parents=request.parents,
+        weights=weights,
+        epsilon=report.epsilon,
+        accountant=report.gating.accountant,
+        bound=report.gating.kind,
+        generic_epsilon=report.generic.epsilon if report.generic else None,
+        structured_epsilon=report.structured.epsilon
+        if report.structured and report.structured.available
+        else None,
+        validation_accuracy=validation,
+        test_accuracy=test,
+        accuracy_is_expected=plan.method == Method.RS,
+        existing_version=existing.version if existing else None,
+        gates=tuple(gates),
+        reachable_epsilon_range=calibration.reachable_epsilon_range,
+        compared=plan.compared,
+        **base,
+    )
+
+
+def _scores(candidate: RegisteredCandidate, data: EvaluationData) -> dict[str, Any]:
+    return evaluation_metrics(data)(candidate.model_dir.spec, candidate.model_dir.weights)
+
+
+def _accuracies(
+    candidates: list[RegisteredCandidate],
+    weights: tuple[float, ...],
+    method: str,
+    data: EvaluationData,
+) -> tuple[float, float]:
+    """Validation and test accuracy of the release: LC exactly (merged in memory), RS as the
+    expectation over the draw."""
+    if method == Method.RS:
+        used = [(w, _scores(c, data)) for w, c in zip(weights, candidates, strict=True) if w > 0]
+        probabilities = [w for w, _ in used]
+        return tuple(  # type: ignore[return-value]
+            expected_accuracy([s[f"{split}_accuracy"] for _, s in used], probabilities)
+            for split in ("validation", "test")
+        )
+    spec = candidates[0].model_dir.spec
+    state = linear_combination([c.model_dir.path / WEIGHTS_FILE for c in candidates], weights)
+    scores = evaluation_metrics(data)(spec, state)
+    return scores["validation_accuracy"], scores["test_accuracy"]
+
+
+def _accuracy_gate(
+    policy: Policy,
+    candidates: list[RegisteredCandidate],
+    weights: tuple[float, ...],
+    method: str,
+    data: EvaluationData,
+    test: float,
+) -> Gate:
+    floor = policy.min_accuracy
+    if method != Method.RS:
+        passes = test >= floor
+        return Gate("accuracy", passes, f"test accuracy {number_text(test)} vs minimum {floor:g}")
+    below = sum(
+        w
+        for w, c in zip(weights, candidates, strict=True)
+        if w > 0 and _scores(c, data)["test_accuracy"] < floor
+    )
+    if below == 0:
+        return Gate("accuracy", True, f"every candidate RS may draw meets {floor:g}")
+    if below >= 1 - 1e-12:
+        return Gate("accuracy", False, f"no candidate RS may draw meets {floor:g}")
+    return Gate(
+        "accuracy",
+        None,
+        f"the draw fails the accuracy minimum {floor:g} with probability {below:.4f}",
+    )
+
+
+def _ledger_gate(policy: Policy, workspace: Workspace, entry: LedgerEntry) -> Gate:
+    """The ledger's cap, read only (checked as a promotion checks it; nothing is written)."""
+    cap = policy.cumulative_epsilon_cap
+    summary, refusal = ledger_summary(workspace, entry, policy.target_delta, cap)
+    if refusal is not None:
+        return Gate("ledger", False, refusal)
+    shown = f"cumulative ε = {epsilon_text(summary['epsilon'])}" + (
+        f" ≤ cap {cap:g}" if cap is not None else " (no cap)"
+    )
+    return Gate("ledger", True, shown)

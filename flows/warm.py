@@ -1,0 +1,342 @@
+"""Start each flow run from a warm process instead of a fresh interpreter
+(docs/workflow.md#time-to-policy).
+
+A fresh ``python -m prefect.engine`` spends seconds importing Prefect, torch, MLflow and
+dp-accounting before the flow's first line; on a loaded two-core host that was most of the
+time from a policy event to the alias. The deployments' ``command`` (deployments/prefect.yaml)
+is this script instead, run by the process worker like the engine would be:
+
+* **client** (the default): connect to the warm server of this checkout and hand it the run —
+  its environment, working directory and the worker's stdin/stdout/stderr (passed as file
+  descriptors, so logs stream to the worker as before) — then wait and exit with the run's
+  exit code. With no server yet it starts one and waits for it to be ready (it costs the same
+  imports the cold start would); whatever fails, it falls back to ``python -m prefect.engine``.
+* **server** (``--serve SOCKET``): imports Prefect's engine and the flows once, then for each
+  run forks a child that takes the run's environment and file descriptors, refreshes Prefect's
+  settings and runs the engine's ``__main__``. The server runs no torch operation, opens no
+  client connection and starts no thread, so forking it is safe. When a client goes away (the
+  worker cancelled or killed the run), its child gets SIGTERM.
+
+Safety: the socket lives in a 0700 directory under ``$DPMERGE_HOME`` (default ``.dpmerge/`` in
+the checkout) and its name includes a digest of the interpreter, the checkout and the mtimes of
+its Python files, so changed code gets a new server (an idle server exits after
+:data:`IDLE_EXIT_S`). The server is started in the worker's process group, so stopping the
+worker (``dpmerge stack down`` signals the group) stops it too. Each child reseeds Python's and
+NumPy's generators (the RS draw uses the OS's generator anyway).
+
+Only the standard library is imported until a process knows which role it has.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CODE_DIRS = ("dpmerge", "flows", "tasks")
+PRELOAD = (
+    "prefect.engine",
+    "prefect.flow_engine",
+    "prefect._internal.metrics",
+    "flows.merge",
+    "flows.training",
+    "flows.report",
+)
+IDLE_EXIT_S = 1800.0
+MAX_RUNS_ENV = "DPMERGE_WARM_MAX_RUNS"
+MAX_RUNS = 4
+"""Runs started at once; later ones wait in the server (their clients wait too). A burst of 50
+runs starting together made the local stack's sqlite-backed Prefect server time out."""
+READY_TIMEOUT_S = 120.0
+MAX_MESSAGE = 1 << 20
+SOCKET_PATH_LIMIT = 100  # AF_UNIX paths are limited to 107 bytes on Linux
+
+
+def run_dir() -> Path:
+    home = Path(os.environ.get("DPMERGE_HOME") or REPO / ".dpmerge")
+    return home / "run"
+
+
+def code_stamp() -> str:
+    """A digest of the interpreter, the checkout and its Python files' mtimes."""
+    digest = hashlib.sha256(f"{sys.executable}\0{REPO}".encode())
+    for folder in CODE_DIRS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            digest.update(f"{path}\0{path.stat().st_mtime_ns}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def socket_path() -> Path:
+    return run_dir() / f"engine-{code_stamp()}.sock"
+
+
+def _send(sock: socket.socket, document: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(document).encode()
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
+
+
+def _receive(sock: socket.socket, fds: int = 0) -> tuple[dict | None, list[int]]:
+    if fds:
+        data, received, _, _ = socket.recv_fds(sock, MAX_MESSAGE, fds)
+    else:
+        data, received = sock.recv(MAX_MESSAGE), []
+    return (json.loads(data) if data else None), list(received)
+
+
+# --- client --------------------------------------------------------------------------------
+
+
+def client() -> int:
+    path = socket_path()
+    if len(str(path)) <= SOCKET_PATH_LIMIT:
+        sock = _connect(path) or _start_server(path)
+        if sock is not None:
+            return _hand_over(sock)
+    os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), "--run"])
+    return 1  # not reached
+
+
+def _connect(path: Path) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _start_server(path: Path) -> socket.socket | None:
+    """Start the server for ``path`` (unless another client just did) and wait until it
+    accepts; ``None`` when it does not come up in time."""
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory.chmod(0o700)
+    with open(directory / "start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sock = _connect(path)
+        if sock is not None:
+            return sock
+        log = open(directory / f"{path.stem}.log", "ab")  # noqa: SIM115 (the server owns it)
+        server = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--serve", str(path)],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env={k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")},
+        )
+        log.close()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and server.poll() is None:
+            sock = _connect(path)
+            if sock is not None:
+                return sock
+            time.sleep(0.1)
+        return _connect(path)  # None: it failed to start (see its log); this run starts cold
+
+
+def _hand_over(sock: socket.socket) -> int:
+    request = {"env": dict(os.environ), "cwd": os.getcwd()}
+    try:
+        _send(sock, request, [0, 1, 2])
+        while True:
+            reply, _ = _receive(sock)
+            if reply is None:  # the server went away mid-run
+                return 1
+            if "exit" in reply:
+                return int(reply["exit"])
+    finally:
+        sock.close()
+
+
+# --- server --------------------------------------------------------------------------------
+
+
+def serve(path: Path) -> int:
+    sys.path.insert(0, str(REPO))
+    for module in PRELOAD:
+        __import__(module)
+    listener = _bind(path)
+    if listener is None:
+        return 0  # another server holds the path
+    limit = int(os.environ.get(MAX_RUNS_ENV) or MAX_RUNS)
+    children: dict[int, socket.socket | None] = {}  # pid -> its client (None: gone)
+    waiting: list[tuple[socket.socket, dict, list[int]]] = []  # runs beyond the limit, in order
+    last_activity = time.monotonic()
+    try:
+        while children or waiting or time.monotonic() - last_activity < IDLE_EXIT_S:
+            clients = [c for c in children.values() if c is not None]
+            watched = [listener, *clients, *(c for c, _, _ in waiting)]
+            readable, _, _ = select.select(watched, [], [], 0.5)
+            for sock in readable:
+                if sock is listener:
+                    connection, _ = listener.accept()
+                    request, fds = _receive(connection, fds=3)
+                    if request is None or len(fds) != 3:
+                        _close(connection, fds)
+                        continue
+                    waiting.append((connection, request, fds))
+                    last_activity = time.monotonic()
+                elif not sock.recv(MAX_MESSAGE):  # a client hung up: stop or drop its run
+                    _hung_up(sock, children, waiting)
+            _reap(children)
+            while waiting and len(children) < limit:
+                connection, request, fds = waiting.pop(0)
+                children[_fork(connection, request, fds, listener)] = connection
+    finally:
+        listener.close()
+        path.unlink(missing_ok=True)
+    return 0
+
+
+def _close(connection: socket.socket, fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+    connection.close()
+
+
+def _hung_up(
+    sock: socket.socket,
+    children: dict[int, socket.socket | None],
+    waiting: list[tuple[socket.socket, dict, list[int]]],
+) -> None:
+    """The worker cancelled or killed a run's client: SIGTERM its child, or drop it unstarted."""
+    for pid, connection in list(children.items()):
+        if connection is sock:
+            os.kill(pid, signal.SIGTERM)
+            children[pid] = None  # reaped later; nobody to tell
+    for entry in [w for w in waiting if w[0] is sock]:
+        waiting.remove(entry)
+        _close(entry[0], entry[2])
+    sock.close()
+
+
+def _bind(path: Path) -> socket.socket | None:
+    with open(path.parent / "bind.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _connect(path) is not None:
+            return None
+        path.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(str(path))
+        path.chmod(0o600)
+        listener.listen(64)
+    return listener
+
+
+def _reap(children: dict[int, socket.socket | None]) -> None:
+    """Tell each finished child's client its exit code."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = children.pop(pid, None)
+        if connection is None:
+            continue
+        with contextlib.suppress(OSError):  # the client may be gone
+            _send(connection, {"exit": os.waitstatus_to_exitcode(status)})
+        connection.close()
+
+
+def _fork(connection: socket.socket, request: dict, fds: list[int], listener: socket.socket) -> int:
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        return pid
+    code = 1
+    try:
+        listener.close()
+        connection.close()
+        code = _run_child(request, fds)
+    finally:
+        os._exit(code)
+
+
+def _run_child(request: dict, fds: list[int]) -> int:
+    """In the forked child: become the flow run's process and run Prefect's engine."""
+    import random
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    from prefect.context import refresh_global_settings_context
+
+    refresh_global_settings_context()
+    sys.argv = [str(Path(__file__).resolve()), "--run"]
+    code = 1
+    try:
+        code = run_engine()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    return code
+
+
+def run_engine() -> int:
+    """What ``python -m prefect.engine`` does for ``$PREFECT__FLOW_RUN_ID``, except that the
+    run's final state is kept, not turned back into an exception: a flow that ends in a named
+    state it chose (``Rejected``, ``Superseded``) is an outcome, and must not leave a traceback
+    in the run's logs. Exit 1 only for a plain ``Failed`` or ``Crashed`` run."""
+    from uuid import UUID
+
+    sys.path.insert(0, str(REPO))
+    from prefect._internal.control_listener import configure_from_env
+    from prefect._internal.metrics import RunMetrics
+    from prefect.engine import handle_engine_signals
+    from prefect.flow_engine import flow_run_logger, load_flow, load_flow_run, run_flow
+
+    flow_run_id = UUID(os.environ["PREFECT__FLOW_RUN_ID"])
+    configure_from_env()
+    with handle_engine_signals(flow_run_id):
+        flow_run = load_flow_run(flow_run_id=flow_run_id)
+        logger = flow_run_logger(flow_run=flow_run)
+        flow = load_flow(flow_run)
+        with RunMetrics(flow_run, flow):
+            state = run_flow(flow, flow_run=flow_run, error_logger=logger, return_type="state")
+    return 1 if state.name in ("Failed", "Crashed") else 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[1:2] == ["--serve"] and len(argv) == 3:
+        return serve(Path(argv[2]))
+    if argv[1:] == ["--run"]:  # the cold start: this process runs the flow itself
+        return run_engine()
+    return client()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
