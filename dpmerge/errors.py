@@ -17,7 +17,8 @@ class RecordError(InputError):
 
 
 class RefusalError(DPMergeError, ValueError):
-    """The requested analysis is not valid for these candidates (SPEC §2, §5.2)."""
+    """The requested analysis is not valid for these candidates (docs/design.md#mechanism-record,
+    docs/design.md#structured-bound)."""
 
 
 class UnsupportedError(DPMergeError):
@@ -38,7 +39,7 @@ class BoundContradictionError(DPMergeError):
 
 
 class InfeasibleTargetError(DPMergeError):
-    """No merge of the candidates meets the target (SPEC §6).
+    """No merge of the candidates meets the target (docs/design.md#calibration).
 
     Carries the reachable ε range so callers can print it or put it into JSON.
     """

@@ -131,7 +131,8 @@ class MergeAccuracy:
 
 
 def expected_accuracy(accuracies: Sequence[float], probabilities: Sequence[float]) -> float:
-    """Σ π_i·acc_i: the expected accuracy of RS with probabilities π (SPEC §4 objective).
+    """Σ π_i·acc_i: the expected accuracy of RS with probabilities π
+    (docs/design.md#random-selection objective).
 
     This is a statistic of every candidate, released or not, so it belongs in internal reports
     and audit records, not in the released model's public metrics.

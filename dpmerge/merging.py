@@ -1,4 +1,5 @@
-"""Merging candidate model directories: random selection and linear combination (SPEC §4, §5).
+"""Merging candidate model directories: random selection and linear combination
+(docs/design.md#random-selection, docs/design.md#generic-bound).
 
 LC releases θ = Σ λ_i θ_i with λ on the simplex; RS releases θ_I for one secret draw I ~ π.
 Both read the candidates' ``weights.safetensors`` one candidate and one tensor at a time, so
@@ -12,7 +13,8 @@ back to the source dtype; λ is then used as a float32 number for float32 tensor
 
 RS validates every candidate completely before drawing and reads all of them afterwards, so
 neither an error nor the running time depends on the drawn index. The index goes to the caller
-(for an access-restricted audit record) and never into the released directory (SPEC §4).
+(for an access-restricted audit record) and never into the released directory
+(docs/design.md#random-selection).
 The released weights file is written afresh with a random nonce in its metadata, so its bytes
 (and an object store's ETag of them) never equal the drawn candidate's file
 (docs/design.md#rs-secrecy).
@@ -143,7 +145,8 @@ def linear_combination(
     *,
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Σ λ_i θ_i over safetensors files, streamed (SPEC §5). Returns tensors on ``device``.
+    """Σ λ_i θ_i over safetensors files, streamed (docs/design.md#generic-bound). Returns tensors
+    on ``device``.
 
     ``weights`` must lie on the simplex (finite, non-negative, sum 1 within 1e-9); nothing is
     renormalised. Tensor names, shapes and dtypes must agree; NaN/inf values are refused in
@@ -193,7 +196,7 @@ def linear_combination(
 
 
 def draw_index(probabilities: Sequence[float], *, rng: random.Random | None = None) -> int:
-    """One draw I ~ π from the OS's cryptographic RNG (SPEC §4).
+    """One draw I ~ π from the OS's cryptographic RNG (docs/design.md#random-selection).
 
     Each call is one release: drawing again and keeping a preferred outcome is a selection
     step that costs privacy. ``rng`` is a test hook (a seeded ``random.Random``).

@@ -1,4 +1,5 @@
-"""Architectures a mechanism record can name (SPEC §2 "initialisation", §8.2–8.4).
+"""Architectures a mechanism record can name (docs/design.md#mechanism-record "initialisation",
+§8.2–8.4).
 
 Every architecture is valid for Opacus (``ModuleValidator.validate(strict=True)``): GroupNorm
 instead of BatchNorm, no in-place activations. The name goes into ``model.json`` so any tool can
@@ -194,7 +195,8 @@ def _listing(items: list[str], shown: int = 4) -> str:
 
 
 def load_pretrained(spec: ModelSpec, path: str | Path) -> tuple[nn.Module, str]:
-    """Build ``spec``'s module initialised from a public safetensors checkpoint (SPEC §8.4).
+    """Build ``spec``'s module initialised from a public safetensors checkpoint
+    (docs/design.md#studies).
 
     Returns the module and the record's initialisation id ``checkpoint:<sha256 of the file>``.
     """

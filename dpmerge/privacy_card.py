@@ -3,12 +3,13 @@
 The card states the target (ε*, δ*), the bound that gates promotion with its ε under PLD and
 RDP (accountant, δ, neighbouring relation, discretisation), the generic bound always and the
 structured one beside it where present, the merge method and weights, the candidates, the
-cumulative release-ledger bound when given, and library versions (SPEC §2, §5, §7).
+cumulative release-ledger bound when given, and library versions (docs/design.md#mechanism-record,
+docs/design.md#generic-bound, docs/design.md#release-ledger).
 
 It **computes no ε**: every number comes from the report dict (``PrivacyReport.to_dict()``)
 and the candidate entries passed in. Displayed ε values are rounded *up* (they are upper
 bounds); the JSON carries them unrounded. For RS the card names the probabilities π but never
-the drawn candidate, which it is never given (SPEC §4).
+the drawn candidate, which it is never given (docs/design.md#random-selection).
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ INTERNAL_NOTE = (
 )
 RS_NOTE = (
     "Random selection released one candidate drawn secretly with the probabilities above; which "
-    "one is part of the mechanism's randomness and is not recorded here (SPEC §4)."
+    "one is part of the mechanism's randomness and is not recorded here "
+    "(docs/design.md#rs-secrecy)."
 )
 LEDGER_NOTE = (
     "Releases derived from the same candidates are correlated: adding up their ε values is not "
-    "a valid bound; the cumulative bound is the joint release of every candidate used (SPEC §7)."
+    "a valid bound; the cumulative bound is the joint release of every candidate used "
+    "(docs/design.md#release-ledger)."
 )
 _BOUND_LABELS = {
     "generic": "generic (composition of the used candidates; no assumption)",

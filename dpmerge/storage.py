@@ -3,7 +3,8 @@
 Two buckets. The **project bucket** (default ``dpmerge``) holds the MLflow artifact store
 (prefix ``mlartifacts/``, written by the MLflow server), checkpoints of long runs
 (``checkpoints/<run>/``) and exports (``exports/``). The **audit bucket** (default
-``dpmerge-audit``) holds access-restricted records such as the secret RS draw (SPEC §4): it is
+``dpmerge-audit``) holds access-restricted records such as the secret RS draw
+(docs/design.md#random-selection): it is
 created with public access blocked, default encryption and versioning, and an audit record is
 written at most once (a conditional ``If-None-Match: *`` put), so a release cannot be re-drawn
 by overwriting its record. Nothing from the audit bucket goes to MLflow tags or privacy cards.
@@ -397,14 +398,15 @@ class S3Store:
     def write_audit_record(self, release_id: str, record: Mapping[str, Any]) -> str:
         """Store an access-restricted audit record (e.g. the RS draw) for one release in the
         audit bucket, at most once: a second write for the same release is refused, since
-        drawing again for a release is a selection step that costs privacy (SPEC §4)."""
+        drawing again for a release is a selection step that costs privacy
+        (docs/design.md#random-selection)."""
         key = f"{AUDIT_PREFIX}/{_segment(release_id)}.json"
         try:
             return self.put_json(key, dict(record), bucket=self.config.audit_bucket, if_absent=True)
         except ObjectExistsError:
             raise ObjectExistsError(
                 f"an audit record for release {release_id!r} already exists; "
-                "one draw per release (SPEC §4)"
+                "one draw per release (docs/design.md#random-selection)"
             ) from None
 
     def read_audit_record(self, release_id: str) -> dict[str, Any]:

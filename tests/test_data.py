@@ -1,4 +1,5 @@
-"""Dataset readers, splits and fingerprints (dpmerge.data; SPEC §2, §4, §8)."""
+"""Dataset readers, splits and fingerprints (dpmerge.data; docs/design.md#mechanism-record,
+docs/design.md#random-selection, docs/design.md#studies)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Evaluation: accuracy, loss, per-class accuracy on a split; RS expected accuracy (SPEC §4)."""
+"""Evaluation: accuracy, loss, per-class accuracy on a split; RS expected accuracy
+(docs/design.md#random-selection)."""
 
 from __future__ import annotations
 

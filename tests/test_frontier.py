@@ -1,4 +1,5 @@
-"""The frontier study (SPEC §8): calibrated merges of real (tiny) candidates, evaluated."""
+"""The frontier study (docs/design.md#studies): calibrated merges of real (tiny) candidates,
+evaluated."""
 
 from __future__ import annotations
 

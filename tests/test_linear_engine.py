@@ -1,5 +1,6 @@
 """The linear-exact DP-SGD engine implements the mechanism Opacus runs
-(dpmerge.training.engines.linear, SPEC §2): Poisson sampling, per-example clipping, Gaussian
+(dpmerge.training.engines.linear, docs/design.md#mechanism-record): Poisson sampling, per-example
+clipping, Gaussian
 noise, plain SGD, same record."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Merging (SPEC §4 RS, §5 LC): exact arithmetic, refusals, secrecy of the RS draw, streaming."""
+"""Merging (docs/design.md#random-selection RS, §5 LC): exact arithmetic, refusals, secrecy of the
+RS draw, streaming."""
 
 from __future__ import annotations
 

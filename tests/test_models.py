@@ -1,4 +1,5 @@
-"""The architecture registry (dpmerge.models; SPEC §2 "initialisation", §8.3–8.4)."""
+"""The architecture registry (dpmerge.models; docs/design.md#mechanism-record "initialisation",
+§8.3–8.4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""DP-SGD training and its mechanism record (dpmerge.training, ``dpmerge train``; SPEC §2, §3)."""
+"""DP-SGD training and its mechanism record (dpmerge.training, ``dpmerge train``;
+docs/design.md#mechanism-record, docs/design.md#accounting-primitives)."""
 
 from __future__ import annotations
 

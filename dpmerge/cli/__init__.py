@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "dpmerge.cli.account",
         "privacy of a merge (given weights) or the best merge for a target ε",
     ),
-    "study": ("dpmerge.cli.study", "reproduce an experiment of SPEC §8"),
+    "study": ("dpmerge.cli.study", "reproduce an experiment of docs/design.md#studies"),
     "train": ("dpmerge.cli.train", "train one DP-SGD candidate"),
     "merge": ("dpmerge.cli.models", "merge candidate directories (RS or LC)"),
     "evaluate": ("dpmerge.cli.models", "evaluate a model directory on a split"),

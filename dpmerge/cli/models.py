@@ -1,7 +1,7 @@
 """``dpmerge merge``, ``dpmerge evaluate`` and ``dpmerge candidates``: model directories.
 
 ``merge`` releases an RS or LC merge of candidate directories, with given weights or calibrated
-to a target ε (SPEC §4–§6); ``evaluate`` scores a model directory on a dataset split;
+to a target ε (docs/design.md); ``evaluate`` scores a model directory on a dataset split;
 ``candidates`` turns candidate directories into the candidates file ``dpmerge account`` reads.
 The drawn RS index is never printed: it goes only to ``--audit-file`` (mode 0600).
 """
@@ -56,7 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--bound",
         choices=("generic", "structured"),
         default="generic",
-        help="LC bound that gates (default generic: SPEC §5.1; structured is the paper's, opt-in)",
+        help=(
+            "LC bound that gates (default generic: docs/design.md#generic-bound; structured is "
+            "the paper's, opt-in)"
+        ),
     )
     merge.add_argument("--out", required=True, metavar="DIR", help="new model directory")
     merge.add_argument("--audit-file", metavar="PATH", help="rs: private record of the draw")
@@ -84,7 +87,8 @@ def _load_data(args: argparse.Namespace) -> DatasetSplits:
 
 def _require_trained_on(datasets: set[str], data: DatasetSplits) -> None:
     """The validation split is disjoint from the training rows only if the data is loaded the
-    way training loaded it: the record's dataset fingerprint must match (SPEC §2, §4)."""
+    way training loaded it: the record's dataset fingerprint must match
+    (docs/design.md#mechanism-record, docs/design.md#random-selection)."""
     if datasets != {data.fingerprint}:
         raise DatasetError(
             f"the models were trained on {', '.join(sorted(datasets))}, but the loaded training "
@@ -166,7 +170,8 @@ def _merge(args: argparse.Namespace) -> int:
         score = _scorer(args, data.test)
         metrics = _test_metrics(data.name, score)
         if args.method == "rs" and args.audit_file:
-            # Statistics of every candidate, released or not: audit record only (SPEC §4).
+            # Statistics of every candidate, released or not: audit record only
+            # (docs/design.md#random-selection).
             accuracies = _accuracies(dirs, score)
             audit_notes = {
                 "candidate_test_accuracies": accuracies,

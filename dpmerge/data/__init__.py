@@ -1,4 +1,5 @@
-"""Datasets for DP-SGD candidates: readers, disjoint splits and fingerprints (SPEC §2, §4, §8)."""
+"""Datasets for DP-SGD candidates: readers, disjoint splits and fingerprints
+(docs/design.md#mechanism-record, docs/design.md#random-selection, docs/design.md#studies)."""
 
 from dpmerge.data.datasets import DATASET_NAMES, FASHION_MNIST_PACKAGE, load_dataset
 from dpmerge.data.splits import DatasetSplits, RowDataset, Split, collate_batch, fingerprint

@@ -1,4 +1,4 @@
-"""The supported datasets and :func:`load_dataset` (SPEC §8).
+"""The supported datasets and :func:`load_dataset` (docs/design.md#studies).
 
 | name            | source                                                              |
 |-----------------|---------------------------------------------------------------------|

@@ -1,4 +1,4 @@
-"""Readers for the on-disk formats of the supported datasets (no downloads, SPEC §8).
+"""Readers for the on-disk formats of the supported datasets (no downloads, docs/design.md#studies).
 
 * IDX (MNIST, Fashion-MNIST): big-endian header, plain or gzip-compressed.
 * CIFAR-10 python batches: pickles of ``{b"data": uint8 (N, 3072), b"labels": [...]}``, read

@@ -1,9 +1,12 @@
-"""Train / validation / test splits and the dataset fingerprint (SPEC §2, §4).
+"""Train / validation / test splits and the dataset fingerprint (docs/design.md#mechanism-record,
+docs/design.md#random-selection).
 
 The validation split is carved from the training file with a seeded permutation, so it is
 disjoint from the rows DP-SGD trains on: utilities measured on it are not computed on the
-training set (SPEC §4). The fingerprint hashes exactly the training rows, so it names the data
-the mechanism record's privacy claim is about (SPEC §2 "dataset fingerprint, n").
+training set (docs/design.md#random-selection). The fingerprint hashes exactly the training rows,
+so it names the data
+the mechanism record's privacy claim is about (docs/design.md#mechanism-record "dataset
+fingerprint, n").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Apply a privacy policy to the registered candidates: calibrate, merge, evaluate, register,
-promote (SPEC §4–§7). Library code, no Prefect.
+promote (docs/design.md). Library code, no Prefect.
 
 :func:`apply_policy` is the state machine that runs the steps below for one policy event and
 says how it ended (:class:`Status`, :class:`PolicyOutcome`); its steps are injectable
@@ -24,7 +24,7 @@ The steps, in order:
    or a new one is stored (audit bucket or ``<home>/audit``, create-once) before it is used
    (:mod:`~dpmerge.policy_merge.draws`). :class:`Release` carries only public facts.
 6. :func:`register_release` — the merged version with its privacy card and the cumulative
-   ledger bound (SPEC §7).
+   ledger bound (docs/design.md#release-ledger).
 7. :func:`promote_release` — the ledger cap, then the registry's gates (ε ≤ target, δ, accuracy ≥
    ``min_accuracy``, card consistent), then the alias; the release enters the ledger only once
    promoted (if that write fails the alias is put back).

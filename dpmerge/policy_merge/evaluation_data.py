@@ -39,7 +39,8 @@ def _load(name: str, root: str | None, limit: int | None) -> DatasetSplits:
 @dataclass(frozen=True, eq=False)
 class EvaluationData:
     """The held-out splits of the candidates' training data: ``validation`` (carved from the
-    training file, disjoint from the training rows: calibration utilities, SPEC §4) and
+    training file, disjoint from the training rows: calibration utilities,
+    docs/design.md#random-selection) and
     ``test`` (reported accuracy). ``fingerprint`` names the training rows they go with."""
 
     name: str

@@ -1,1 +1,1 @@
-"""Studies that reproduce the experiments of SPEC §8."""
+"""Studies that reproduce the experiments of docs/design.md#studies."""

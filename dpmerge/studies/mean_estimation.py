@@ -1,10 +1,11 @@
-"""Mean estimation (SPEC §5.3, §8.1): the best RS and LC mean-squared error at each target.
+"""Mean estimation (docs/design.md#mean-estimation, docs/design.md#studies): the best RS and LC
+mean-squared error at each target.
 
 Candidate i releases μ̂ + N(0, σ_i²Δ²I). Per coordinate, in units of Δ² and without clipping
 bias: MSE_LC = Σ λ_i²σ_i² and MSE_RS = Σ π_i σ_i². LC is exactly the Gaussian mechanism with
 σ_LC = sqrt(Σλ²σ²), which reaches every value in [(Σσ_i⁻²)^−½, max σ_i]; so the best LC at a
 target is σ_LC = max(σ*(target), (Σσ_i⁻²)^−½) when σ*(target) ≤ max σ_i, else infeasible.
-The best RS solves the linear programme of SPEC §4 with utilities −σ_i².
+The best RS solves the linear programme of docs/design.md#random-selection with utilities −σ_i².
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""RS and LC bounds (SPEC §4, §5): reductions, orderings, refusals."""
+"""RS and LC bounds (docs/design.md#random-selection, docs/design.md#generic-bound): reductions,
+orderings, refusals."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def test_structured_never_exceeds_generic_and_pld_never_exceeds_rdp(ladder):
 
 
 def test_averaging_equal_candidates_can_exceed_each_one():
-    """SPEC §5.2: averaging independent noisy copies reveals more than either copy."""
+    """docs/design.md#structured-bound: averaging independent noisy copies reveals more than either
+    copy."""
     a, b = make_record("a", 1.0), make_record("b", 1.0)
     single = candidate_bound(a, DELTA).epsilon_pld
     merged = account([a, b], "lc", [0.5, 0.5], DELTA).structured.epsilon_pld

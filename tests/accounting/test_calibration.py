@@ -1,4 +1,4 @@
-"""Calibration to a target (SPEC §6), including hypothesis property tests."""
+"""Calibration to a target (docs/design.md#calibration), including hypothesis property tests."""
 
 from __future__ import annotations
 
@@ -154,7 +154,8 @@ def test_lc_structured_never_exceeds_generic_along_a_pair(t):
 
 def test_structured_search_finds_both_segments_of_a_non_monotone_path():
     """Equal candidates: ε peaks at t = 0.5 above either end, so a target between the single
-    candidate's ε and the peak is feasible near both ends and not in the middle (SPEC §6)."""
+    candidate's ε and the peak is feasible near both ends and not in the middle
+    (docs/design.md#calibration)."""
     a = make_record("a", 1.0, steps=300, sample_rate=0.01, batch=600.0)
     b = make_record("b", 1.0, steps=300, sample_rate=0.01, batch=600.0)
     single = candidate_bound(a, DELTA).epsilon

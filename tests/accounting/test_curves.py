@@ -1,4 +1,5 @@
-"""Per-candidate curves against dp_accounting and closed forms (SPEC §3)."""
+"""Per-candidate curves against dp_accounting and closed forms
+(docs/design.md#accounting-primitives)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from dpmerge.accounting.records import PrivacyLabel
 
 
 def test_reference_value_sigma_one_sixty_epochs():
-    """SPEC §3: q = 256/60000, σ = 1, T = 14063, δ = 1e-5 → PLD ≈ 2.823, RDP ≈ 3.079."""
+    """docs/design.md#accounting-primitives: q = 256/60000, σ = 1, T = 14063, δ = 1e-5 → PLD ≈
+    2.823, RDP ≈ 3.079."""
     record = make_record("ref", 1.0, sample_rate=256 / 60000, steps=14063, batch=256)
     bound = candidate_bound(record, 1e-5)
     assert bound.epsilon_pld == pytest.approx(2.823, abs=0.01)

@@ -1,4 +1,5 @@
-"""Release ledger (SPEC §7): the cumulative bound is the joint release of the union."""
+"""Release ledger (docs/design.md#release-ledger): the cumulative bound is the joint release of the
+union."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Mean estimation (SPEC §5.3): exact Gaussian accounting of RS and LC."""
+"""Mean estimation (docs/design.md#mean-estimation): exact Gaussian accounting of RS and LC."""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ than in Opacus' sampler, so the two must never share a lineage
 
 
 class PoissonSubsetSampler:
-    """Poisson sampling of n rows at rate q in O(B) per batch (SPEC §2 "sampling scheme").
+    """Poisson sampling of n rows at rate q in O(B) per batch (docs/design.md#mechanism-record
+    "sampling scheme").
 
     Poisson sampling includes each row independently with probability q, so a subset S of the
     n rows is the batch with probability q^|S| (1 − q)^(n − |S|), which depends on S only
