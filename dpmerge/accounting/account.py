@@ -14,7 +14,7 @@ from dpmerge.accounting.generic import generic_bound
 from dpmerge.accounting.records import Candidate, require_same_dataset
 from dpmerge.accounting.rs import rs_bound
 from dpmerge.accounting.structured import check_ordering, structured_bound
-from dpmerge.accounting.weights import simplex_weights
+from dpmerge.accounting.weights import initialisation_conflict, simplex_weights
 from dpmerge.errors import RecordError, RefusalError
 from dpmerge.vocabulary import GatingBound, Method, choose
 
@@ -88,9 +88,12 @@ def account(
     generic = generic_bound(candidates, weights, delta, discretisation)
     structured = structured_bound(candidates, weights, delta, discretisation)
     check_ordering(generic, structured)
-    notes: tuple[str, ...] = ()
+    used = [c for c, w in zip(candidates, weights, strict=True) if w > 0]
+    conflict = initialisation_conflict(used)
+    notes: tuple[str, ...] = () if conflict is None else (f"warning: {conflict}",)
     if gating_bound == GatingBound.STRUCTURED:
-        gating, notes = gating_of(generic, structured)
+        gating, gate_notes = gating_of(generic, structured)
+        notes += gate_notes
     else:
         gating = generic
     return PrivacyReport(Method.LC, names, weights, delta, gating, generic, structured, notes=notes)

@@ -42,7 +42,11 @@ from dpmerge.accounting.generic import ReleaseUnit, composed_pld, composed_rdp, 
 from dpmerge.accounting.records import Candidate, MechanismRecord
 from dpmerge.accounting.rs import mixture_bound
 from dpmerge.accounting.rs_calibration import best_two_point_mixture
-from dpmerge.accounting.weights import inverse_variance_weights, merged_noise_proxy
+from dpmerge.accounting.weights import (
+    initialisation_conflict,
+    inverse_variance_weights,
+    merged_noise_proxy,
+)
 from dpmerge.errors import RefusalError, UnsupportedError
 from dpmerge.vocabulary import BoundKind, Method
 
@@ -136,6 +140,11 @@ def rungs(
         if not set(members) <= usable:
             continue
         chosen = [candidates[i] for i in members]
+        conflict = initialisation_conflict(chosen)
+        if conflict is not None:
+            if conflict not in skipped:
+                skipped.append(conflict)
+            continue
         try:
             units = release_units(chosen)
         except RefusalError as refusal:

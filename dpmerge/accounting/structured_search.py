@@ -35,7 +35,11 @@ from dpmerge.accounting.structured import (
     structured_refusal,
     structured_segments,
 )
-from dpmerge.accounting.weights import inverse_variance_weights, merged_noise_proxy
+from dpmerge.accounting.weights import (
+    initialisation_conflict,
+    inverse_variance_weights,
+    merged_noise_proxy,
+)
 from dpmerge.errors import RefusalError
 from dpmerge.vocabulary import GatingBound, Method
 
@@ -161,11 +165,15 @@ def _paths(records: Sequence[MechanismRecord], epsilons: Sequence[float]) -> lis
     for a, b in itertools.combinations(by_epsilon, 2):  # a is the less private
         if structured_refusal(records, [x + y for x, y in zip(unit[a], unit[b], strict=True)]):
             continue
+        if initialisation_conflict([records[a], records[b]]):
+            continue
         optimum = inverse_variance_weights([records[a], records[b]])[0]
         paths.append(Path((a, b), unit[b], unit[a], optimum=optimum))
     for size in range(3, min(MAX_GROUP_SIZE, k) + 1):
         for offset in range(k - size + 1):
             members = tuple(by_epsilon[offset : offset + size])
+            if initialisation_conflict([records[i] for i in members]):
+                continue
             iv = inverse_variance_weights([records[i] for i in members])
             start = [0.0] * k
             for i, w in zip(members, iv, strict=True):

@@ -57,3 +57,24 @@ def inverse_variance_weights(records: Sequence[MechanismRecord]) -> tuple[float,
     raw = [1.0 / (r.noise_multiplier**2 * r.contribution_scale) for r in records]
     total = math.fsum(raw)
     return tuple(v / total for v in raw)
+
+
+def initialisation_conflict(members: Sequence[object]) -> str | None:
+    """Why averaging these candidates' weights is not a sensible LC merge, or ``None``: records
+    that start from different recorded initialisations. For a non-convex model two runs from
+    different initialisations sit in different basins, and their average can be far worse than
+    either (measured: 55 % for three independently initialised CNNs, 84 % each;
+    docs/results.md). The rule is data-independent (it reads the records only), so calibration
+    may use it to choose. Records without an initialisation are not compared."""
+    seen = {
+        m.initialisation: m.name
+        for m in members
+        if isinstance(m, MechanismRecord) and m.initialisation is not None
+    }
+    if len(seen) <= 1:
+        return None
+    names = ", ".join(f"{name!r} ({init})" for init, name in sorted(seen.items()))
+    return (
+        f"candidates start from different initialisations ({names}): their weights are not "
+        "averaged (docs/design.md#sharp-edges)"
+    )

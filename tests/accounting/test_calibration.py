@@ -226,3 +226,26 @@ def test_label_only_candidates_in_calibration(short_ladder):
     assert any("vendor" in s for s in lc.search["skipped"])
     only_label = calibrate(candidates, "lc", 0.25, DELTA)
     assert only_label.weights[-1] == 1.0
+
+
+def test_candidates_from_different_initialisations_are_never_averaged():
+    """A data-independent rule read off the records: weights of runs that started from different
+    initialisations are not averaged (non-convex models sit in different basins)."""
+    shared = [
+        make_record(f"a{s}", s, steps=300, sample_rate=0.01, batch=600.0, initialisation="seed-0")
+        for s in (0.9, 1.3)
+    ]
+    other = make_record(
+        "b1.1", 1.1, steps=300, sample_rate=0.01, batch=600.0, initialisation="seed-9"
+    )
+    candidates = [*shared, other]
+    top = 10 * max(epsilons(candidates))
+    for gate in ("generic", "structured"):
+        result = calibrate(candidates, "lc", top, DELTA, gating_bound=gate)
+        used = {c.initialisation for c, w in zip(candidates, result.weights, strict=True) if w > 0}
+        assert len(used) == 1, gate
+    generic = calibrate(candidates, "lc", top, DELTA)
+    assert generic.weights[2] == 0.0 and all(w > 0 for w in generic.weights[:2])
+    assert any("different initialisations" in s for s in generic.search["skipped"])
+    report = account(candidates, "lc", [0.4, 0.3, 0.3], DELTA)
+    assert any("different initialisations" in n for n in report.notes)
