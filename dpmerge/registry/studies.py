@@ -31,11 +31,12 @@ def log_study(
     :class:`RegistryError`."""
     if tracking_uri.startswith("sqlite:///"):
         Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    connection = MlflowConnection(tracking_uri, STUDIES_EXPERIMENT, None)
+    connection = MlflowConnection(tracking_uri, None)
     client = connection._client  # the registry package is the one door to MLflow
     run_id = None
     try:
-        run = client.create_run(connection._experiment(), run_name=study, tags={"dp.study": study})
+        experiment = connection._experiment(STUDIES_EXPERIMENT, "studies")
+        run = client.create_run(experiment, run_name=study, tags={"dp.study": study})
         run_id = run.info.run_id
         now = int(time.time() * 1000)
         client.log_batch(
