@@ -31,6 +31,7 @@ from pydantic import (
 
 from dpmerge.documents import describe_validation_error, load_yaml, read_item_list, shorten
 from dpmerge.errors import InputError
+from dpmerge.publication import dataset_name
 from dpmerge.vocabulary import GatingBound, OnInfeasible, PolicyMethod
 
 if TYPE_CHECKING:
@@ -136,9 +137,11 @@ def check_registered(policies: Iterable[Policy], inventory: Inventory) -> None:
                 f"{where} 'model': no ready candidates of {shorten(policy.model)} at "
                 f"{inventory.tracking_uri}; choose one of: {_choices(models)}"
             )
-        fingerprints = [d for d, m in inventory.counts if m == policy.model]
-        names = sorted({d.split("-sha256:")[0] for d in fingerprints})
-        if not any(policy.dataset in (d, d.split("-sha256:")[0]) for d in fingerprints):
+        # registered datasets carry the keyed identifier (name-hmac:…); a policy names the
+        # dataset, or one identifier or fingerprint of it (checked exactly by the workflow)
+        identifiers = [d for d, m in inventory.counts if m == policy.model]
+        names = sorted({dataset_name(d) for d in identifiers})
+        if dataset_name(policy.dataset) not in names:
             raise PolicyError(
                 f"{where} 'dataset': no ready {policy.model} candidates on "
                 f"{shorten(policy.dataset)} at {inventory.tracking_uri}; choose one of: "

@@ -351,7 +351,7 @@ def test_an_event_for_another_resource_is_rejected(env, trained) -> None:
     state = _apply(_policy(name="bad").event_payload(), resource_id="dpmerge.policy.other")
     assert state.name == "Rejected" and "does not match" in state.message
     state = _apply(_policy(name="bad").event_payload(), occurred="yesterday")
-    assert state.name == "Rejected" and "is not a time" in state.message
+    assert state.name == "Rejected" and "not an ISO 8601 time" in state.message
 
 
 def test_infeasible_and_not_promoted_are_named_completed_states(env, trained) -> None:

@@ -22,7 +22,12 @@ from dpmerge.formatting import epsilon_text, number_text
 from dpmerge.merging import linear_combination
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.calibration import PolicyPlan, calibrate_policy
-from dpmerge.policy_merge.candidates import CandidatePool, find_candidates, load_candidates
+from dpmerge.policy_merge.candidates import (
+    CandidatePool,
+    find_candidates,
+    load_candidates,
+    refuse_fixed_seeds,
+)
 from dpmerge.policy_merge.evaluation_data import EvaluationData, load_evaluation_data
 from dpmerge.policy_merge.promotion import find_release
 from dpmerge.policy_merge.release import evaluation_metrics, merge_request
@@ -136,9 +141,10 @@ def dry_run(policy: Policy, workspace: Workspace) -> DryRun:
         candidates = load_candidates(
             registry, pool, scratch, cache_dir=workspace.cache_dir / "candidates"
         )
+        refuse_fixed_seeds(candidates)  # what a real run refuses, the dry run refuses too
         first = candidates[0].model_dir.record
-        data = load_evaluation_data(
-            pool.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
+        data = load_evaluation_data(  # by the internal fingerprint, as a real run does
+            first.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
         )
         try:
             plan = calibrate_policy(policy, candidates, data)
