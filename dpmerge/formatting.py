@@ -22,6 +22,24 @@ def epsilon_text(value: float | None) -> str:
     return f"{math.ceil(value * scale - 1e-9) / scale:.{EPSILON_DIGITS}f}"
 
 
+def within_text(value: float, target: float) -> str:
+    """``ε = … ≤ ε* = …`` for a release within its target: ε rounded up and ε* rounded down (or
+    as given, when ``:g`` shows it exactly), at the fewest decimals from 4 to 12 at which the
+    shown numbers keep the relation (1.21160707 within 1.21160828 reads ``1.211608 ≤ 1.211608``,
+    not ``1.2117 ≤ 1.21161``)."""
+    if value > target:
+        return f"ε = {epsilon_text(value)} > ε* = {target:g}"
+    exact = float(f"{target:g}") == target
+    for digits in range(EPSILON_DIGITS, 13):
+        scale = 10**digits
+        shown = math.ceil(value * scale - 1e-9) / scale
+        limit = target if exact else math.floor(target * scale + 1e-9) / scale
+        if shown <= limit:
+            break
+    limit_text = f"{target:g}" if exact else f"{limit:.{digits}f}"
+    return f"ε = {shown:.{digits}f} ≤ ε* = {limit_text}"
+
+
 def number_text(value: float | None, digits: int = 4) -> str:
     """Any other number for display (accuracy, loss, utility): plain rounding."""
     return "n/a" if value is None else f"{value:.{digits}f}"

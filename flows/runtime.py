@@ -165,13 +165,14 @@ def find_policy_run(event_id: str, client: Any) -> Any | None:
 
 @dataclass(frozen=True)
 class PolicyRun:
-    """A finished (or last seen) run for a policy event, and the outcome document its
-    artifact carries (``None`` if it has none)."""
+    """A finished (or last seen) run for a policy event, the outcome document its artifact
+    carries (``None`` if it has none) and how long it ran (``None`` until it ended)."""
 
     id: str | None
     state: str | None
     message: str | None
     outcome: dict[str, Any] | None
+    seconds: float | None = None
 
 
 def wait_for_policy_run(
@@ -206,6 +207,13 @@ def wait_for_policy_run(
             for artifact in artifacts:
                 outcome = outcome_from_markdown(str(artifact.data or "")) or outcome
     state = run.state
+    seconds = None
+    if run.start_time is not None and run.end_time is not None:
+        seconds = (run.end_time - run.start_time).total_seconds()
     return PolicyRun(
-        str(run.id), state.name if state else None, state.message if state else None, outcome
+        str(run.id),
+        state.name if state else None,
+        state.message if state else None,
+        outcome,
+        seconds,
     )

@@ -294,11 +294,12 @@ def test_merge_on_policy_promotes_then_reuses(env, trained) -> None:
     assert _alias(env, result["merged_model"], "policy-flow-lc") == result["version"]
     card = _registry(env).card_text(result["merged_model"], result["version"])
     assert card.startswith("# Privacy card")
-    # one way to print ε: rounded up, the same on the card, the run's line and the CLI's
-    from dpmerge.formatting import epsilon_text
+    # one way to print ε: rounded up, on the card and in the run's line (beside ε*, with the
+    # decimals that keep ε ≤ ε* visible)
+    from dpmerge.formatting import epsilon_text, within_text
 
-    shown = epsilon_text(result["epsilon"])
-    assert f"ε = **{shown}**" in card and f"ε = {shown} (" in state.message
+    assert f"ε = **{epsilon_text(result['epsilon'])}**" in card
+    assert within_text(result["epsilon"], policy.target_epsilon) in state.message
     again = _apply(policy.event_payload())
     assert again.is_completed() and again.name == "Unchanged"
     assert again.result()["status"] == "unchanged" and again.result()["reused"]

@@ -12,7 +12,7 @@ from dpmerge.accounting.account import account
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.errors import RecordError
-from dpmerge.formatting import epsilon_text
+from dpmerge.formatting import epsilon_text, within_text
 from dpmerge.privacy_card import (
     INTERNAL_NOTE,
     STRUCTURED_LABEL,
@@ -193,3 +193,12 @@ def test_eps_text_rounds_up() -> None:
     assert epsilon_text(1.00001) == "1.0001"
     assert epsilon_text(2.0) == "2.0000"
     assert epsilon_text(None) == "—"
+
+
+def test_within_text_keeps_the_shown_relation() -> None:
+    assert within_text(1.2116070678845434, 1.153912649717764 * 1.05) == (
+        "ε = 1.211608 ≤ ε* = 1.211608"
+    )
+    assert within_text(1.98341, 2.0) == "ε = 1.9835 ≤ ε* = 2"
+    assert within_text(2.0, 2.0) == "ε = 2.0000 ≤ ε* = 2"
+    assert within_text(2.5, 2.0) == "ε = 2.5000 > ε* = 2"  # never shown as within

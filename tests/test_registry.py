@@ -117,7 +117,7 @@ def test_rest_catalog_reads_what_the_client_reads(
     assert catalog.detail(CANDIDATES, registered[0]).stored.tags["dp.role"] == "candidate"
     assert catalog.aliases("dpmerge-no-such-model") == {}
     inventory = catalog.inventory()
-    assert inventory.counts[(DATASET, "logreg")] >= len(registered)
+    assert inventory.counts[(PUBLIC_DATASET, "logreg")] >= len(registered)
 
 
 @pytest.mark.integration

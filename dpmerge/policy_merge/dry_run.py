@@ -18,7 +18,7 @@ from typing import Any
 from dpmerge.artifacts import WEIGHTS_FILE
 from dpmerge.errors import InfeasibleTargetError
 from dpmerge.evaluation import expected_accuracy
-from dpmerge.formatting import epsilon_text, number_text
+from dpmerge.formatting import epsilon_text, number_text, within_text
 from dpmerge.merging import linear_combination
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.calibration import PolicyPlan, calibrate_policy
@@ -104,9 +104,9 @@ class DryRun:
             if weight > 0
         )
         line = (
-            f"{head} — {str(self.method).upper()} of {shown}: ε = {epsilon_text(self.epsilon)} "
-            f"({self.accountant}, {self.bound} bound, δ = {self.target_delta:g}) ≤ ε* = "
-            f"{self.target_epsilon:g}"
+            f"{head} — {str(self.method).upper()} of {shown}: "
+            f"{within_text(self.epsilon, self.target_epsilon)} "
+            f"({self.accountant}, {self.bound} bound, δ = {self.target_delta:g})"
         )
         if self.bound != "generic" and self.generic_epsilon is not None:
             line += f", generic bound ε = {epsilon_text(self.generic_epsilon)}"

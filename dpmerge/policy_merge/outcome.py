@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from dpmerge.formatting import epsilon_text, number_text
+from dpmerge.formatting import number_text, within_text
 from dpmerge.policies import Policy
 
 
@@ -77,8 +77,8 @@ class PolicyOutcome:
         if self.version:
             release = (
                 f" — {self.merged_model} v{self.version}{' (reused)' if self.reused else ''} by "
-                f"{str(self.method).upper()}, ε = {epsilon_text(self.epsilon)} ({self.accountant}, "
-                f"{self.bound} bound, δ = {self.target_delta:g}) ≤ ε* = {self.target_epsilon:g}"
+                f"{str(self.method).upper()}, {within_text(self.epsilon, self.target_epsilon)} "
+                f"({self.accountant}, {self.bound} bound, δ = {self.target_delta:g})"
             )
             if self.test_accuracy is not None:
                 release += f", test accuracy {number_text(self.test_accuracy)}"
