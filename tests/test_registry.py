@@ -127,6 +127,7 @@ def test_candidates_registered_with_tags_and_artifacts_in_s3(
     candidate_dirs: list[Path],
     s3_store: S3Store,
     monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     client = MlflowClient(server_registry.tracking_uri)
     for version, path in zip(registered, candidate_dirs, strict=True):
@@ -147,7 +148,7 @@ def test_candidates_registered_with_tags_and_artifacts_in_s3(
     keys = s3_store.list_keys("mlartifacts/candidates/")  # the candidates' own prefix
     assert any(k.endswith("/extra_files/weights.safetensors") for k in keys)
     assert any(k.endswith("/data/model.pt2") for k in keys)
-    loaded = server_registry.load_candidates(CANDIDATES, registered)
+    loaded = server_registry.load_candidates(CANDIDATES, registered, dest=tmp_path / "dl")
     assert [c.version for c in loaded] == sorted(registered, key=int)
     for item, path in zip(loaded, candidate_dirs, strict=True):
         assert item.model_dir.record == _record(path.name, SIGMAS[path.name])

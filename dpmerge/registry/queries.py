@@ -6,7 +6,6 @@ checked against their content hash and their signature). Every search goes throu
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -144,18 +143,16 @@ class RegistryQueries(MlflowConnection):
         name: str,
         versions: Sequence[str | int] | None = None,
         *,
-        dest: str | Path | None = None,
+        dest: str | Path,
     ) -> list[RegisteredCandidate]:
-        """Download ready candidate versions (default: all) into ``dest`` (default a new
-        temporary directory the caller owns), verify each (:meth:`verify_candidate`), load."""
+        """Download ready candidate versions (default: all) into ``dest``, verify each
+        (:meth:`verify_candidate`), load."""
         if versions is None:
             found = self._search(search_filter(name, {"dp.role": ROLE_CANDIDATE}))
             versions = [v.version for v in found if v.tags.get("dp.status") == STATUS_READY]
         if not versions:
             raise RegistryError(f"no ready candidate versions in {name}")
-        root = (
-            Path(dest) if dest is not None else Path(tempfile.mkdtemp(prefix="dpmerge-candidates-"))
-        )
+        root = Path(dest)
         result = []
         for version in sorted({str(v) for v in versions}, key=int):
             stored = self.get_version(name, version)
