@@ -76,6 +76,7 @@ def measure(
     args: argparse.Namespace, url: str, dataset: str, registered: str, train_seconds: list[float]
 ) -> int:
     from mlflow import MlflowClient
+    from prefect.client.orchestration import SyncPrefectClient
 
     from dpmerge.policies import policy_from_dict
     from dpmerge.registry.names import CANDIDATES_SUFFIX, RELEASES_SUFFIX
@@ -91,7 +92,8 @@ def measure(
             return None
         return str(aliases["policy-bench"]) if "policy-bench" in aliases else None
 
-    times = []
+    times: list[float | None] = []
+    unchanged = 0
     for target in [float(t) for t in args.targets.split(",")]:
         policy = policy_from_dict(
             {
@@ -107,14 +109,23 @@ def measure(
         start = time.perf_counter()
         event_id = runtime.emit_policy_event(policy.event_payload(), policy.resource_id, "bench")
         moved = None
-        while time.perf_counter() - start < 300:
-            current = alias_version()
-            if current is not None and current != before:
-                moved = time.perf_counter() - start
-                break
-            time.sleep(0.25)
+        with SyncPrefectClient(url) as prefect:
+            while time.perf_counter() - start < 300:
+                current = alias_version()
+                if current is not None and current != before:
+                    moved = time.perf_counter() - start
+                    break
+                found = runtime.find_policy_run(event_id, prefect)
+                if found is not None and found.state is not None and found.state.is_final():
+                    if alias_version() != before:  # it moved just before the run ended
+                        moved = time.perf_counter() - start
+                    break  # ended without moving the alias (Unchanged, or a failure)
+                time.sleep(0.25)
         run = runtime.wait_for_policy_run(event_id, 300)
-        times.append(moved)
+        if run.state == "Unchanged":  # the release already serving meets this target too
+            unchanged += 1
+        else:
+            times.append(moved)
         outcome = run.outcome or {}
         phases = _phases(url, run.id, emitted)
         print(
@@ -138,6 +149,7 @@ def measure(
         print(
             f"  time to policy (emit → alias moved): median {median:.1f} s, min {min(rest):.1f} s, "
             f"max {max(rest):.1f} s over {len(rest)} events"
+            + (f"; {unchanged} more ended Unchanged (nothing to move)" if unchanged else "")
         )
         print(f"  retraining at ε* = {args.retrain_target:g} in-process: {retrain_here:.1f} s")
         print(f"  retraining at ε* = {args.retrain_target:g} on the stack: {retrain_stack:.1f} s")

@@ -214,7 +214,7 @@ def time_to_policy() -> list[Row]:
         subprocess.run(
             [sys.executable, str(HERE / "bench_time_to_policy.py"), "--json", out.name],
             check=True,
-            stdout=subprocess.DEVNULL,
+            stdout=sys.stderr,
         )
         result = json.loads(Path(out.name).read_text())
         load = (before, os.getloadavg()[0])

@@ -43,6 +43,7 @@ from dpmerge.studies.frontier import (
     RS,
     FrontierContext,
     MergeMethod,
+    bound_columns,
 )
 from dpmerge.studies.output import StudyFolder, mean_std
 from dpmerge.studies.plots import figure, log_epsilon_axis
@@ -173,17 +174,12 @@ def model_row(
     """The row of a trained model (a retrain): its ε under PLD and RDP, its accuracies (as
     training measured them on the same validation and test splits)."""
     record: MechanismRecord = model.record  # type: ignore[assignment]
-    bound = candidate_bound(record, setup.delta)
     return dict(
         group=group.label,
         seed=group.seed,
         kind=kind,
         target_epsilon=target,
-        epsilon=bound.epsilon,
-        accountant=bound.accountant,
-        epsilon_pld=bound.epsilon_pld,
-        epsilon_rdp=bound.epsilon_rdp,
-        delta=setup.delta,
+        **bound_columns(candidate_bound(record, setup.delta)),
         test_accuracy=model.metrics["test_accuracy"],
         validation_accuracy=model.metrics["validation_accuracy"],
         members=1,

@@ -38,6 +38,18 @@ from dpmerge.studies.plots import figure, log_epsilon_axis
 from dpmerge.vocabulary import GatingBound, Method
 
 
+def bound_columns(bound: PairBound) -> dict[str, Any]:
+    """A study row's privacy columns: the gating ε, the accountant that gave it, both
+    accountants' values and δ (``docs/design.md``, Studies)."""
+    return dict(
+        epsilon=bound.epsilon,
+        accountant=bound.accountant,
+        epsilon_pld=bound.epsilon_pld,
+        epsilon_rdp=bound.epsilon_rdp,
+        delta=bound.delta,
+    )
+
+
 @dataclass(frozen=True)
 class MergeMethod:
     """One merge method of the frontier: ``calibrate(records, method, target, delta,
@@ -133,11 +145,7 @@ class FrontierContext:
         return dict(
             kind=kind,
             target_epsilon=target,
-            epsilon=bound.epsilon,
-            accountant=bound.accountant,
-            epsilon_pld=bound.epsilon_pld,
-            epsilon_rdp=bound.epsilon_rdp,
-            delta=self.delta,
+            **bound_columns(bound),
             test_accuracy=test,
             validation_accuracy=validation,
             drawn_test_accuracy=drawn,
