@@ -94,7 +94,7 @@ class Policy(BaseModel):
         if not _NAME.match(value):
             raise ValueError(
                 "must be 1–63 characters of lower-case letters, digits, '-' or '_', starting "
-                f"with a letter or digit (got {shorten(value)})"
+                "with a letter or digit"
             )
         return value
 

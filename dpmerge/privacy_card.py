@@ -154,7 +154,8 @@ def _ledger_section(ledger: Mapping[str, Any]) -> list[str]:
     if ledger.get("cap") is not None:
         details.append(f"cap ε = {ledger['cap']:g}")
     if ledger.get("releases"):
-        details.append(f"{ledger['releases']} releases")
+        count = ledger["releases"]
+        details.append(f"{count} release" + ("" if count == 1 else "s"))
     lines = [
         "## Release ledger (cumulative)",
         "",

@@ -6,10 +6,10 @@ library's ``dpmerge.policy_merge.apply_policy``; this flow runs its steps as Pre
 Triggered by the event ``dpmerge.policy.updated`` (deployments/prefect.yaml): the whole event
 payload is one parameter, ``payload``, validated here, so every event ends as a run — applied,
 or ``Rejected`` with one line saying why (a missing or extra key, a string or boolean where a
-number belongs, an unknown dataset, an event dated in the future beyond the clock-skew
-allowance). Alias changes are ordered by the server's received time, never the sender's
-(docs/design.md#security). Also called in-process by ``dpmerge policy set|apply`` when no
-Prefect server is configured.
+number belongs, an unknown dataset, an alias another policy owns, an event dated in the future
+beyond the clock-skew allowance). Alias changes are ordered by the server's received time,
+never the sender's (docs/design.md#security). Also called in-process by ``dpmerge policy
+set|apply`` when no Prefect server is configured.
 
 Final states: the state *type* says whether the run worked, its *name* which outcome it
 reached (Prefect emits ``prefect.flow-run.<name>``, which automations can match):
@@ -47,6 +47,7 @@ from dpmerge.errors import InputError
 from dpmerge.policies import Policy, PolicyError, check_registered, policy_from_dict
 from dpmerge.policy_merge import PolicyOutcome, Status
 from dpmerge.registry.catalog import open_catalog
+from dpmerge.registry.errors import AliasOwnershipError
 from flows import policy_runs
 from flows.runtime import load_workflow_secret
 from tasks import policy as steps
@@ -195,5 +196,8 @@ def merge_on_policy(
 
 def _apply(policy: Policy, workspace: pm.Workspace, when: Any) -> State:
     workspace.use_caches()
-    applied = pm.apply_policy(policy, workspace, when, steps=steps.STEPS)
+    try:
+        applied = pm.apply_policy(policy, workspace, when, steps=steps.STEPS)
+    except AliasOwnershipError as error:  # bad input, found before anything is read or changed
+        return _rejected({"name": policy.name}, error)
     return _finish(applied.outcome, applied.card)

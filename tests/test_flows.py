@@ -551,6 +551,25 @@ def test_cli_exit_codes_match_the_outcome(env, trained, capsys) -> None:
     assert capsys.readouterr().out.startswith("policy codes: not promoted — ")
 
 
+def test_another_policys_alias_is_a_rejected_run_and_exit_2(env, trained, capsys) -> None:
+    """Naming an alias another policy owns is bad input: a ``Rejected`` run (exit 2, one line),
+    never a crash, and the owner's alias stays."""
+    from flows.cli import main
+
+    owner = _apply(_policy(name="owner", target_epsilon=_eps(trained)[2] * 1.5).event_payload())
+    model, version = owner.result()["merged_model"], owner.result()["version"]
+    hijack = _policy(name="thief", alias="policy-owner", target_epsilon=_eps(trained)[0] / 2)
+    before = _versions(env)
+    state = _apply(hijack.event_payload())
+    assert state.is_failed() and state.name == "Rejected"
+    assert "belongs to policy 'owner'" in state.message and "\n" not in state.message
+    args = ["policy", "set", "--name", "thief", "--alias", "policy-owner", "--delta", "1e-5"]
+    assert main([*args, "--dataset", "digits", "--target-epsilon", "50"]) == 2
+    out, err = capsys.readouterr()
+    assert "belongs to policy 'owner'" in out + err and "Traceback" not in out + err
+    assert _versions(env) == before and _alias(env, model, "policy-owner") == version
+
+
 def test_emit_needs_a_reachable_server(
     env, trained, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:

@@ -216,7 +216,7 @@ def test_4_an_alias_hijack_is_refused(stack, trained) -> None:
         hijack = _policy(name="evil", alias="policy-eu", target_epsilon=target, method="lc")
         run = _run(stack, _emit(stack, hijack))
         print(f"\nalias hijack (ε* = {target:.3g}): run {run.state}: {run.message}")
-        assert _failed(run, "belongs to policy 'eu'")
+        assert run.state == "Rejected" and "belongs to policy 'eu'" in (run.message or "")
     assert _aliases(stack) == aliases and _release_versions(stack) == versions
 
 
