@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -133,3 +134,15 @@ def test_record_translates_to_the_dp_event():
     assert record.dp_event() == dp_event.SelfComposedDpEvent(
         dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(1.2)), 77
     )
+
+
+def test_orders_dp_accounting_cannot_evaluate_are_infinite_and_quiet(caplog) -> None:
+    """At σ ≈ 0.57, q = 0.1 dp_accounting cannot evaluate the orders just above 1: they stay +∞
+    (ε comes from the other orders, still an upper bound) and no warning per order reaches the
+    user's terminal."""
+    with caplog.at_level(logging.WARNING):
+        curve = rdp_mod.subsampled_gaussian_rdp(0.8 / math.sqrt(2), 0.1, 1)
+    assert not [r for r in caplog.records if r.name == "absl"]
+    assert math.isinf(curve[0]) and np.isfinite(curve).sum() > len(curve) // 2
+    epsilon, order = rdp_mod.epsilon_from_rdp(curve, 1e-5)
+    assert math.isfinite(epsilon) and order > 1.1
