@@ -83,6 +83,15 @@ def describe_validation_error(where: str, error: ValidationError) -> str:
     return f"{where}: " + "; ".join(problems)
 
 
+def _parse_problem(problem: Exception) -> str:
+    """A parser's complaint in one short line: ``line L, column C: what`` where YAML marks it."""
+    if isinstance(problem, yaml.MarkedYAMLError) and problem.problem_mark is not None:
+        mark = problem.problem_mark
+        what = " ".join(p for p in (problem.context, problem.problem) if p)
+        return cut(f"line {mark.line + 1}, column {mark.column + 1}: {what}", 200)
+    return cut(str(problem), 200)
+
+
 def read_item_list(
     path: str | Path,
     key: str,
@@ -106,7 +115,7 @@ def read_item_list(
     except RecursionError:
         raise error(f"{what} file {path} is nested too deeply") from None
     except (ValueError, yaml.YAMLError) as problem:  # JSONDecodeError is a ValueError
-        raise error(f"{what} file {path} is not valid: {cut(str(problem), 200)}") from None
+        raise error(f"{what} file {path} is not valid: {_parse_problem(problem)}") from None
     if not isinstance(document, dict) or not isinstance(document.get(key), list):
         raise error(f"{path}: expected a mapping with a {key!r} list")
     if not document[key]:

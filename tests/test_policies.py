@@ -107,7 +107,9 @@ def test_yaml_duplicate_keys_are_refused_and_exponents_are_numbers(tmp_path):
         "policies:\n  - name: eu\n    target_epsilon: 0.5\n    target_epsilon: 50\n"
         "    target_delta: 1e-5\n    dataset: d\n    model: m\n"
     )
-    with pytest.raises(PolicyError, match="duplicate key 'target_epsilon'") as raised:
+    with pytest.raises(
+        PolicyError, match="line 4, column 5: duplicate key 'target_epsilon'"
+    ) as raised:
         load_policies(path)
     assert "\n" not in str(raised.value)
     path.write_text(
