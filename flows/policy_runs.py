@@ -58,12 +58,12 @@ def lock_name(policy: str) -> str:
 def policy_lock(policy: str) -> Iterator[None]:
     """Hold the policy's one slot for the block (see the module docstring)."""
     name = lock_name(policy)
-    with get_client(sync_client=True) as client:
+    with get_client(sync_client=True) as prefect_api:
         try:
-            client.read_global_concurrency_limit_by_name(name)
+            prefect_api.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:  # create it; two runs may race to, one wins
             with suppress(ObjectAlreadyExists):
-                client.create_global_concurrency_limit(
+                prefect_api.create_global_concurrency_limit(
                     GlobalConcurrencyLimitCreate(name=name, limit=1)
                 )
     with concurrency(name, occupy=1, timeout_seconds=LOCK_TIMEOUT_S, strict=True):
@@ -75,8 +75,8 @@ def later_event(
 ) -> str | None:
     """The event time of a live run of this deployment for ``policy`` whose event is later
     than ``occurred`` (its own run excluded), else ``None``."""
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
+    with get_client(sync_client=True) as prefect_api:
+        runs = prefect_api.read_flow_runs(
             flow_run_filter=FlowRunFilter(
                 deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=LIVE_STATES)),

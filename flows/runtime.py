@@ -134,8 +134,8 @@ def emit_policy_event(
     )
 
     async def send() -> None:
-        async with PrefectEventsClient(api_url=url, checkpoint_every=1) as client:
-            await client.emit(event)
+        async with PrefectEventsClient(api_url=url, checkpoint_every=1) as events:
+            await events.emit(event)
 
     try:
         run_coro_as_sync(send())
@@ -144,7 +144,7 @@ def emit_policy_event(
     return str(event.id)
 
 
-def find_policy_run(event_id: str, client: Any) -> Any | None:
+def find_policy_run(event_id: str, prefect_api: Any) -> Any | None:
     """The ``merge-on-policy`` flow run created for ``event_id`` (its ``event_id`` parameter),
     or ``None`` while the trigger has not created it."""
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
@@ -152,7 +152,7 @@ def find_policy_run(event_id: str, client: Any) -> Any | None:
 
     from flows.merge import FLOW_NAME
 
-    runs = client.read_flow_runs(
+    runs = prefect_api.read_flow_runs(
         flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
         sort=FlowRunSort.EXPECTED_START_TIME_DESC,
         limit=200,
@@ -191,9 +191,9 @@ def wait_for_policy_run(
         raise ServerError("PREFECT_API_URL is not set: no server to ask")
     deadline = time.monotonic() + timeout_s
     run = None
-    with SyncPrefectClient(url) as client:
+    with SyncPrefectClient(url) as prefect_api:
         while time.monotonic() < deadline:
-            run = find_policy_run(event_id, client)
+            run = find_policy_run(event_id, prefect_api)
             if run is not None and run.state is not None and run.state.is_final():
                 break
             time.sleep(poll_s)
@@ -201,7 +201,7 @@ def wait_for_policy_run(
             return PolicyRun(None, None, "no run created in time", None)
         outcome = None
         if run.state is not None and run.state.is_final():
-            artifacts = client.read_artifacts(
+            artifacts = prefect_api.read_artifacts(
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
             )
             for artifact in artifacts:
