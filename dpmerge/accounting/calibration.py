@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dpmerge.accounting.account import check_candidates, check_delta
 from dpmerge.accounting.calibrated import Calibration, MergeUtility
 from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.accounting.generic_search import calibrate_lc_generic
+from dpmerge.accounting.generic_search import calibrate_lc_generic, reachable_range
 from dpmerge.accounting.records import Candidate
 from dpmerge.accounting.rs_calibration import calibrate_rs
 from dpmerge.accounting.structured_search import calibrate_structured
@@ -85,7 +85,7 @@ def calibrate(
             "reaches it",
             target_epsilon=target_epsilon,
             delta=delta,
-            reachable_epsilon_range=(most_private, max(epsilons)),
+            reachable_epsilon_range=reachable_range(candidates, method, delta, epsilons),
         )
     if method == Method.RS:
         return calibrate_rs(candidates, target_epsilon, delta, epsilons, utilities)

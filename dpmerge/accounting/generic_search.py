@@ -208,7 +208,7 @@ def calibrate_lc_generic(
         "members": [candidates[i].name for i in chosen.members],
         "skipped": skipped,
     }
-    reachable = (min(epsilons), _all_candidates_epsilon(candidates, delta, epsilons))
+    reachable = reachable_range(candidates, Method.LC, delta, epsilons)
     base = {
         "method": Method.LC,
         "target_epsilon": target,
@@ -296,7 +296,9 @@ def _mixture(
             [lambda r=r: composed_rdp(r.units) for r in (a, b)],
             delta,
             fine,
-            tuple(u.describe() for r in (a, b) for u in r.units if len(u.members) > 1),
+            tuple(
+                dict.fromkeys(u.describe() for r in (a, b) for u in r.units if len(u.members) > 1)
+            ),
         )
     except UnsupportedError:  # a rung without a PLD (RDP-only label): no interpolation
         return None
@@ -330,6 +332,17 @@ def _mixture(
         (tuned[0][1], tuned[1][1]),
     )
     return mixture, report
+
+
+def reachable_range(
+    candidates: Sequence[Candidate], method: Method, delta: float, epsilons: Sequence[float]
+) -> tuple[float, float]:
+    """The ε a merge of ``candidates`` can have (``epsilons``: each candidate's own): from the
+    most private candidate up to the least private one for RS, up to the joint release of every
+    candidate for LC (docs/design.md#calibration)."""
+    if method == Method.RS:
+        return (min(epsilons), max(epsilons))
+    return (min(epsilons), _all_candidates_epsilon(candidates, delta, epsilons))
 
 
 def _all_candidates_epsilon(

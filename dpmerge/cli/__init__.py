@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
@@ -39,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
+EXIT_BROKEN_PIPE = 141
+"""As a shell reports a command killed by SIGPIPE (128 + 13)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -86,6 +89,9 @@ def main(
     except DPMergeError as error:
         print(f"dpmerge: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # the reader went away (``dpmerge … | head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from dpmerge.accounting.bounds import PrivacyReport, finite_or_none
 from dpmerge.accounting.calibrated import Calibration, infeasible_document
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.generic_search import reachable_range
 from dpmerge.accounting.records import load_candidates
 from dpmerge.cli.common import float_list, positive_float, print_json, probability
 from dpmerge.errors import InfeasibleTargetError, InputError
@@ -76,10 +77,11 @@ def run(args: argparse.Namespace) -> int:
     if args.weights is not None:
         report = account(candidates, args.method, args.weights, args.delta, gating_bound=args.bound)
         epsilons = [candidate_bound(c, args.delta).epsilon for c in candidates]
+        low, high = reachable_range(candidates, args.method, args.delta, epsilons)
         document = report.to_dict()
         document.update(
             feasible=report.gating.available,
-            reachable_epsilon_range=[finite_or_none(min(epsilons)), finite_or_none(max(epsilons))],
+            reachable_epsilon_range=[finite_or_none(low), finite_or_none(high)],
         )
         _emit(args, document, report, None)
         return 0

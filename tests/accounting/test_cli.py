@@ -316,3 +316,55 @@ def test_help_imports_no_heavy_library():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[] True True"
+
+
+def test_reachable_range_is_the_methods_in_every_mode(capsys, tmp_path):
+    """LC's range ends at the joint release of every candidate (a shared-batch pair is one
+    unit), RS's at the least private candidate — the same whether weights are evaluated or a
+    target is calibrated; an interpolated release states each assumption once."""
+    records = (
+        make_record("a", 1.0, steps=100, sample_rate=0.01, batch_lineage="b1"),
+        make_record("b", 1.5, steps=50, sample_rate=0.01, batch_lineage="b1"),
+        make_record("c", 2.0, steps=200, sample_rate=0.05),
+    )
+    path = tmp_path / "shared.json"
+    path.write_text(json.dumps(candidates_to_document(records)))
+    base = ["account", "--candidates", path, "--delta", "1e-5", "--json"]
+
+    def reachable(*argv):
+        code, out, _ = run(capsys, *base, *argv)
+        assert code == 0
+        return json.loads(out)
+
+    evaluated = reachable("--method", "lc", "--weights", "0.3,0.3,0.4")
+    calibrated = reachable("--method", "lc", "--target-epsilon", "1.2")
+    low, high = evaluated["reachable_epsilon_range"]
+    assert [low, high] == calibrated["reachable_epsilon_range"]
+    assert high >= evaluated["epsilon"]  # the all-candidates merge lies inside its own range
+    rs = reachable("--method", "rs", "--weights", "0.3,0.3,0.4")["reachable_epsilon_range"]
+    assert rs[0] == low and rs[1] < high
+    mixed = reachable("--method", "lc", "--target-epsilon", "1.2", "--interpolate")
+    assumptions = mixed["bounds"]["gating"]["assumptions"]
+    assert len(assumptions) == len(set(assumptions))
+
+
+def test_a_closed_pipe_ends_the_command_quietly(candidates_file):
+    """``dpmerge account … --json | head`` where the reader has gone: exit 141, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from dpmerge.cli import main; "
+        f"sys.exit(main(['account', '--candidates', {str(candidates_file)!r}, '--method', 'lc', "
+        "'--weights', '0.25,0.25,0.25,0.25', '--delta', '1e-5', '--json']))"
+    )
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will read: the first write fails with EPIPE
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], stdout=write_end, stderr=subprocess.PIPE, timeout=120
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and b"Traceback" not in done.stderr, done.stderr[-500:]
