@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from factories import make_record
@@ -301,9 +304,6 @@ def test_study_mean_estimation_json(capsys, tmp_path):
 def test_help_imports_no_heavy_library():
     """``dpmerge --help`` lists every command without importing torch, MLflow, Prefect or
     dp_accounting (each takes seconds); a command imports only its own module."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, contextlib, io\n"
         "import flows.cli\n"
@@ -350,10 +350,6 @@ def test_reachable_range_is_the_methods_in_every_mode(capsys, tmp_path):
 
 def test_a_closed_pipe_ends_the_command_quietly(candidates_file):
     """``dpmerge account … --json | head`` where the reader has gone: exit 141, no traceback."""
-    import os
-    import subprocess
-    import sys
-
     script = (
         "import sys; from dpmerge.cli import main; "
         f"sys.exit(main(['account', '--candidates', {str(candidates_file)!r}, '--method', 'lc', "
