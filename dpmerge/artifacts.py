@@ -130,10 +130,6 @@ class ModelDir:
     privacy: dict[str, Any] | None = None
 
     @property
-    def is_merge(self) -> bool:
-        return self.merge is not None
-
-    @property
     def weights_file(self) -> Path:
         return self.path / WEIGHTS_FILE
 

@@ -1,13 +1,12 @@
-"""The project's own objects in S3 (boto3): buckets, checkpoints, exports, audit records.
+"""The project's own objects in S3 (boto3): buckets, the release ledger, audit records.
 
 Two buckets. The **project bucket** (default ``dpmerge``) holds the MLflow artifact store
-(prefix ``mlartifacts/``, written by the MLflow server), checkpoints of long runs
-(``checkpoints/<run>/``) and exports (``exports/``). The **audit bucket** (default
-``dpmerge-audit``) holds access-restricted records such as the secret RS draw
-(docs/design.md#random-selection): it is
-created with public access blocked, default encryption and versioning, and an audit record is
-written at most once (a conditional ``If-None-Match: *`` put), so a release cannot be re-drawn
-by overwriting its record. Nothing from the audit bucket goes to MLflow tags or privacy cards.
+(prefix ``mlartifacts/``, written by the MLflow server) and the release ledger. The **audit
+bucket** (default ``dpmerge-audit``) holds access-restricted records such as the secret RS draw
+(docs/design.md#random-selection): it is created with public access blocked, default encryption
+and versioning, and an audit record is written at most once (a conditional ``If-None-Match: *``
+put), so a release cannot be re-drawn by overwriting its record. Nothing from the audit bucket
+goes to MLflow tags or privacy cards.
 
 Configuration comes from the environment (:meth:`S3Config.from_env`); credentials follow the
 usual AWS chain unless given explicitly (the local stack passes its own). Transient
@@ -26,7 +25,6 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -47,8 +45,6 @@ DEFAULT_BUCKET = "dpmerge"
 DEFAULT_AUDIT_BUCKET = "dpmerge-audit"
 DEFAULT_REGION = "us-east-1"
 MLFLOW_ARTIFACTS_PREFIX = "mlartifacts"
-CHECKPOINTS_PREFIX = "checkpoints"
-EXPORTS_PREFIX = "exports"
 AUDIT_PREFIX = "releases"
 
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -350,50 +346,7 @@ class S3Store:
                 self.client.delete_objects(Bucket=bucket, Delete={"Objects": chunk})
         return len(keys)
 
-    def upload_dir(self, prefix: str, directory: str | Path, *, bucket: str | None = None) -> str:
-        """Upload every file under ``directory`` to ``prefix/<relative path>`` (multipart for
-        large files). Returns the ``s3://`` URI of the prefix."""
-        directory, bucket = Path(directory), bucket or self.config.bucket
-        if not directory.is_dir():
-            raise StorageError(f"not a directory: {directory}")
-        prefix = prefix.strip("/")
-        for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-            key = f"{prefix}/{path.relative_to(directory).as_posix()}"
-            with self._errors("uploading", bucket, key):
-                self.client.upload_file(str(path), bucket, key)
-        return f"s3://{bucket}/{prefix}"
-
-    def download_dir(
-        self, prefix: str, directory: str | Path, *, bucket: str | None = None
-    ) -> Path:
-        """Download every key under ``prefix/`` into ``directory`` (the inverse of
-        :meth:`upload_dir`)."""
-        directory, bucket = Path(directory), bucket or self.config.bucket
-        prefix = prefix.strip("/") + "/"
-        keys = self.list_keys(prefix, bucket=bucket)
-        if not keys:
-            raise ObjectNotFoundError(f"nothing stored under s3://{bucket}/{prefix}")
-        for key in keys:
-            target = directory / key[len(prefix) :]
-            if not target.resolve().is_relative_to(directory.resolve()):
-                raise StorageError(f"refusing key {key!r}: it escapes {directory}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with self._errors("downloading", bucket, key):
-                self.client.download_file(bucket, key, str(target))
-        return directory
-
     # --- project objects -----------------------------------------------------------------
-
-    def save_checkpoint(self, run_id: str, directory: str | Path) -> str:
-        """Upload a checkpoint directory of a long run to ``checkpoints/<run_id>/``."""
-        return self.upload_dir(f"{CHECKPOINTS_PREFIX}/{_segment(run_id)}", directory)
-
-    def load_checkpoint(self, run_id: str, directory: str | Path) -> Path:
-        return self.download_dir(f"{CHECKPOINTS_PREFIX}/{_segment(run_id)}", directory)
-
-    def export_dir(self, name: str, directory: str | Path) -> str:
-        """Upload a directory (a released model, a report) to ``exports/<name>/``."""
-        return self.upload_dir(f"{EXPORTS_PREFIX}/{_segment(name)}", directory)
 
     def write_audit_record(self, release_id: str, record: Mapping[str, Any]) -> str:
         """Store an access-restricted audit record (e.g. the RS draw) for one release in the

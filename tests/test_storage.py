@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import boto3
 import pytest
@@ -15,7 +14,6 @@ from botocore.stub import Stubber
 from devstack import free_ports
 from dpmerge.errors import is_transient
 from dpmerge.storage import (
-    CHECKPOINTS_PREFIX,
     ObjectChangedError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -168,23 +166,6 @@ def test_objects_round_trip(s3_store: S3Store) -> None:
     assert s3_store.get_bytes("exports/t2") == b"1"
     with pytest.raises(ObjectNotFoundError, match="NoSuchBucket"):
         s3_store.get_bytes("k", bucket="no-such-bucket")
-
-
-@pytest.mark.integration
-def test_checkpoint_directory_round_trip(s3_store: S3Store, tmp_path: Path) -> None:
-    source = tmp_path / "ckpt"
-    (source / "sub").mkdir(parents=True)
-    (source / "state.pt").write_bytes(b"weights" * 1000)
-    (source / "sub" / "meta.json").write_text("{}")
-    uri = s3_store.save_checkpoint("run-42", source)
-    assert uri.endswith(f"{CHECKPOINTS_PREFIX}/run-42")
-    target = s3_store.load_checkpoint("run-42", tmp_path / "restored")
-    assert (target / "state.pt").read_bytes() == b"weights" * 1000
-    assert (target / "sub" / "meta.json").read_text() == "{}"
-    with pytest.raises(ObjectNotFoundError, match="nothing stored"):
-        s3_store.load_checkpoint("run-none", tmp_path / "none")
-    with pytest.raises(StorageError, match="invalid key segment"):
-        s3_store.save_checkpoint("../escape", source)
 
 
 @pytest.mark.integration
