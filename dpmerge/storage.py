@@ -334,18 +334,6 @@ class S3Store:
         with self._errors("deleting", bucket, key):
             self.client.delete_object(Bucket=bucket, Key=key)
 
-    def delete_prefix(self, prefix: str, *, bucket: str | None = None) -> int:
-        """Delete every key under ``prefix`` (which must be non-empty); returns the count."""
-        if not prefix.strip("/"):
-            raise StorageError("refusing to delete a whole bucket: give a non-empty prefix")
-        bucket = bucket or self.config.bucket
-        keys = self.list_keys(prefix, bucket=bucket)
-        with self._errors("deleting under", bucket, prefix):
-            for start in range(0, len(keys), 1000):
-                chunk = [{"Key": k} for k in keys[start : start + 1000]]
-                self.client.delete_objects(Bucket=bucket, Delete={"Objects": chunk})
-        return len(keys)
-
     # --- project objects -----------------------------------------------------------------
 
     def write_audit_record(self, release_id: str, record: Mapping[str, Any]) -> str:

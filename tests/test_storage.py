@@ -156,10 +156,8 @@ def test_objects_round_trip(s3_store: S3Store) -> None:
     s3_store.delete("exports/t1/raw.bin")
     with pytest.raises(ObjectNotFoundError):
         s3_store.get_bytes("exports/t1/raw.bin")
-    assert s3_store.delete_prefix("exports/t1") == 1
+    s3_store.delete("exports/t1/doc.json")
     assert s3_store.list_keys("exports/t1/") == []
-    with pytest.raises(StorageError, match="non-empty prefix"):
-        s3_store.delete_prefix("/")
     s3_store.put_bytes("exports/t2", b"1")
     with pytest.raises(ObjectExistsError):
         s3_store.put_bytes("exports/t2", b"2", if_absent=True)
