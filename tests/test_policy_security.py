@@ -29,6 +29,7 @@ from dpmerge.data import load_dataset
 from dpmerge.errors import RefusalError
 from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.policy_merge import draws
+from dpmerge.policy_merge import release as release_step
 from dpmerge.registry import (
     AliasOwnershipError,
     RecordIntegrityError,
@@ -329,19 +330,37 @@ def outcome_hash(ws: pm.Workspace, outcome: Any) -> str:
     )
 
 
-def test_concurrent_runs_of_one_rs_release_draw_once_and_register_once(
+def test_concurrent_runs_of_one_rs_release_use_one_draw_and_register_once(
     fresh: pm.Workspace, trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two policies whose calibration gives the same RS merge, applied at once: one draw, one
-    version, both served by it."""
-    drawn = _count_draws(monkeypatch)
+    """Two policies whose calibration gives the same RS merge, applied at once. The race is
+    forced: each run draws before either stores (the draw waits for the other run's draw), so
+    both find no stored draw, and the two draws differ. One record is stored first; the other
+    run's draw is discarded unused — one version, built from the stored index, serves both."""
+    drawn: list[int] = []
+    both_drawn = threading.Barrier(2, timeout=120)
+
+    def racing(probabilities: Any) -> int:
+        assert len(probabilities) >= 2
+        drawn.append(len(drawn))  # the two runs draw different candidates: 0, then 1
+        index = drawn[-1]
+        both_drawn.wait()
+        return index
+
+    used: list[int] = []
+    real_stored = release_step.stored_draw
+
+    def recorded(*args: Any) -> int:
+        used.append(real_stored(*args))
+        return used[-1]
+
     target = trained["epsilons"][1] * 1.05
     _apply(fresh, _policy(name="warm", target_epsilon=target, method="lc"))  # export warmed
-    start = threading.Barrier(2)
+    monkeypatch.setattr(draws, "draw_index", racing)
+    monkeypatch.setattr(release_step, "stored_draw", recorded)
     results: dict[str, Any] = {}
 
     def run(name: str) -> None:
-        start.wait()
         results[name] = _apply(fresh, _policy(name=name, target_epsilon=target, method="rs"))
 
     threads = [threading.Thread(target=run, args=(n,)) for n in ("one", "two")]
@@ -349,12 +368,14 @@ def test_concurrent_runs_of_one_rs_release_draw_once_and_register_once(
         thread.start()
     for thread in threads:
         thread.join()
-    assert {r.status for r in results.values()} == {pm.Status.PROMOTED}
-    assert results["one"].version == results["two"].version and len(drawn) == 1
-    ready = [
-        v for v in _versions(fresh, results["one"].merged_model) if v.tags["dp.status"] == "ready"
-    ]
-    assert len(ready) == 2  # the warm-up LC release and the one RS release
+    assert {r.status for r in results.values()} == {pm.Status.PROMOTED} and len(drawn) == 2
+    assert results["one"].version == results["two"].version
+    versions = _versions(fresh, results["one"].merged_model)
+    assert len([v for v in versions if v.tags["dp.status"] == "ready"]) == 2  # LC warm-up + RS
+    audit = list((fresh.home / "audit").glob("*.json"))
+    assert [a.name for a in audit] == [f"{outcome_hash(fresh, results['one'])}.json"]
+    stored = json.loads(audit[0].read_text())["drawn_index"]
+    assert stored in drawn and used == [stored, stored]  # both merges used the stored draw
 
 
 def test_a_cap_refusal_merges_draws_and_registers_nothing(
