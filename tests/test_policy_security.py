@@ -338,12 +338,14 @@ def test_concurrent_runs_of_one_rs_release_use_one_draw_and_register_once(
     both find no stored draw, and the two draws differ. One record is stored first; the other
     run's draw is discarded unused — one version, built from the stored index, serves both."""
     drawn: list[int] = []
+    drawing = threading.Lock()
     both_drawn = threading.Barrier(2, timeout=120)
 
     def racing(probabilities: Any) -> int:
         assert len(probabilities) >= 2
-        drawn.append(len(drawn))  # the two runs draw different candidates: 0, then 1
-        index = drawn[-1]
+        with drawing:  # the two runs draw different candidates: 0, then 1
+            index = len(drawn)
+            drawn.append(index)
         both_drawn.wait()
         return index
 
@@ -368,7 +370,7 @@ def test_concurrent_runs_of_one_rs_release_use_one_draw_and_register_once(
         thread.start()
     for thread in threads:
         thread.join()
-    assert {r.status for r in results.values()} == {pm.Status.PROMOTED} and len(drawn) == 2
+    assert {r.status for r in results.values()} == {pm.Status.PROMOTED} and drawn == [0, 1]
     assert results["one"].version == results["two"].version
     versions = _versions(fresh, results["one"].merged_model)
     assert len([v for v in versions if v.tags["dp.status"] == "ready"]) == 2  # LC warm-up + RS
