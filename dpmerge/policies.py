@@ -4,8 +4,8 @@ A policy names a dataset and model family, a target (ε*, δ*), how to merge (``
 and LC and keeps the better validation accuracy), which LC bound gates promotion (``generic``
 by default, docs/design.md#generic-bound; ``structured`` is the paper's analysis, opt-in,
 docs/design.md#structured-bound), the accuracy
-floor, the registry alias it owns, and what happens when the target is infeasible (``revoke``
-the alias by default: a model that violates the current policy is not left serving).
+floor, the registry alias it owns, and what happens when no release meets it (``revoke`` the
+alias by default: a model that violates the current policy is not left serving).
 
 Validation is strict: a bad policy is rejected with a message naming the field, and nothing is
 changed (no event, no run).
@@ -32,7 +32,7 @@ from pydantic import (
 from dpmerge.documents import describe_validation_error, load_yaml, read_item_list, shorten
 from dpmerge.errors import InputError
 from dpmerge.publication import dataset_name
-from dpmerge.vocabulary import GatingBound, OnInfeasible, PolicyMethod
+from dpmerge.vocabulary import GatingBound, OnNoncompliant, PolicyMethod
 
 if TYPE_CHECKING:
     from dpmerge.registry.catalog import Inventory
@@ -77,8 +77,10 @@ class Policy(BaseModel):
     alias: StrictStr | None = Field(
         default=None, description="registry alias the policy moves (default policy-<name>)"
     )
-    on_infeasible: OnInfeasible = Field(
-        default=OnInfeasible.REVOKE, description="what happens to the alias if ε* is unreachable"
+    on_noncompliant: OnNoncompliant = Field(
+        default=OnNoncompliant.REVOKE,
+        description="what happens to the alias when no release meets the policy (revoke: "
+        "serve nothing; keep: keep the old model, flagged non-compliant)",
     )
     cumulative_epsilon_cap: StrictFloat | None = Field(
         default=None,

@@ -78,13 +78,44 @@ class PolicyMethod(StrEnum):
     LC = "lc"
 
 
-class OnInfeasible(StrEnum):
-    """What a policy does with its alias when its target is infeasible (docs/design.md#policies):
-    ``revoke`` (default: a model that violates the current policy is not left serving) or
-    ``keep``."""
+class OnNoncompliant(StrEnum):
+    """What a policy does with its alias when a run cannot serve a release that meets the
+    policy's current version and the release it serves does not meet it either — an infeasible
+    target, a failed gate, the ledger cap (docs/design.md#release-state): ``revoke`` (default:
+    a model that violates the current policy is not left serving) or ``keep`` (flagged
+    non-compliant on the card, in ``registry ls`` and in the run's state)."""
 
     REVOKE = "revoke"
     KEEP = "keep"
+
+
+class ServingState(StrEnum):
+    """What a policy's alias serves (docs/design.md#release-state)."""
+
+    UNSET = "unset"
+    """Claimed by its policy, never pointed at a release."""
+    SERVING = "serving"
+    """Serves a release that met the policy version that set it."""
+    NONCOMPLIANT = "noncompliant"
+    """Serves a release that does not meet the policy's current version, kept because the
+    policy says ``on_noncompliant: keep`` (shown red everywhere)."""
+    REVOKED = "revoked"
+    """Serves nothing: the policy's current version could not be met."""
+
+
+class FindingKind(StrEnum):
+    """A disagreement ``dpmerge registry verify`` finds between MLflow and the release-state
+    store or the signatures (docs/design.md#release-state)."""
+
+    STATE_UNREADABLE = "state_unreadable"
+    LEDGER_LACKS_RELEASE = "ledger_lacks_release"
+    ALIAS_DRIFT = "alias_drift"
+    UNMANAGED_ALIAS = "unmanaged_alias"
+    SERVED_UNCOUNTED = "served_uncounted"
+    RELEASE_UNSIGNED = "release_unsigned"
+    CARD_MISMATCH = "card_mismatch"
+    NONCOMPLIANT = "noncompliant"
+    QUARANTINE_DRIFT = "quarantine_drift"
 
 
 class BoundKind(StrEnum):
@@ -166,3 +197,9 @@ class KeyPurpose(StrEnum):
     """Published noise and batch lineages and run ids: keyed hashes, so no seed shows."""
     KEY_ID = "key-id/v1"
     """A short public identifier of the key itself (which key signed a record)."""
+    RELEASE_SIGNATURE = "release-signature/v1"
+    """HMAC over a merged version's facts (release hash, ε, δ, bound, accuracy, …): a tag
+    changed after registration, or a version planted by someone without the key, fails."""
+    STATE_DOCUMENT = "state-document/v1"
+    """HMAC over a release-state document a gate trusts (the ledger, owners, serving
+    pointers): a change made outside the workflow fails closed (docs/design.md#release-state)."""

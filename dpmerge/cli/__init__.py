@@ -34,7 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("dpmerge.cli.models", "evaluate a model directory on a split"),
     "candidates": ("dpmerge.cli.models", "print the candidates file of candidate directories"),
     "registry": ("dpmerge.cli.registry", "the MLflow model registry"),
-    "ledger": ("dpmerge.cli.ledger", "the release ledger (rebuild it from the registry)"),
+    "ledger": ("dpmerge.cli.ledger", "the release ledger (add back what a rollback lost)"),
+    "state": ("dpmerge.cli.ledger", "the release-state store (restore a damaged document)"),
 }
 """Command name → (module defining it, one-line help)."""
 

@@ -1,6 +1,8 @@
 """``dpmerge registry ls|show``: candidates and merged releases with their privacy, policy,
-target and aliases; one version's privacy card. ``quarantine`` and ``sign``: the repairs for a
-candidate whose record fails verification (docs/design.md#security).
+target, aliases and what each alias serves now; one version's privacy card, or what a revoked
+alias was revoked by. ``quarantine``: take a version out of use (recorded in the release-state
+store, docs/design.md#release-state). ``verify``: compare MLflow with the release-state store
+and the signatures, and with ``--repair`` repair what is safe to repair.
 
 Read-only and quick: the registry is found as every command finds it (:mod:`dpmerge.locate`:
 ``--tracking-uri``, ``$MLFLOW_TRACKING_URI``, a running local stack, the embedded state) and
@@ -14,7 +16,7 @@ import argparse
 import json
 import re
 import sys
-import tempfile
+from typing import Any
 
 from dpmerge.errors import InputError
 from dpmerge.formatting import epsilon_text, number_text
@@ -71,27 +73,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "quarantine",
         help="take a version out of use (never merged, reused or promoted again)",
         description=(
-            "Mark a candidate or merged version dp.status=quarantined: for a candidate whose "
-            "record fails verification (changed after registration) or was trained with fixed "
-            "seeds. Policy merges then run without it."
+            "Record in the release-state store that a candidate or merged version is out of "
+            "use — for a candidate whose record fails verification (changed after "
+            "registration, unsigned) or was trained with fixed seeds — and tag it "
+            "dp.status=quarantined in MLflow (a projection: the store decides). Policy merges "
+            "then run without it; the repair for a bad candidate is to retrain it."
         ),
     )
-    sign = actions.add_parser(
-        "sign",
-        help="re-sign a candidate whose record matches its run's params (key change, old version)",
-        description=(
-            "Re-sign a candidate registered before record signing or under another key, after "
-            "checking its files against dp.content_hash and its record against the params its "
-            "run logged at registration (MLflow never changes a logged param)."
-        ),
-    )
-    for sub in (quarantine, sign):
-        sub.add_argument("model", help="registered model name")
-        sub.add_argument("version", type=_version, help="version number")
+    quarantine.add_argument("model", help="registered model name")
+    quarantine.add_argument("version", type=_version, help="version number")
     quarantine.add_argument("--reason", default="quarantined by an operator", help="recorded")
     quarantine.set_defaults(handler=_quarantine)
-    sign.set_defaults(handler=_sign)
-    for sub in (ls, show, quarantine, sign):
+    verify = actions.add_parser(
+        "verify",
+        help="compare MLflow with the release-state store and the signatures (drift)",
+        description=(
+            "One line per finding — an alias not where its serving pointer says, an alias no "
+            "policy owns, a served release whose card or signature does not match, a served "
+            "release the ledger lacks, a release that no longer meets its policy — and exit 1 "
+            "if there is any (0 when everything agrees). --repair moves aliases back, removes "
+            "unmanaged ones, counts unwitnessed releases and re-tags quarantined versions."
+        ),
+    )
+    verify.add_argument("--repair", action="store_true", help="repair what is safe to repair")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.set_defaults(handler=_verify)
+    for sub in (ls, show, quarantine, verify):
         sub.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
 
 
@@ -101,26 +108,44 @@ def _version(text: str) -> str:
     return str(int(text))
 
 
-def _registry(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """The writable registry where every command finds it (imports MLflow: repairs only)."""
-    from dpmerge.registry import Registry
+def _workspace(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The registry where every command finds it, with its release-state store."""
+    from dpmerge.policy_merge import Workspace
 
-    return Registry(locate_registry(args.tracking_uri).tracking_uri)
+    return Workspace.of_registry(locate_registry(args.tracking_uri).tracking_uri)
 
 
 def _quarantine(args: argparse.Namespace) -> int:
-    _registry(args).quarantine(args.model, args.version, args.reason)
-    print(f"{args.model} v{args.version} quarantined: it is never merged or promoted again")
+    from dpmerge.state.quarantine import quarantine
+
+    workspace = _workspace(args)
+    registry = workspace.registry()
+    registry.get_version(args.model, args.version)  # it must exist
+    record = quarantine(workspace.state(), args.model, args.version, args.reason)
+    registry.quarantine(args.model, args.version, record.reason)
+    print(
+        f"{args.model} v{args.version} quarantined (recorded in {workspace.state().where}): it "
+        "is never merged, reused or promoted again"
+    )
     return 0
 
 
-def _sign(args: argparse.Namespace) -> int:
-    registry = _registry(args)
-    with tempfile.TemporaryDirectory(prefix="dpmerge-sign-") as scratch:
-        path = registry.download_candidate(args.model, args.version, scratch)
-        registry.sign(args.model, args.version, path)
-    print(f"{args.model} v{args.version} signed with key {registry.keys.key_id}")
-    return 0
+def _verify(args: argparse.Namespace) -> int:
+    from dpmerge.policy_merge.verify import verify
+
+    workspace = _workspace(args)
+    findings = verify(workspace, repair=args.repair)
+    where = {"registry": workspace.tracking_uri, "state": workspace.state().where}
+    if args.json:
+        print(json.dumps({**where, "findings": [f.to_dict() for f in findings]}, indent=2))
+    else:
+        for finding in findings:
+            print(finding.line())
+        print(
+            f"{len(findings)} finding(s); registry {where['registry']}, state {where['state']}"
+            + ("" if workspace.workflow_key() else " (signatures not checked: no workflow key)")
+        )
+    return 1 if findings else 0
 
 
 def _catalog(args: argparse.Namespace) -> Catalog:
@@ -128,17 +153,35 @@ def _catalog(args: argparse.Namespace) -> Catalog:
     return open_catalog(located.tracking_uri)
 
 
+def _aliases(args: argparse.Namespace) -> list[Any]:
+    """The serving pointers of the registry's release-state store (none when it has none)."""
+    from dpmerge.state.serving import every_alias
+
+    return every_alias(_workspace(args).state())
+
+
+def _serves(alias: Any) -> str:
+    flag = "NON-COMPLIANT " if alias.state == "noncompliant" else ""
+    return f"{flag}{alias.alias} ({alias.owner} v{alias.policy_version})"
+
+
 def _list(args: argparse.Namespace) -> int:
     catalog = _catalog(args)
     rows = catalog.rows(args.name, internal=args.internal)
+    serving: dict[tuple[str, str], list[str]] = {}
+    for alias in _aliases(args):
+        if alias.serving is not None:
+            serving.setdefault((alias.model, alias.serving), []).append(_serves(alias))
     if args.json:
-        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        documents = [{**r.to_dict(), "serves": serving.get((r.name, r.version), [])} for r in rows]
+        print(json.dumps({"registry": catalog.tracking_uri, "versions": documents}, indent=2))
         return 0
     if not rows:
         print(f"no dpmerge versions registered at {catalog.tracking_uri}")
         return 0
     header = ("model", "ver", "role", "status", "ε (accountant, δ)", "bound", "policy", "ε*")
-    table = [(*header, "acc", "aliases"), *(_row(r) for r in rows)]
+    table = [(*header, "acc", "serves (policy version)")]
+    table += [(*_row(r), "; ".join(serving.get((r.name, r.version), [])) or "—") for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     print(f"registry: {catalog.tracking_uri}")
     for line in table:
@@ -163,7 +206,6 @@ def _row(r: VersionSummary) -> tuple[str, ...]:
         r.policy or "—",
         f"{r.target_epsilon:g}" if r.target_epsilon is not None else "—",
         number_text(r.accuracy) if r.accuracy is not None else "—",
-        ",".join(r.aliases) or "—",
     )
 
 
@@ -171,15 +213,58 @@ def _show(args: argparse.Namespace) -> int:
     match = _REFERENCE.match(args.reference)
     if match is None:
         raise InputError(f"expected NAME, NAME@ALIAS or NAME/VERSION, got {args.reference[:80]!r}")
-    detail = _catalog(args).detail(match["name"], match["version"], match["alias"] or match["only"])
+    alias = match["alias"] or match["only"]
+    pointers = [a for a in _aliases(args) if alias is not None and a.alias == alias]
+    if match["name"]:
+        pointers = [a for a in pointers if a.model == match["name"]]
+    pointer = pointers[0] if len(pointers) == 1 else None
+    if pointer is not None and pointer.serving is None:
+        return _not_serving(pointer, args.json)
+    detail = _catalog(args).detail(match["name"], match["version"], alias)
     if args.json:
-        print(json.dumps(detail.to_dict(), indent=2))
+        document = detail.to_dict()
+        document["serving_pointer"] = pointer.to_dict() if pointer else None
+        print(json.dumps(document, indent=2, ensure_ascii=False))
         return 0
     tags = detail.stored.tags
     aliases = ", ".join(detail.aliases) or "none"
     sys.stdout.write(
         f"{detail.stored.name} v{detail.stored.version} — {tags.get('dp.role', '?')}, "
-        f"{tags.get('dp.status', '?')}; aliases: {aliases}\n\n"
+        f"{tags.get('dp.status', '?')}; aliases: {aliases}\n"
     )
+    if pointer is not None:
+        state = "NON-COMPLIANT (kept by its policy)" if pointer.state == "noncompliant" else ""
+        print(
+            f"{pointer.alias}: serves v{pointer.serving} for policy {pointer.owner} "
+            f"v{pointer.policy_version} since {pointer.since} {state}".rstrip()
+        )
+        if pointer.serving != detail.stored.version:
+            print(
+                f"WARNING: MLflow's alias names v{detail.stored.version}, but the serving "
+                f"pointer says v{pointer.serving}: `dpmerge registry verify --repair` moves it back"
+            )
+    print()
     print(detail.description or "(no description)")
+    return 0
+
+
+def _not_serving(pointer: Any, as_json: bool) -> int:
+    """An alias that serves nothing: by which policy version, run, when and why."""
+    if as_json:
+        print(json.dumps({"serving_pointer": pointer.to_dict()}, indent=2, ensure_ascii=False))
+        return 0
+    if pointer.state == "unset":
+        print(f"{pointer.model}@{pointer.alias}: claimed by policy {pointer.owner}, never served")
+        return 0
+    print(
+        f"{pointer.model}@{pointer.alias}: {pointer.state.upper()} by policy {pointer.owner} "
+        f"v{pointer.policy_version} (run {pointer.run or 'in-process'}) at {pointer.since}"
+    )
+    print(f"  why: {pointer.reason or '(not recorded)'}")
+    previous = [h for h in pointer.history if h.get("version")]
+    if previous:
+        last = previous[-1]
+        print(
+            f"  served before: v{last['version']} (set by policy version {last['policy_version']})"
+        )
     return 0

@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from dpmerge.artifacts import WEIGHTS_FILE
-from dpmerge.errors import InfeasibleTargetError
+from dpmerge.errors import InfeasibleTargetError, InputError
 from dpmerge.evaluation import expected_accuracy
 from dpmerge.formatting import epsilon_text, number_text, within_text
 from dpmerge.merging import linear_combination
@@ -29,12 +29,15 @@ from dpmerge.policy_merge.candidates import (
     refuse_fixed_seeds,
 )
 from dpmerge.policy_merge.evaluation_data import EvaluationData, load_evaluation_data
-from dpmerge.policy_merge.promotion import find_release
+from dpmerge.policy_merge.ledger import ledger_entry, ledger_summary
+from dpmerge.policy_merge.promotion import find_release, unmet
 from dpmerge.policy_merge.release import evaluation_metrics, merge_request
-from dpmerge.policy_merge.release_ledger import LedgerEntry, ledger_release, ledger_summary
 from dpmerge.policy_merge.workspace import Workspace, remove_tree
 from dpmerge.registry import RegisteredCandidate
-from dpmerge.vocabulary import Method
+from dpmerge.state import CountedRelease
+from dpmerge.state.policies import PolicyVersion
+from dpmerge.state.serving import read_state
+from dpmerge.vocabulary import Method, OnNoncompliant
 
 
 class Verdict(StrEnum):
@@ -122,12 +125,14 @@ class DryRun:
         return line + (f"; gates: {'; '.join(failing)}" if failing else "; every gate passes")
 
 
-def dry_run(policy: Policy, workspace: Workspace) -> DryRun:
-    """What :func:`~dpmerge.policy_merge.apply_policy` would release for ``policy`` now."""
+def dry_run(version: PolicyVersion, workspace: Workspace) -> DryRun:
+    """What :func:`~dpmerge.policy_merge.apply_policy` would release for policy ``version``
+    (a version not stored yet: what storing it would do) now."""
+    policy = version.policy
     registry = workspace.registry()
-    pool = find_candidates(registry, policy.dataset, policy.model)
-    exists = registry.model_exists(pool.merged_model)
-    alias_now = registry.aliases(pool.merged_model).get(str(policy.alias)) if exists else None
+    pool = find_candidates(registry, policy.dataset, policy.model, workspace.state())
+    alias = read_state(workspace.state(), pool.dataset).alias(pool.merged_model, str(policy.alias))
+    alias_now = alias.serving if alias else None
     base = dict(
         policy=policy.name,
         alias=str(policy.alias),
@@ -149,12 +154,7 @@ def dry_run(policy: Policy, workspace: Workspace) -> DryRun:
         try:
             plan = calibrate_policy(policy, candidates, data)
         except InfeasibleTargetError as error:
-            action = (
-                f"alias {policy.alias!r} would be removed (now v{alias_now})"
-                if alias_now and policy.on_infeasible == "revoke"
-                else f"alias {policy.alias!r} would stay"
-                + (f" on v{alias_now}" if alias_now else " unset")
-            )
+            action = _unmet_action(policy, alias)
             low, high = error.reachable_epsilon_range
             return DryRun(
                 verdict=Verdict.INFEASIBLE,
@@ -162,13 +162,26 @@ def dry_run(policy: Policy, workspace: Workspace) -> DryRun:
                 reasons=(str(error), action),
                 **base,
             )
-        return _planned(policy, workspace, pool, candidates, data, plan, base)
+        return _planned(version, workspace, pool, candidates, data, plan, base)
     finally:
         remove_tree(scratch)
 
 
+def _unmet_action(policy: Policy, alias: Any) -> str:
+    """What a run that serves nothing new would do to the alias (the serving invariant)."""
+    serving = alias.serving if alias else None
+    if serving is None:
+        return f"alias {policy.alias!r} would serve nothing"
+    failing = unmet(alias.guarantee, policy)
+    if not failing:
+        return f"alias {policy.alias!r} would keep v{serving}, which meets the policy"
+    if policy.on_noncompliant == OnNoncompliant.KEEP:
+        return f"alias {policy.alias!r} would KEEP v{serving}, flagged non-compliant"
+    return f"alias {policy.alias!r} would be revoked (v{serving}: {'; '.join(failing)})"
+
+
 def _planned(
-    policy: Policy,
+    version: PolicyVersion,
     workspace: Workspace,
     pool: CandidatePool,
     candidates: list[RegisteredCandidate],
@@ -176,16 +189,21 @@ def _planned(
     plan: PolicyPlan,
     base: dict[str, Any],
 ) -> DryRun:
+    policy = version.policy
     calibration, report = plan.calibration, plan.calibration.report
     weights = tuple(float(w) for w in calibration.weights or ())
     validation, test = _accuracies(candidates, weights, plan.method, data)
     request = merge_request(policy, pool, candidates, plan)
-    existing = find_release(workspace.registry(), request)
+    existing = find_release(workspace, request)
+    keys = workspace.workflow_key()
+    if keys is None:
+        raise InputError("a dry run needs the workflow's key (it verifies the candidates)")
+    entry = ledger_entry(request, candidates, plan, version, keys)
     gates = [
         Gate("epsilon", report.epsilon <= policy.target_epsilon, "ε within the target"),
         Gate("delta", report.delta <= policy.target_delta, "δ within the target"),
         _accuracy_gate(policy, candidates, weights, plan.method, data, test),
-        _ledger_gate(policy, workspace, ledger_release(request, candidates, plan)),
+        _ledger_gate(policy, workspace, entry),
     ]
     if any(g.passes is False for g in gates):
         verdict = Verdict.WOULD_NOT_PROMOTE
@@ -270,13 +288,13 @@ def _accuracy_gate(
     )
 
 
-def _ledger_gate(policy: Policy, workspace: Workspace, entry: LedgerEntry) -> Gate:
+def _ledger_gate(policy: Policy, workspace: Workspace, entry: CountedRelease) -> Gate:
     """The ledger's cap, read only (checked as a promotion checks it; nothing is written)."""
     cap = policy.cumulative_epsilon_cap
-    summary, refusal = ledger_summary(workspace, entry, policy.target_delta, cap)
-    if refusal is not None:
-        return Gate("ledger", False, refusal)
-    shown = f"cumulative ε = {epsilon_text(summary['epsilon'])}" + (
+    summary = ledger_summary(workspace, entry, cap)
+    if summary.refusal is not None:
+        return Gate("ledger", False, summary.refusal)
+    shown = f"cumulative ε = {epsilon_text(summary.epsilon)}" + (
         f" ≤ cap {cap:g}" if cap is not None else " (no cap)"
     )
     return Gate("ledger", True, shown)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import requests
 
-from dpmerge.errors import DPMergeError, InputError, IntegrityError, TransientError
+from dpmerge.errors import DPMergeError, IntegrityError, TransientError
 
 TEMPORARY_HTTP_STATUS = frozenset({429, 503, 504})
 """HTTP statuses of a temporary failure. MLflow maps its error codes onto them:
@@ -36,10 +36,6 @@ class RegistryError(DPMergeError):
 class RegistryUnavailableError(RegistryError, TransientError):
     """The tracking server or its database failed temporarily (unreachable, timed out, 429,
     503, 504, a locked sqlite database): worth retrying."""
-
-
-class AliasOwnershipError(RegistryError, InputError):
-    """A policy named an alias that another policy owns (docs/design.md#security)."""
 
 
 class RecordIntegrityError(RegistryError, IntegrityError):

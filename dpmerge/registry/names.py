@@ -69,6 +69,14 @@ def _dir_hash(path: Path, files: Sequence[str]) -> str:
     return digest.hexdigest()
 
 
+def card_digest(description: str, card: Any) -> str:
+    """The digest a merged version's signature covers of its privacy card: the Markdown shown
+    as the version's description and the card's JSON (an edited card no longer matches)."""
+    digest = hashlib.sha256(description.encode())
+    digest.update(b"\0" + _canonical(card))
+    return digest.hexdigest()
+
+
 def candidate_content_hash(path: str | Path) -> str:
     """Identity of a candidate directory: its weights, architecture and record files."""
     return _dir_hash(Path(path), (WEIGHTS_FILE, MODEL_FILE, RECORD_FILE))

@@ -6,28 +6,31 @@ checked against their content hash and their signature). Every search goes throu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import mlflow
 
 from dpmerge.artifacts import ModelDir, load_model_dir
 from dpmerge.keys import WorkflowKey
-from dpmerge.publication import signature_ok
+from dpmerge.publication import release_signature_ok, signature_ok
 from dpmerge.registry.catalog import summaries
 from dpmerge.registry.connection import EXTRA_DIR, MlflowConnection
 from dpmerge.registry.errors import RecordIntegrityError, RegistryError
 from dpmerge.registry.filters import search_filter
 from dpmerge.registry.names import candidate_content_hash, slug
 from dpmerge.registry.tags import (
-    ALIAS_OWNER_TAG,
-    RELEASED_TAG,
     ROLE_CANDIDATE,
     ROLE_MERGED,
     SIGNATURE_TAG,
     STATUS_READY,
 )
-from dpmerge.registry.versions import RegisteredCandidate, StoredVersion, VersionSummary
+from dpmerge.registry.versions import (
+    RegisteredCandidate,
+    StoredVersion,
+    VersionSummary,
+    release_fact_tags,
+)
 
 
 class RegistryQueries(MlflowConnection):
@@ -62,33 +65,41 @@ class RegistryQueries(MlflowConnection):
     def model_exists(self, name: str) -> bool:
         return self._model_tags(name) is not None
 
-    def alias_owner(self, name: str, alias: str) -> str | None:
-        """The policy that owns ``alias`` of ``name``: the owner recorded when a policy first set
-        it, else (an alias set before owners were recorded) the policy of the version it names;
-        ``None`` for an alias nobody set."""
-        tags = self._model_tags(name)
-        if tags is None:
-            return None
-        if tags.get(ALIAS_OWNER_TAG + alias):
-            return tags[ALIAS_OWNER_TAG + alias]
-        version = self._aliases(name).get(alias)
-        return self.get_version(name, version).tags.get("dp.policy") if version else None
-
-    def find_ready_version(self, name: str, content_hash: str) -> StoredVersion | None:
-        """The ready version of ``name`` with this content hash (a release already registered:
-        a flow can check this before merging, so RS draws once per release)."""
+    def find_ready_version(
+        self, name: str, content_hash: str, *, exclude: Collection[str] = ()
+    ) -> StoredVersion | None:
+        """The first ready version of ``name`` with this content hash whose signature
+        verifies, versions in ``exclude`` (quarantined) left out: a release already registered,
+        which a flow reuses instead of merging (so RS draws once per release). A version whose
+        tags were changed after registration, or one planted without the workflow's key, is
+        never returned."""
         found = self._search(search_filter(name, {"dp.content_hash": content_hash}))
-        ready = [v for v in found if v.tags.get("dp.status") == STATUS_READY]
+        ready = [
+            v
+            for v in found
+            if v.tags.get("dp.status") == STATUS_READY
+            and v.version not in exclude
+            and self.signed(v)
+        ]
         return min(ready, key=lambda v: int(v.version)) if ready else None
+
+    def signed(self, stored: StoredVersion) -> bool:
+        """Whether ``stored`` carries the workflow's signature: over its content hash for a
+        candidate, over its release facts for a merged version."""
+        tags, tag = stored.tags, stored.tags.get(SIGNATURE_TAG)
+        if tags.get("dp.role") == ROLE_MERGED:
+            return release_signature_ok(release_fact_tags(tags), tag, self.keys)
+        return signature_ok(tags.get("dp.content_hash", ""), tag, self.keys)
 
     def versions_with_hash(self, name: str, content_hash: str) -> list[StoredVersion]:
         """Every version of ``name`` with this content hash, whatever its status."""
         return self._search(search_filter(name, {"dp.content_hash": content_hash}))
 
-    def released_versions(self, dataset: str | None = None) -> list[StoredVersion]:
-        """The merged versions (of ``dataset``, a published identifier, if given) that a release
-        ledger recorded (tag ``dp.released``): the ledger must hold them all."""
-        tags = {"dp.role": ROLE_MERGED, RELEASED_TAG: "true"}
+    def merged_versions(self, dataset: str | None = None) -> list[StoredVersion]:
+        """Every merged version (of ``dataset``, a published identifier, if given), whatever
+        its status: each one whose signature verifies had its evaluation published, so the
+        release ledger must count it (docs/design.md#release-ledger)."""
+        tags = {"dp.role": ROLE_MERGED}
         if dataset is not None:
             tags["dp.dataset"] = dataset
         return self._search(search_filter(tags=tags))
@@ -178,10 +189,10 @@ class RegistryQueries(MlflowConnection):
 
 
 def repair_hint(name: str, version: str) -> str:
-    """What to do about a candidate whose record fails verification."""
+    """What to do about a candidate whose record fails verification. Nothing re-signs a
+    record after the fact from data an insider can write: only the training that produced a
+    record signs it (docs/design.md#security)."""
     return (
-        f"if its record was changed after registration, take it out of use with "
-        f"`dpmerge registry quarantine {name} {version}` (and retrain); if it predates record "
-        f"signing or the workflow key changed, check it against its run's params and re-sign "
-        f"it with `dpmerge registry sign {name} {version}`"
+        f"take it out of use with `dpmerge registry quarantine {name} {version}` and retrain "
+        "the candidate (only the training that produced a record signs it)"
     )

@@ -13,10 +13,25 @@ ROLE_CANDIDATE, ROLE_MERGED = "candidate", "merged"
 STATUS_REGISTERING, STATUS_READY, STATUS_FAILED = "registering", "ready", "failed"
 STATUS_QUARANTINED = "quarantined"  # taken out of use by an operator (a record that failed)
 TAG_VALUE_LIMIT = 5000  # bytes every MLflow backend stores for a tag value
-ALIAS_TIME_TAG = "dp.alias_time."  # + alias: on a registered model, the event time of its change
-ALIAS_OWNER_TAG = "dp.alias_owner."  # + alias: on a registered model, the policy that owns it
-RELEASED_TAG = "dp.released"  # "true" on a merged version once the release ledger counts it
-SIGNATURE_TAG, KEY_ID_TAG = "dp.signature", "dp.key_id"  # a candidate's record signature
+SIGNATURE_TAG, KEY_ID_TAG = "dp.signature", "dp.key_id"  # a version's signature, its key
+RELEASE_FACT_TAGS = (
+    "dp.role",
+    "dp.content_hash",
+    "dp.dataset",
+    "dp.model",
+    "dp.method",
+    "dp.parent_model",
+    "dp.parents",
+    "dp.weights",
+    "dp.gating_bound",
+    "dp.accountant",
+    "dp.epsilon",
+    "dp.delta",
+    "dp.accuracy",
+    "dp.accuracy_metric",
+    "dp.card_digest",
+)
+"""The tags of a merged version its signature covers: everything a gate or the ledger trusts."""
 FAILURE_TAG = "dp.failure"  # why a version was marked failed or quarantined
 REGISTERING_BY_TAG = "dp.registering_by"  # host:pid of the process registering a version
 

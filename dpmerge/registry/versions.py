@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from dpmerge.registry.tags import ROLE_CANDIDATE, tag_float
+from dpmerge.registry.tags import RELEASE_FACT_TAGS, ROLE_CANDIDATE, tag_float
 
 if TYPE_CHECKING:  # neither is imported to read the registry (``dpmerge registry ls``)
     from mlflow.entities.model_registry import ModelVersion
@@ -47,13 +47,53 @@ class RegisteredCandidate:
     model_dir: ModelDir
 
 
+def release_fact_tags(tags: dict[str, str]) -> dict[str, str]:
+    """The tags a merged version's signature covers (those it has)."""
+    return {k: tags[k] for k in RELEASE_FACT_TAGS if k in tags}
+
+
 @dataclass(frozen=True)
-class Promotion:
+class ReleaseFacts:
+    """What a merged version promises, from its signed tags
+    (:meth:`~dpmerge.registry.Registry.release_facts`)."""
+
     name: str
-    alias: str
     version: str
-    previous: str | None
-    changed: bool
+    role: str
+    content_hash: str
+    dataset: str
+    epsilon: float
+    delta: float
+    bound: str
+    accountant: str | None
+    accuracy: float | None
+
+    @classmethod
+    def of(cls, stored: StoredVersion) -> ReleaseFacts:
+        tags = stored.tags
+        return cls(
+            name=stored.name,
+            version=stored.version,
+            role=tags.get("dp.role", ""),
+            content_hash=tags.get("dp.content_hash", ""),
+            dataset=tags.get("dp.dataset", ""),
+            epsilon=tag_float(tags.get("dp.epsilon")) or float("inf"),
+            delta=tag_float(tags.get("dp.delta")) or 1.0,
+            bound=tags.get("dp.gating_bound", ""),
+            accountant=tags.get("dp.accountant"),
+            accuracy=tag_float(tags.get("dp.accuracy")),
+        )
+
+    def unmet(self, target_epsilon: float, target_delta: float, min_accuracy: float) -> list[str]:
+        """Why these facts fail a policy's gates (empty: they pass)."""
+        reasons = []
+        if self.epsilon > target_epsilon:
+            reasons.append(f"gating ε = {self.epsilon} exceeds the target {target_epsilon:g}")
+        if self.delta > target_delta:
+            reasons.append(f"δ = {self.delta} exceeds the target {target_delta:g}")
+        if self.accuracy is None or self.accuracy < min_accuracy:
+            reasons.append(f"accuracy {self.accuracy} is below the minimum {min_accuracy:g}")
+        return reasons
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dpmerge.locate import command, resolve_home
+from dpmerge.state.policies import set_policy
 from flows.commands.policy import EXIT_CODES, outcome_line, run_policy
 from flows.commands.policy_options import default_dataset
 
@@ -149,7 +150,10 @@ def handle(args: argparse.Namespace) -> int:
         f"\n[2/4] applying policy {policy.name!r} (calibrate → merge → evaluate → register → "
         "promote) …"
     )
-    outcome = run_policy(policy)
+    change = set_policy(
+        workspace.state(), policy.name, policy.event_payload(), source="dpmerge demo"
+    )
+    outcome = run_policy(change.version)
     print()
     print(outcome_line(outcome))
     if outcome.get("version"):
@@ -216,10 +220,9 @@ def _next_steps(home: Path, policy: str, release: str | None) -> str:
         policy,
         "--target-epsilon",
         "3",
-        "--delta",
-        "1e-5",
         *([] if found else ["--home", str(home)]),
     )
+    history = command("policy", "history", policy, *([] if found else ["--home", str(home)]))
     return f"""Look at it (commands run from this directory):
   MLflow UI:  {mlflow} --port 5000
               then http://127.0.0.1:5000 → Models (…-candidates and …-releases, the alias,
@@ -231,4 +234,5 @@ def _next_steps(home: Path, policy: str, release: str | None) -> str:
   Registry:   {command("registry", "ls", *where)}
               {show}
   Policies:   {policy_set} --dry-run   (what it would release)
-              {policy_set}             (apply it here, in-process)"""
+              {policy_set}             (apply it here, in-process)
+              {history}   (every version: who, when, what changed, how it ended)"""
