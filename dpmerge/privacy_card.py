@@ -167,6 +167,20 @@ def _ledger_section(ledger: Mapping[str, Any]) -> list[str]:
     ]
     if ledger.get("candidates"):
         lines += [f"Candidates used by any release: {', '.join(ledger['candidates'])}.", ""]
+    attempts = ledger.get("attempts") or []
+    if attempts:
+        listed = "; ".join(
+            f"release {a.get('release', '')[:12]}… ({a.get('method')}, policy version "
+            f"{a.get('policy_version')}, counted {a.get('counted_at')})"
+            for a in attempts
+        )
+        lines += [
+            f"**Earlier attempts for this policy:** {len(attempts)} release(s) were evaluated "
+            f"(and counted) but not served before this one: {listed}. Releasing this one after "
+            "them is a selection among them: the guarantee above covers this release alone; "
+            "the cumulative bound above covers all of them together.",
+            "",
+        ]
     return lines
 
 
@@ -222,8 +236,9 @@ def build_privacy_card(
     shown); ``notes`` are added to the report's (e.g. why the merge spends less than the
     target);
     ``ledger`` (optional) holds the cumulative release bound: ``epsilon``, ``delta`` and
-    optionally ``accountant``, ``candidates``, ``releases``, ``cap`` — e.g.
-    ``{**ReleaseLedger.check(...).to_dict(), "cap": cap, "releases": n}``."""
+    optionally ``accountant``, ``candidates``, ``releases``, ``cap`` and ``attempts`` (earlier
+    releases evaluated for the same policy but never served) — e.g.
+    ``dpmerge.policy_merge.LedgerSummary.card()``."""
     gating = _require(report)
     by_name = {c.name: c for c in candidates}
     names = list(report["candidates"])

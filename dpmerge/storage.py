@@ -338,19 +338,22 @@ class S3Store:
         return sorted(keys)
 
     def versions(self, key: str, *, bucket: str | None = None) -> list[str]:
-        """The version ids of ``key`` in a versioned bucket, newest first (none: ``[]``)."""
+        """The version ids of ``key`` in a versioned bucket, newest first (none: ``[]``), in
+        the order S3 lists them (newest first; timestamps have only second resolution)."""
         bucket = bucket or self.config.bucket
-        found: list[tuple[Any, str]] = []
+        found: list[tuple[bool, str]] = []
         with self._errors("listing versions of", bucket, key):
             for page in self.client.get_paginator("list_object_versions").paginate(
                 Bucket=bucket, Prefix=key
             ):
                 found += [
-                    (item["LastModified"], str(item["VersionId"]))
+                    (bool(item.get("IsLatest")), str(item["VersionId"]))
                     for item in page.get("Versions", [])
                     if item["Key"] == key
                 ]
-        return [version for _, version in sorted(found, reverse=True)]
+        return [version for latest, version in found if latest] + [
+            version for latest, version in found if not latest
+        ]
 
     def get_version(self, key: str, version_id: str, *, bucket: str | None = None) -> bytes:
         """The bytes of one earlier version of ``key`` (see :meth:`versions`)."""

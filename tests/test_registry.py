@@ -10,7 +10,6 @@ import sqlite3
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from dpmerge.registry import (
     CARD_MARKDOWN,
     STATUS_FAILED,
     GateError,
+    RecordIntegrityError,
     Registry,
     RegistryError,
     RegistryUnavailableError,
@@ -159,6 +159,10 @@ def test_candidates_registered_with_tags_and_artifacts_in_s3(
     assert model(torch.zeros(7, 1, 4, 4)).shape == (7, 3)  # dynamic batch dimension
 
 
+def _gates(**given: float) -> dict[str, float]:
+    return {"target_epsilon": 5.0, "target_delta": DELTA, "min_accuracy": 0.0, **given}
+
+
 @pytest.mark.integration
 def test_merged_version_card_gates_and_alias(
     server_registry: Registry,
@@ -191,30 +195,20 @@ def test_merged_version_card_gates_and_alias(
     again = server_registry.register_merged(merged, parents=registered, policy=POLICY)
     assert again.reused and again.version == result.version
 
-    # failing gates leave the alias where it was
+    # the gates read the version's signed facts and change nothing
     with pytest.raises(GateError, match="exceeds the target"):
-        server_registry.promote(
-            MERGED, result.version, "production", target_epsilon=0.01, min_accuracy=None
-        )
+        server_registry.check_gates(MERGED, result.version, **_gates(target_epsilon=0.01))
     with pytest.raises(GateError, match="below the minimum"):
-        server_registry.promote(
-            MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.9
-        )
-    assert "production" not in client.get_registered_model(MERGED).aliases
-    promoted = server_registry.promote(
-        MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.75
-    )
-    assert promoted.changed and promoted.previous is None
+        server_registry.check_gates(MERGED, result.version, **_gates(min_accuracy=0.9))
+    facts = server_registry.check_gates(MERGED, result.version, **_gates(min_accuracy=0.75))
+    assert (facts.epsilon, facts.accuracy) == (report["epsilon"], 0.8)
+    assert server_registry.set_alias(MERGED, "production", result.version) is None
     assert client.get_registered_model(MERGED).aliases["production"] == result.version
-    assert not server_registry.promote(
-        MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.75
-    ).changed
+    assert server_registry.set_alias(MERGED, "production", result.version) == result.version
 
-    # a candidate is never promoted directly
-    with pytest.raises(GateError, match="only merged versions"):
-        server_registry.promote(
-            CANDIDATES, registered[0], "production", target_epsilon=99.0, min_accuracy=None
-        )
+    # a candidate is never released: its facts are not a merged version's
+    with pytest.raises(RecordIntegrityError, match="release facts fail verification"):
+        server_registry.check_gates(CANDIDATES, registered[0], **_gates(target_epsilon=99.0))
 
     # a version that failed after creation is marked and never aliased; a re-run registers anew
     class FailingVerify(Registry):
@@ -232,9 +226,7 @@ def test_merged_version_card_gates_and_alias(
     failed = max(client.search_model_versions(f"name = '{MERGED}'"), key=lambda v: int(v.version))
     assert failed.tags["dp.status"] == STATUS_FAILED
     with pytest.raises(GateError, match=r"dp\.status is 'failed'"):
-        server_registry.promote(
-            MERGED, failed.version, "production", target_epsilon=5.0, min_accuracy=None
-        )
+        server_registry.check_gates(MERGED, failed.version, **_gates())
     assert client.get_registered_model(MERGED).aliases["production"] == result.version
     rerun = server_registry.register_merged(another, parents=registered, policy=other_policy)
     assert not rerun.reused and int(rerun.version) > int(failed.version)
@@ -242,9 +234,9 @@ def test_merged_version_card_gates_and_alias(
     shared = server_registry.register_merged(merged, parents=registered, policy=other_policy)
     assert shared.reused and shared.version == result.version
 
-    # revoke removes the alias (on_infeasible=revoke); a second revoke is a no-op
-    assert server_registry.revoke(MERGED, "production") == result.version
-    assert server_registry.revoke(MERGED, "production") is None
+    # removing the alias (a revoked serving pointer's projection); again is a no-op
+    assert server_registry.set_alias(MERGED, "production", None) == result.version
+    assert server_registry.set_alias(MERGED, "production", None) is None
     assert "production" not in client.get_registered_model(MERGED).aliases
 
 
@@ -307,19 +299,20 @@ def test_rs_draw_appears_nowhere(
         _merge(candidate_dirs, "rs", pi, out, rng=random.Random(seed), audit_path=audit)
         draws.setdefault(json.loads(audit.read_text())["drawn_index"], out)
         seed += 1
-    registry = Registry(mlflow_embedded)
-    versions = [registry.register_candidate(d).version for d in candidate_dirs]
     released = []
-    for drawn, out in draws.items():
-        name = f"{MERGED}-draw{drawn}"
-        result = registry.register_merged(out, parents=versions, policy=POLICY, name=name)
-        texts = _released_text(registry, name, result.version, tmp_path / f"dl-{drawn}")
+    for drawn, out in draws.items():  # each release in a registry of its own, one name
+        registry = Registry(f"sqlite:///{tmp_path / f'registry-{drawn}' / 'mlflow.db'}")
+        versions = [registry.register_candidate(d).version for d in candidate_dirs]
+        result = registry.register_merged(out, parents=versions, policy=POLICY)
+        texts = _released_text(registry, MERGED, result.version, tmp_path / f"dl-{drawn}")
         audit_keys = ("drawn_index", "drawn_candidate", "drawn_at", "weights_sha256")
         assert not [k for k, v in texts.items() if any(w in v for w in audit_keys)]
-        released.append({k: v.replace(name, "<name>") for k, v in _normalise(texts).items()})
-    assert released[0] == released[1]
+        released.append(_normalise(texts))
+    assert released[0] == released[1]  # the signature and card digest too
     for key in (
         "tag:dp.weights",
+        "tag:dp.signature",
+        "tag:dp.card_digest",
         "description",
         "model:extra_files/record.json",
         "run:privacy_card.md",
@@ -343,10 +336,10 @@ def test_embedded_registry_and_ls_cli(
     result = registry.register_merged(merged, parents=versions, policy=policy)
     version = MlflowClient(mlflow_embedded, mlflow_embedded).get_model_version(MERGED, "1")
     assert "policy `toy-eps5`" in version.description and version.tags["dp.policy"] == "toy-eps5"
-    registry.promote(MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.5)
+    registry.set_alias(MERGED, "production", result.version)
 
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded, "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["versions"]
     assert [(r["role"], r["version"]) for r in rows] == [
         ("candidate", "1"),
         ("candidate", "2"),
@@ -356,7 +349,8 @@ def test_embedded_registry_and_ls_cli(
     assert rows[3]["aliases"] == ["production"] and rows[3]["accuracy"] == 0.8
     assert [r["accuracy"] for r in rows[:3]] == [None, None, None]  # candidates' are internal
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded, "--json", "--internal"]) == 0
-    assert [r["accuracy"] for r in json.loads(capsys.readouterr().out)[:3]] == [0.7, 0.71, 0.72]
+    internal = json.loads(capsys.readouterr().out)["versions"]
+    assert [r["accuracy"] for r in internal[:3]] == [0.7, 0.71, 0.72]
     assert rows[3]["policy"] == "toy-eps5" and rows[3]["target_epsilon"] == 5.0
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded]) == 0
     table = capsys.readouterr().out
@@ -402,11 +396,11 @@ def test_unreachable_server_is_a_clear_transient_error() -> None:
     assert is_transient(down.value)
 
 
-def test_a_card_that_disagrees_with_the_tags_is_never_promoted(
+def test_a_card_or_tag_changed_after_registration_fails_the_gates(
     mlflow_embedded: str, candidate_dirs: list[Path], tmp_path: Path
 ) -> None:
-    """``Registry.promote`` compares the stored privacy card with the version's tags: a version
-    whose tags or card were changed after registration keeps its alias unset."""
+    """The gates read a merged version's signed facts and compare the stored privacy card with
+    them: a version whose tags or card were changed after registration never passes."""
     registry = Registry(mlflow_embedded)
     parents = [registry.register_candidate(d).version for d in candidate_dirs]
     merged = _merge(candidate_dirs, "lc", [0.2, 0.3, 0.5], tmp_path / "lc", metrics=_accuracy(0.8))
@@ -418,20 +412,20 @@ def test_a_card_that_disagrees_with_the_tags_is_never_promoted(
     card = json.loads(card_file.read_text())
     assert card["guarantee"]["epsilon"] == float(epsilon)
 
-    def refused() -> None:
-        with pytest.raises(GateError) as gate:
-            registry.promote(MERGED, version, "production", target_epsilon=5.0, min_accuracy=0.5)
-        assert gate.value.reasons == ("the stored privacy card disagrees with the version's tags",)
-        assert registry.aliases(MERGED) == {}
-
+    gates = _gates(min_accuracy=0.5)
     client.set_model_version_tag(MERGED, version, "dp.epsilon", repr(float(epsilon) / 2))
-    refused()  # the tags claim less than the card certifies
+    with pytest.raises(RecordIntegrityError, match="signature mismatch"):
+        registry.check_gates(MERGED, version, **gates)  # the tags claim less than signed
     client.set_model_version_tag(MERGED, version, "dp.epsilon", epsilon)
     client.log_text(mv.run_id, json.dumps({**card, "guarantee": {"epsilon": 0.01}}), CARD_JSON)
-    refused()  # the card claims less than the tags
+    with pytest.raises(GateError) as gate:  # the card claims less than the signed facts
+        registry.check_gates(MERGED, version, **gates)
+    assert gate.value.reasons == ("the stored privacy card disagrees with the version's signed ε",)
+    stored = registry.get_version(MERGED, version)
+    assert registry.stored_card_digest(stored) != stored.tags["dp.card_digest"]
     client.log_text(mv.run_id, json.dumps(card), CARD_JSON)
-    promoted = registry.promote(MERGED, version, "production", target_epsilon=5.0, min_accuracy=0.5)
-    assert promoted.changed and registry.aliases(MERGED) == {"production": version}
+    assert registry.check_gates(MERGED, version, **gates).epsilon == float(epsilon)
+    assert registry.stored_card_digest(stored) == stored.tags["dp.card_digest"]
 
 
 def test_search_filters_quote_values_as_mlflow_reads_them(
@@ -514,7 +508,7 @@ def test_a_locked_database_is_transient(mlflow_embedded: str) -> None:
     try:
         database.execute("BEGIN EXCLUSIVE")
         with pytest.raises(RegistryUnavailableError, match="database is locked") as locked:
-            registry.mark_alias_time(MERGED, "production", datetime.now(UTC))
+            registry.set_model_tag(MERGED, "dpmerge.serves.production", "v1")
         assert is_transient(locked.value)
     finally:
         database.execute("ROLLBACK")

@@ -180,7 +180,7 @@ def _list(args: argparse.Namespace) -> int:
         print(f"no dpmerge versions registered at {catalog.tracking_uri}")
         return 0
     header = ("model", "ver", "role", "status", "ε (accountant, δ)", "bound", "policy", "ε*")
-    table = [(*header, "acc", "serves (policy version)")]
+    table = [(*header, "acc", "aliases", "serves (policy version)")]
     table += [(*_row(r), "; ".join(serving.get((r.name, r.version), [])) or "—") for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     print(f"registry: {catalog.tracking_uri}")
@@ -206,6 +206,7 @@ def _row(r: VersionSummary) -> tuple[str, ...]:
         r.policy or "—",
         f"{r.target_epsilon:g}" if r.target_epsilon is not None else "—",
         number_text(r.accuracy) if r.accuracy is not None else "—",
+        ",".join(r.aliases) or "—",
     )
 
 
