@@ -44,6 +44,7 @@ from dpmerge import policy_merge as pm
 from dpmerge.errors import InputError, IntegrityError, RefusalError
 from dpmerge.policies import PolicyError, check_registered
 from dpmerge.policy_merge import PolicyOutcome, Status
+from dpmerge.policy_merge.verify import verify
 from dpmerge.registry.catalog import open_catalog
 from dpmerge.state import AliasOwnershipError, StateStore
 from dpmerge.state import policies as stored_policies
@@ -51,6 +52,7 @@ from dpmerge.state.leases import lease
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.vocabulary import ServingState
 from flows.runtime import load_workflow_secret
+from flows.verify import emit
 from tasks import policy as steps
 
 FLOW_NAME = "merge-on-policy"
@@ -132,8 +134,8 @@ def _stopped(store: StateStore, name: str, version: int, state: str, error: Exce
     document = {"status": status, "state": state, "policy": name, "policy_version": version}
     document["reasons"] = [str(error)]
     _artifact(name, f"dpmerge policy {name}: {status}", [message], document)
-    if stored_policies.read_version(store, name, version) is not None:
-        _record(store, name, version, document)
+    if store.read(stored_policies.version_key(name, version)) is not None:
+        _record(store, name, version, document)  # its history shows how it ended
     get_run_logger().error(message)
     return Failed(name=state, message=message, data=document)
 
@@ -171,4 +173,7 @@ def merge_on_policy(policy: str, version: int) -> State:
         return _stopped(store, policy, version, REJECTED, error)
     except (IntegrityError, RefusalError) as error:
         return _stopped(store, policy, version, REFUSED, error)
-    return _finish(store, applied.outcome, applied.card)
+    final = _finish(store, applied.outcome, applied.card)
+    if applied.dataset is not None:  # drift of this dataset, reported (and repaired) now
+        emit(verify(workspace, repair=True, dataset=applied.dataset))
+    return final

@@ -26,6 +26,18 @@ from dpmerge.state.policies import PolicyVersion
 from tasks.common import LOCAL, REMOTE
 
 
+@task(name="find-candidates", **REMOTE)
+def find_candidates(workspace: pm.Workspace, dataset: str, model: str) -> pm.CandidatePool:
+    pool = pm.find_candidates(workspace.registry(), dataset, model, workspace.state())
+    get_run_logger().info(
+        "%d ready candidates in %s (versions %s)",
+        len(pool.versions),
+        pool.registered_model,
+        ", ".join(pool.versions),
+    )
+    return pool
+
+
 @task(name="prepare", **REMOTE)
 def prepare(workspace: pm.Workspace, version: PolicyVersion, dest: Path) -> pm.Prepared:
     """Find and load the candidates and the evaluation split (or stop: superseded)."""

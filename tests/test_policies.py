@@ -26,7 +26,7 @@ def base(**overrides):
 def test_defaults_are_the_safe_ones():
     policy = policy_from_dict(base())
     assert policy.gating_bound == "generic"
-    assert policy.on_infeasible == "revoke"
+    assert policy.on_noncompliant == "revoke"
     assert policy.method == "auto"
     assert policy.alias == "policy-eu"
     assert policy.resource_id == "dpmerge.policy.eu"
@@ -42,7 +42,7 @@ def test_defaults_are_the_safe_ones():
         ({"method": "average"}, "method"),
         ({"gating_bound": "heuristic"}, "gating_bound"),
         ({"min_accuracy": 1.2}, "min_accuracy"),
-        ({"on_infeasible": "ignore"}, "on_infeasible"),
+        ({"on_noncompliant": "ignore"}, "on_noncompliant"),
         ({"name": "EU region!"}, "name"),
         ({"alias": "latest"}, "alias"),
         ({"alias": "v3"}, "alias"),

@@ -302,42 +302,61 @@ def test_rs_draw_goes_only_to_the_private_audit_file(workspace: pm.Workspace, re
         assert secret not in public
 
 
-def test_each_gate_keeps_a_compliant_alias(workspace: pm.Workspace, registry_home) -> None:
-    """Not promoted by accuracy, a tag that no longer matches the release's signature, or the
-    ledger cap: the version stays registered (and counted), and the alias keeps its release
-    because that release still meets each new version."""
+def test_each_gate_and_what_the_alias_serves_after_it(
+    workspace: pm.Workspace, registry_home
+) -> None:
+    """Not promoted by the ledger cap (nothing merged) or by accuracy (registered and counted):
+    the alias keeps its release while that release meets the new version, and is revoked when
+    it does not; a tag changed after registration breaks the release's signature."""
     target = registry_home["epsilons"][2] * 1.5
     first = _apply(workspace, _policy(name="gated", target_epsilon=target, method="lc"))
     assert first.status == pm.Status.PROMOTED
-
-    def not_promoted(**fields: Any) -> pm.PolicyOutcome:
-        policy = _policy(name="gated", target_epsilon=target * 1.01, method="rs", **fields)
-        outcome = _apply(workspace, policy)
-        assert outcome.status == pm.Status.NOT_PROMOTED and outcome.previous_version is None
-        assert _aliases(workspace, first.merged_model)["policy-gated"] == first.version
-        return outcome
-
-    # the first release has accuracy ≥ 0.5, not ≥ 0.999: a floor it misses revokes it (below)
-    strict = not_promoted(min_accuracy=first.test_accuracy)
-    assert strict.version != first.version and not strict.reused
-    assert [r for r in strict.reasons if "below the minimum" in r]
-    assert strict.serving == "serving" and "keeps v" in strict.reasons[-1]
+    same = _policy(name="gated", target_epsilon=target * 1.01, method="rs")
+    capped = _apply(workspace, same.model_copy(update={"cumulative_epsilon_cap": 0.01}))
+    assert capped.status == pm.Status.NOT_PROMOTED and capped.version is None
+    assert capped.reasons[0].startswith("release ledger: ") and capped.compliant
+    assert capped.serving == "serving" and "keeps v" in capped.reasons[-1]
+    assert _aliases(workspace, first.merged_model)["policy-gated"] == first.version
+    strict = _apply(workspace, same.model_copy(update={"min_accuracy": 0.999}))
+    assert strict.status == pm.Status.NOT_PROMOTED and not strict.reused
+    assert strict.version not in (None, first.version)
+    assert [r for r in strict.reasons if "below the minimum 0.999" in r]
+    # the old release misses the new floor too: the serving invariant revokes it
+    assert strict.serving == "revoked" and strict.revoked_version == first.version
+    assert "policy-gated" not in _aliases(workspace, first.merged_model)
     # counted although not promoted: its evaluation was published when it was registered
     hashes = {r.release_id for r in _ledger(workspace, first).releases}
     assert _tags(workspace, strict)["dp.content_hash"] in hashes
-    capped = not_promoted(cumulative_epsilon_cap=0.01)
-    assert capped.reasons[0].startswith("release ledger: ")
-    # every gate passes: the same release is promoted, the alias moves to it
-    same = _policy(name="gated", target_epsilon=target * 1.01, method="rs")
+    # every gate passes: the same release is served (reused, not merged or drawn again)
     passed = _apply(workspace, same)
     assert passed.status == pm.Status.PROMOTED and passed.reused, passed.reasons
-    assert (passed.version, passed.previous_version) == (strict.version, first.version)
+    assert (passed.version, passed.previous_version) == (strict.version, None)
     assert _aliases(workspace, first.merged_model)["policy-gated"] == strict.version
     # a tag changed after registration breaks the release's signature: never reused again
     with _tampered(workspace, strict, "dp.accuracy", "0.99999"):
         again = _apply(workspace, same)
     assert again.status == pm.Status.PROMOTED and not again.reused
     assert again.version not in (strict.version, first.version)
+
+
+def test_a_redraw_after_a_failed_gate_is_counted_and_on_the_card(
+    workspace: pm.Workspace, registry_home
+) -> None:
+    """Redraw until pass: an RS release that fails its accuracy gate was evaluated — its
+    evaluation published — so the ledger counts it, and the card of a release made after it
+    for the same policy lists it as an earlier attempt."""
+    target = registry_home["epsilons"][1] * 1.05
+    failed = _apply(
+        workspace, _policy(name="redraw", target_epsilon=target, method="rs", min_accuracy=0.999)
+    )
+    assert failed.status == pm.Status.NOT_PROMOTED and failed.version is not None
+    failed_hash = _tags(workspace, failed)["dp.content_hash"]
+    assert _ledger(workspace, failed).entry(failed_hash) is not None  # counted, not served
+    retry = _apply(workspace, _policy(name="redraw", target_epsilon=target * 1.005, method="rs"))
+    assert retry.status == pm.Status.PROMOTED and retry.version != failed.version
+    card = _client(workspace).get_model_version(retry.merged_model, retry.version).description
+    assert "Earlier attempts for this policy:** 1 release(s)" in card
+    assert failed_hash[:12] in card
 
 
 def test_a_tightened_policy_revokes_or_flags_its_noncompliant_release(

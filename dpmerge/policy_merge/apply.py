@@ -101,6 +101,7 @@ class PolicyResult:
 
     outcome: PolicyOutcome
     card: str = ""
+    dataset: str | None = None  # the candidates' published dataset identifier
 
 
 def apply_policy(
@@ -155,7 +156,7 @@ class _Run:
             outcome = self.outcome(
                 Status.SUPERSEDED, merged_model=pool.merged_model, reasons=(reason,)
             )
-            return PolicyResult(outcome)
+            return PolicyResult(outcome, dataset=pool.dataset)
         candidates, data = prepared.candidates, prepared.data
         try:
             plan = steps.calibrate(self.policy, candidates, data)
@@ -207,7 +208,8 @@ class _Run:
         served = steps.serve(self.workspace, self.version, registered, entry, self.run)
         card = steps.read_card(self.workspace, registered.name, registered.version)
         if served.status == Status.SUPERSEDED:
-            return PolicyResult(self.outcome(Status.SUPERSEDED, reasons=served.reasons, **facts))
+            outcome = self.outcome(Status.SUPERSEDED, reasons=served.reasons, **facts)
+            return PolicyResult(outcome, dataset=pool.dataset)
         if served.status == Status.NOT_PROMOTED:
             return self.unmet(pool, Status.NOT_PROMOTED, served.reasons, facts, card)
         projection = steps.project(self.workspace, pool, str(self.policy.alias))
@@ -219,7 +221,7 @@ class _Run:
             cumulative_epsilon=served.cumulative_epsilon,
             **facts,
         )
-        return PolicyResult(outcome, card)
+        return PolicyResult(outcome, card, pool.dataset)
 
     def unmet(
         self,
@@ -240,7 +242,7 @@ class _Run:
                 reasons=(*reasons, superseded_reason(later.later, self.policy)),
                 **facts,
             )
-            return PolicyResult(outcome, card)
+            return PolicyResult(outcome, card, pool.dataset)
         projection = self.steps.project(self.workspace, pool, str(self.policy.alias))
         alias = enforced.alias
         outcome = self.outcome(
@@ -251,4 +253,4 @@ class _Run:
             reasons=(*reasons, enforced.action),
             **facts,
         )
-        return PolicyResult(outcome, card)
+        return PolicyResult(outcome, card, pool.dataset)

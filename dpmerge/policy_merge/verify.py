@@ -55,23 +55,27 @@ class Finding:
         return {**asdict(self), "kind": self.kind.value}
 
 
-def verify(workspace: Workspace, *, repair: bool = False) -> list[Finding]:
+def verify(
+    workspace: Workspace, *, repair: bool = False, dataset: str | None = None
+) -> list[Finding]:
     """Every finding over every dataset the store knows and every releases model MLflow has
-    (see the module docstring)."""
+    (see the module docstring); with ``dataset`` (a published identifier), over that dataset
+    and its releases models only (after a policy run)."""
     store, registry = workspace.state(), workspace.registry()
     findings: list[Finding] = []
     managed: dict[str, set[str]] = {}
-    for dataset in state_serving.datasets(store):
+    known = state_serving.datasets(store)
+    for each in [d for d in known if d == dataset] if dataset else known:
         try:
-            state = state_serving.read_state(store, dataset)
+            state = state_serving.read_state(store, each)
         except StateIntegrityError as error:
-            findings.append(Finding(FindingKind.STATE_UNREADABLE, dataset, str(error)))
+            findings.append(Finding(FindingKind.STATE_UNREADABLE, each, str(error)))
             continue
         findings += _ledger(workspace, registry, state, repair)
         for alias in state.aliases.values():
             managed.setdefault(alias.model, set()).add(alias.alias)
             findings += _alias(store, registry, state, alias, repair)
-    findings += _unmanaged(registry, managed, repair)
+    findings += _unmanaged(registry, managed, repair, dataset)
     findings += _quarantine(store, registry, repair)
     return findings
 
@@ -154,8 +158,10 @@ def _served_release(registry: Registry, alias: AliasState, subject: str) -> Iter
         )
 
 
-def _unmanaged(registry: Registry, managed: dict[str, set[str]], repair: bool) -> Iterator[Finding]:
-    for model in sorted({v.name for v in registry.merged_versions()}):
+def _unmanaged(
+    registry: Registry, managed: dict[str, set[str]], repair: bool, dataset: str | None
+) -> Iterator[Finding]:
+    for model in sorted({v.name for v in registry.merged_versions(dataset)}):
         for alias, version in sorted(registry.aliases(model).items()):
             if alias in managed.get(model, set()):
                 continue

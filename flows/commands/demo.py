@@ -134,7 +134,9 @@ def handle(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     existing: tuple[str, ...] = ()
     with contextlib.suppress(RegistryError):
-        existing = pm.find_candidates(workspace.registry(), dataset, "logreg").versions
+        existing = pm.find_candidates(
+            workspace.registry(), dataset, "logreg", workspace.state()
+        ).versions
     trained = not existing or args.retrain
     if not trained:
         print(f"[1/4] reusing {len(existing)} registered candidates (--retrain to train new)")
@@ -176,7 +178,7 @@ def _print_candidates(workspace: Any, dataset: str, delta: float) -> None:
     from dpmerge.formatting import epsilon_text
 
     registry = workspace.registry()
-    pool = pm.find_candidates(registry, dataset, "logreg")
+    pool = pm.find_candidates(registry, dataset, "logreg", workspace.state())
     rows = [["version", "candidate", "σ", "ε (accountant, δ)", "test accuracy"]]
     for version in pool.versions:
         tags = registry.get_version(pool.registered_model, version).tags
