@@ -147,6 +147,26 @@ def _bound_rows(bound: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _attempts_lines(ledger: Mapping[str, Any]) -> list[str]:
+    """Earlier releases evaluated for the same policy and never served: releasing this one
+    after them is a selection among them (docs/design.md#release-state)."""
+    attempts = ledger.get("attempts") or []
+    if not attempts:
+        return []
+    listed = "; ".join(
+        f"release {a.get('release', '')[:12]}… ({a.get('method')}, policy version "
+        f"{a.get('policy_version')}, counted {a.get('counted_at')})"
+        for a in attempts
+    )
+    return [
+        f"**Earlier attempts for this policy:** {len(attempts)} release(s) were evaluated "
+        f"(and counted) but not served before this one: {listed}. Releasing this one after "
+        "them is a selection among them: the guarantee above covers this release alone; the "
+        "release ledger's cumulative bound covers all of them together.",
+        "",
+    ]
+
+
 def _ledger_section(ledger: Mapping[str, Any]) -> list[str]:
     details = []
     if ledger.get("accountant"):
@@ -167,20 +187,6 @@ def _ledger_section(ledger: Mapping[str, Any]) -> list[str]:
     ]
     if ledger.get("candidates"):
         lines += [f"Candidates used by any release: {', '.join(ledger['candidates'])}.", ""]
-    attempts = ledger.get("attempts") or []
-    if attempts:
-        listed = "; ".join(
-            f"release {a.get('release', '')[:12]}… ({a.get('method')}, policy version "
-            f"{a.get('policy_version')}, counted {a.get('counted_at')})"
-            for a in attempts
-        )
-        lines += [
-            f"**Earlier attempts for this policy:** {len(attempts)} release(s) were evaluated "
-            f"(and counted) but not served before this one: {listed}. Releasing this one after "
-            "them is a selection among them: the guarantee above covers this release alone; "
-            "the cumulative bound above covers all of them together.",
-            "",
-        ]
     return lines
 
 
@@ -266,6 +272,7 @@ def build_privacy_card(
         f"{f' of policy `{policy_id}`, which first asked for this release' if policy_id else ''}: "
         f"{'met' if meets else '**not met**'}.",
         "",
+        *_attempts_lines(ledger or {}),
         *_utility_lines(metrics or {}),
         "## Bounds",
         "",

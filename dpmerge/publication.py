@@ -98,23 +98,3 @@ def signature(content_hash: str, key: WorkflowKey) -> str:
 
 def signature_ok(content_hash: str, tag: str | None, key: WorkflowKey) -> bool:
     return key.verify(KeyPurpose.RECORD_SIGNATURE, _signed_message(content_hash), tag)
-
-
-RELEASE_SCHEMA = "dpmerge.release/1"
-
-
-def release_message(facts: dict[str, str]) -> str:
-    """What a release's signature covers: its facts (the tags a gate trusts) in one line."""
-    body = "\0".join(f"{k}={facts[k]}" for k in sorted(facts))
-    return f"{RELEASE_SCHEMA}\0{body}"
-
-
-def release_signature(facts: dict[str, str], key: WorkflowKey) -> str:
-    """The signature a registration puts on a merged version: over its release hash, dataset,
-    model, gating ε, δ, bound, accountant and accuracy, so a tag changed afterwards (or a
-    version planted under a release hash by someone without the key) fails."""
-    return key.mac(KeyPurpose.RELEASE_SIGNATURE, release_message(facts))
-
-
-def release_signature_ok(facts: dict[str, str], tag: str | None, key: WorkflowKey) -> bool:
-    return key.verify(KeyPurpose.RELEASE_SIGNATURE, release_message(facts), tag)

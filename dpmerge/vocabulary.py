@@ -114,6 +114,7 @@ class FindingKind(StrEnum):
     SERVED_UNCOUNTED = "served_uncounted"
     RELEASE_UNSIGNED = "release_unsigned"
     CARD_MISMATCH = "card_mismatch"
+    FILES_MISMATCH = "files_mismatch"
     NONCOMPLIANT = "noncompliant"
     QUARANTINE_DRIFT = "quarantine_drift"
 
@@ -197,9 +198,9 @@ class KeyPurpose(StrEnum):
     """Published noise and batch lineages and run ids: keyed hashes, so no seed shows."""
     KEY_ID = "key-id/v1"
     """A short public identifier of the key itself (which key signed a record)."""
-    RELEASE_SIGNATURE = "release-signature/v1"
-    """HMAC over a merged version's facts (release hash, ε, δ, bound, accuracy, …): a tag
-    changed after registration, or a version planted by someone without the key, fails."""
+    RELEASE_SIGNING = "release-signing/v1"
+    """The seed of the workflow's Ed25519 release-signing key: releases are signed so that
+    anyone with the public key can verify them (docs/design.md#security)."""
     STATE_DOCUMENT = "state-document/v1"
     """HMAC over a release-state document a gate trusts (the ledger, owners, serving
     pointers): a change made outside the workflow fails closed (docs/design.md#release-state)."""

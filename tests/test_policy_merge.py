@@ -345,15 +345,17 @@ def test_a_redraw_after_a_failed_gate_is_counted_and_on_the_card(
     """Redraw until pass: an RS release that fails its accuracy gate was evaluated — its
     evaluation published — so the ledger counts it, and the card of a release made after it
     for the same policy lists it as an earlier attempt."""
-    target = registry_home["epsilons"][1] * 1.05
+    target = registry_home["epsilons"][1] * 1.13  # releases no other test makes
     failed = _apply(
         workspace, _policy(name="redraw", target_epsilon=target, method="rs", min_accuracy=0.999)
     )
+    assert not failed.reused
     assert failed.status == pm.Status.NOT_PROMOTED and failed.version is not None
     failed_hash = _tags(workspace, failed)["dp.content_hash"]
     assert _ledger(workspace, failed).entry(failed_hash) is not None  # counted, not served
     retry = _apply(workspace, _policy(name="redraw", target_epsilon=target * 1.005, method="rs"))
     assert retry.status == pm.Status.PROMOTED and retry.version != failed.version
+    assert not retry.reused
     card = _client(workspace).get_model_version(retry.merged_model, retry.version).description
     assert "Earlier attempts for this policy:** 1 release(s)" in card
     assert failed_hash[:12] in card

@@ -27,6 +27,7 @@ from dpmerge.artifacts import ModelSpec, save_model_dir
 from dpmerge.cli import main
 from dpmerge.errors import is_transient
 from dpmerge.keys import WorkflowKey
+from dpmerge.manifests import ReleaseSignatureError, file_digests
 from dpmerge.merging import merge_model_dirs
 from dpmerge.policies import Policy
 from dpmerge.publication import dataset_id, lineage_id
@@ -35,7 +36,6 @@ from dpmerge.registry import (
     CARD_MARKDOWN,
     STATUS_FAILED,
     GateError,
-    RecordIntegrityError,
     Registry,
     RegistryError,
     RegistryUnavailableError,
@@ -207,7 +207,7 @@ def test_merged_version_card_gates_and_alias(
     assert server_registry.set_alias(MERGED, "production", result.version) == result.version
 
     # a candidate is never released: its facts are not a merged version's
-    with pytest.raises(RecordIntegrityError, match="release facts fail verification"):
+    with pytest.raises(ReleaseSignatureError, match="unsigned"):
         server_registry.check_gates(CANDIDATES, registered[0], **_gates(target_epsilon=99.0))
 
     # a version that failed after creation is marked and never aliased; a re-run registers anew
@@ -307,12 +307,22 @@ def test_rs_draw_appears_nowhere(
         texts = _released_text(registry, MERGED, result.version, tmp_path / f"dl-{drawn}")
         audit_keys = ("drawn_index", "drawn_candidate", "drawn_at", "weights_sha256")
         assert not [k for k, v in texts.items() if any(w in v for w in audit_keys)]
+        # the signed manifest: the same facts, card and release whichever draw; its file
+        # digests are of freshly written files (a nonce, a random input example), never a
+        # candidate's, so no digest names the drawn candidate
+        manifest = json.loads(texts.pop("tag:dp.manifest"))
+        texts.pop("tag:dp.signature")
+        weights = {file_digests(d)["weights.safetensors"] for d in candidate_dirs}
+        assert manifest["files"]["extra_files/weights.safetensors"] not in weights
+        texts["manifest"] = json.dumps(
+            {k: manifest[k] for k in ("facts", "card_digest", "release", "model")}
+        )
         released.append(_normalise(texts))
-    assert released[0] == released[1]  # the signature and card digest too
+    assert released[0] == released[1]
     for key in (
         "tag:dp.weights",
-        "tag:dp.signature",
         "tag:dp.card_digest",
+        "manifest",
         "description",
         "model:extra_files/record.json",
         "run:privacy_card.md",
@@ -414,7 +424,7 @@ def test_a_card_or_tag_changed_after_registration_fails_the_gates(
 
     gates = _gates(min_accuracy=0.5)
     client.set_model_version_tag(MERGED, version, "dp.epsilon", repr(float(epsilon) / 2))
-    with pytest.raises(RecordIntegrityError, match="signature mismatch"):
+    with pytest.raises(ReleaseSignatureError, match="differ from the signed manifest"):
         registry.check_gates(MERGED, version, **gates)  # the tags claim less than signed
     client.set_model_version_tag(MERGED, version, "dp.epsilon", epsilon)
     client.log_text(mv.run_id, json.dumps({**card, "guarantee": {"epsilon": 0.01}}), CARD_JSON)

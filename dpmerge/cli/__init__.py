@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "registry": ("dpmerge.cli.registry", "the MLflow model registry"),
     "ledger": ("dpmerge.cli.ledger", "the release ledger (add back what a rollback lost)"),
     "state": ("dpmerge.cli.ledger", "the release-state store (restore a damaged document)"),
+    "verify": ("dpmerge.cli.verify", "check a release's signature and files before serving it"),
 }
 """Command name → (module defining it, one-line help)."""
 

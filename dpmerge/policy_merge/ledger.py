@@ -27,11 +27,12 @@ from dpmerge.accounting.records import Candidate
 from dpmerge.errors import IntegrityError
 from dpmerge.formatting import epsilon_text
 from dpmerge.keys import WorkflowKey
+from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.calibration import PolicyPlan
 from dpmerge.policy_merge.release import MergeRequest
 from dpmerge.policy_merge.workspace import Workspace
 from dpmerge.publication import public_record
-from dpmerge.registry import RecordIntegrityError, RegisteredCandidate, Registry
+from dpmerge.registry import RegisteredCandidate, Registry
 from dpmerge.state import CountedRelease, DatasetState
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
@@ -106,7 +107,7 @@ def check_witnessed(registry: Registry, state: DatasetState) -> None:
     for stored in registry.merged_versions(state.dataset):
         try:
             facts = registry.release_facts(stored)
-        except RecordIntegrityError:
+        except ReleaseSignatureError:
             continue  # not the workflow's: never reused or promoted, reported by verify
         if facts.content_hash not in counted:
             missing.append(f"{stored.name} v{stored.version}")
@@ -182,7 +183,7 @@ def rebuild_ledger(workspace: Workspace) -> list[str]:
         for stored in registry.merged_versions():
             try:
                 facts = registry.release_facts(stored)
-            except RecordIntegrityError:
+            except ReleaseSignatureError:
                 continue
             state = state_serving.read_state(store, facts.dataset)
             if state.entry(facts.content_hash) is not None:

@@ -15,6 +15,8 @@ Each check compares a projection with its source of truth and yields a :class:`F
 * ``release_unsigned`` — a served version's signature or release hash does not verify;
   reported (quarantine it);
 * ``card_mismatch`` — a served card differs from its signed digest; reported;
+* ``files_mismatch`` — a served release's files (weights, pt2 program, …) differ from its
+  signed manifest; reported (do not serve them: quarantine the version);
 * ``noncompliant`` — a served release does not meet its policy's current version (its next
   run decides), or is kept on purpose by the policy; reported;
 * ``quarantine_drift`` — MLflow's tag disagrees with a quarantine record; set back.
@@ -22,13 +24,16 @@ Each check compares a projection with its source of truth and yields a :class:`F
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+from dpmerge import manifests
+from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
 from dpmerge.policy_merge.promotion import SERVED_TAG, served_text, unmet
 from dpmerge.policy_merge.workspace import Workspace
-from dpmerge.registry import RecordIntegrityError, Registry, RegistryError
+from dpmerge.registry import Registry, RegistryError
 from dpmerge.registry.tags import STATUS_QUARANTINED
 from dpmerge.state import AliasState, DatasetState, StateIntegrityError, StateStore
 from dpmerge.state import policies as stored_policies
@@ -139,7 +144,7 @@ def _served_release(registry: Registry, alias: AliasState, subject: str) -> Iter
     try:
         stored = registry.get_version(alias.model, str(alias.serving))
         facts = registry.release_facts(stored)
-    except (RecordIntegrityError, RegistryError) as error:
+    except (ReleaseSignatureError, RegistryError) as error:
         yield Finding(FindingKind.RELEASE_UNSIGNED, subject, str(error))
         return
     if facts.content_hash != alias.release:
@@ -149,6 +154,13 @@ def _served_release(registry: Registry, alias: AliasState, subject: str) -> Iter
             f"v{alias.serving} holds release {facts.content_hash[:12]}…, the pointer says "
             f"{str(alias.release)[:12]}…",
         )
+    with tempfile.TemporaryDirectory(prefix="dpmerge-verify-") as scratch:
+        try:
+            registry.verified_model(
+                alias.model, str(alias.serving), scratch, manifests.public_key_hex(registry.keys)
+            )
+        except ReleaseSignatureError as error:
+            yield Finding(FindingKind.FILES_MISMATCH, subject, str(error))
     if registry.stored_card_digest(stored) != stored.tags.get("dp.card_digest"):
         yield Finding(
             FindingKind.CARD_MISMATCH,

@@ -18,22 +18,16 @@ from mlflow.exceptions import MlflowException
 from pydantic import BaseModel
 from torch import nn
 
+from dpmerge import manifests
 from dpmerge.artifacts import RECORD_FILE, WEIGHTS_FILE, ModelDir, ModelSpec, load_model_dir
 from dpmerge.errors import DPMergeError, RecordError
 from dpmerge.formatting import epsilon_text
 from dpmerge.keys import WorkflowKey
 from dpmerge.privacy_card import PrivacyCard
-from dpmerge.publication import (
-    dataset_name,
-    public_record,
-    release_signature,
-    release_signature_ok,
-    signature,
-)
+from dpmerge.publication import dataset_name, public_record, signature
 from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
 from dpmerge.registry.errors import (
     GateError,
-    RecordIntegrityError,
     RegistryError,
     registry_error,
 )
@@ -48,6 +42,7 @@ from dpmerge.registry.queries import RegistryQueries
 from dpmerge.registry.tags import (
     FAILURE_TAG,
     KEY_ID_TAG,
+    MANIFEST_TAG,
     REGISTERING_BY_TAG,
     ROLE_CANDIDATE,
     ROLE_MERGED,
@@ -271,7 +266,19 @@ class Registry(RegistryQueries):
         tags = merged.tags(parent_model, versions, self._accuracy_tags(merged.loaded.metrics))
         tags["dp.card_digest"] = card_digest(card.description(), card.data)
         facts = release_fact_tags({**tags, "dp.content_hash": content_hash})
-        tags |= {SIGNATURE_TAG: release_signature(facts, self.keys), KEY_ID_TAG: self.keys.key_id}
+
+        def sign(logged_model: str, files: dict[str, str]) -> dict[str, str]:
+            manifest = manifests.Manifest(
+                model=name,
+                logged_model=logged_model,
+                release=content_hash,
+                facts=facts,
+                files=files,
+                card_digest=tags["dp.card_digest"],
+            )
+            text, signed = manifests.sign(manifest, self.keys)
+            return {MANIFEST_TAG: text, SIGNATURE_TAG: signed, KEY_ID_TAG: self.keys.key_id}
+
         requester = f"policy-{merged.policy_id}" if merged.policy_id else "merge"
         run = RunInfo(
             name=f"{requester} ε*={merged.target_epsilon:g}",
@@ -290,6 +297,7 @@ class Registry(RegistryQueries):
             record_bytes=merged.public_record(),
             description=card.description(),
             card=card,
+            sign=sign,
         )
 
     def _parent_versions(
@@ -324,7 +332,11 @@ class Registry(RegistryQueries):
         record_bytes: bytes,
         description: str,
         card: PrivacyCard | None,
+        sign: Callable[[str, dict[str, str]], dict[str, str]] | None = None,
     ) -> RegisteredVersion:
+        """Log and register one version (see :meth:`register_candidate`); ``sign`` turns the
+        logged model's id and file digests into signature tags (a merged version's
+        manifest, :mod:`dpmerge.manifests`)."""
         existing = self.find_ready_version(name, content_hash)
         if existing is not None:
             return RegisteredVersion(
@@ -337,9 +349,11 @@ class Registry(RegistryQueries):
         run_id = self._start_run(experiment_id, run, role, content_hash)
         version: str | None = None
         try:
-            model_id, source, files = self._log_model(
+            model_id, source, files, digests = self._log_model(
                 run_id, experiment_id, self._module(loaded), loaded, record_bytes, card, role
             )
+            if sign is not None:
+                tags = {**tags, **sign(model_id, digests)}
             self._log_run(run_id, model_id, run, params, card)
             with self._errors(f"registering {name}"):
                 created = self._client.create_model_version(
@@ -484,16 +498,17 @@ class Registry(RegistryQueries):
 
     def release_facts(self, stored: StoredVersion) -> ReleaseFacts:
         """The signed facts of merged version ``stored`` (gating ε, δ, bound, accuracy, …);
-        :class:`RecordIntegrityError` when its signature does not verify: a tag changed after
+        :class:`~dpmerge.manifests.ReleaseSignatureError` when its manifest does not verify
+        under the workflow's public key or its tags differ from it: a tag changed after
         registration, or a version planted by someone without the workflow's key."""
-        facts = release_fact_tags(stored.tags)
-        if not release_signature_ok(facts, stored.tags.get(SIGNATURE_TAG), self.keys):
-            why = "unsigned" if not stored.tags.get(SIGNATURE_TAG) else "signature mismatch"
-            raise RecordIntegrityError(
-                f"{stored.name} v{stored.version}: its release facts fail verification ({why}); "
-                f"it is never reused or promoted — take it out of use with `dpmerge registry "
-                f"quarantine {stored.name} {stored.version}`"
-            )
+        try:
+            self.manifest(stored, manifests.public_key_hex(self.keys))
+        except manifests.ReleaseSignatureError as error:
+            raise manifests.ReleaseSignatureError(
+                f"{stored.name} v{stored.version}: {error}; it is never reused or promoted — "
+                f"take it out of use with `dpmerge registry quarantine {stored.name} "
+                f"{stored.version}`"
+            ) from None
         return ReleaseFacts.of(stored)
 
     def stored_card_digest(self, stored: StoredVersion) -> str:

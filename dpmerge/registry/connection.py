@@ -46,6 +46,7 @@ from dpmerge.artifacts import (
 )
 from dpmerge.environment import probe
 from dpmerge.locate import command
+from dpmerge.manifests import file_digests
 from dpmerge.privacy_card import PrivacyCard
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
 from dpmerge.registry.tags import FAILURE_TAG, ROLE_CANDIDATE, STATUS_FAILED, tag_float
@@ -223,9 +224,10 @@ class MlflowConnection:
         record_bytes: bytes,
         card: PrivacyCard | None,
         role: str,
-    ) -> tuple[str, str, list[str]]:
+    ) -> tuple[str, str, list[str], dict[str, str]]:
         """Save ``module`` as a pt2 model with the dpmerge files as extra files and upload it
-        as a logged model of the run. Returns model id, artifact location, files.
+        as a logged model of the run. Returns model id, artifact location, the dpmerge files
+        and the SHA-256 of every file uploaded (what a release's manifest signs).
 
         The input example (pt2 export traces with it and stores it) is random, drawn
         independently of everything: an RS release's weights are one candidate's, and a
@@ -256,6 +258,7 @@ class MlflowConnection:
                         extra_files=[str(f) for f in files],
                         serialization_format="pt2",
                     )
+                digests = file_digests(model_path)
                 with self._errors("uploading the logged model"):
                     self._client.log_model_artifacts(logged.model_id, str(model_path))
         except BaseException:
@@ -264,7 +267,7 @@ class MlflowConnection:
             raise
         with self._errors("finalising the logged model"):
             self._client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
-        return logged.model_id, logged.artifact_location, [f.name for f in files]
+        return logged.model_id, logged.artifact_location, [f.name for f in files], digests
 
     def _verify(
         self,

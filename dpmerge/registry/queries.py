@@ -6,20 +6,24 @@ checked against their content hash and their signature). Every search goes throu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 import mlflow
 
+from dpmerge import manifests
 from dpmerge.artifacts import ModelDir, load_model_dir
 from dpmerge.keys import WorkflowKey
-from dpmerge.publication import release_signature_ok, signature_ok
+from dpmerge.publication import signature_ok
 from dpmerge.registry.catalog import summaries
 from dpmerge.registry.connection import EXTRA_DIR, MlflowConnection
 from dpmerge.registry.errors import RecordIntegrityError, RegistryError
 from dpmerge.registry.filters import search_filter
 from dpmerge.registry.names import candidate_content_hash, slug
 from dpmerge.registry.tags import (
+    MANIFEST_TAG,
     ROLE_CANDIDATE,
     ROLE_MERGED,
     SIGNATURE_TAG,
@@ -29,7 +33,10 @@ from dpmerge.registry.versions import (
     RegisteredCandidate,
     StoredVersion,
     VersionSummary,
-    release_fact_tags,
+)
+
+MODEL_URI = re.compile(
+    r"^models:/(?P<name>[^@/]+)(?:@(?P<alias>[A-Za-z0-9_-]+)|/(?P<version>[1-9][0-9]*))$"
 )
 
 
@@ -85,11 +92,28 @@ class RegistryQueries(MlflowConnection):
 
     def signed(self, stored: StoredVersion) -> bool:
         """Whether ``stored`` carries the workflow's signature: over its content hash for a
-        candidate, over its release facts for a merged version."""
+        candidate, its Ed25519 manifest for a merged version."""
         tags, tag = stored.tags, stored.tags.get(SIGNATURE_TAG)
         if tags.get("dp.role") == ROLE_MERGED:
-            return release_signature_ok(release_fact_tags(tags), tag, self.keys)
+            try:
+                self.manifest(stored, manifests.public_key_hex(self.keys))
+            except manifests.ReleaseSignatureError:
+                return False
+            return True
         return signature_ok(tags.get("dp.content_hash", ""), tag, self.keys)
+
+    def manifest(self, stored: StoredVersion, public_key: str) -> manifests.Manifest:
+        """The signed manifest of merged version ``stored``, verified under ``public_key`` and
+        against the version's tags; :class:`~dpmerge.manifests.ReleaseSignatureError`
+        otherwise."""
+        tags = stored.tags
+        manifest = manifests.verify(tags.get(MANIFEST_TAG), tags.get(SIGNATURE_TAG), public_key)
+        manifests.check_facts(manifest, tags)
+        if (manifest.model, manifest.release) != (stored.name, tags.get("dp.content_hash")):
+            raise manifests.ReleaseSignatureError(
+                f"the manifest of {stored.name} v{stored.version} is another release's"
+            )
+        return manifest
 
     def versions_with_hash(self, name: str, content_hash: str) -> list[StoredVersion]:
         """Every version of ``name`` with this content hash, whatever its status."""
@@ -174,6 +198,57 @@ class RegistryQueries(MlflowConnection):
             model_dir = self.verify_candidate(stored, path)
             result.append(RegisteredCandidate(name, version, model_dir))
         return result
+
+    def download_model(self, name: str, version: str | int, dest: str | Path) -> Path:
+        """Every file of a version's MLflow model (what ``mlflow.pyfunc.load_model`` loads),
+        downloaded under ``dest`` (not verified)."""
+        mv = self._version(name, str(version))
+        with self._errors(f"downloading {name} v{version}"):
+            return Path(
+                mlflow.artifacts.download_artifacts(
+                    artifact_uri=mv.source,
+                    dst_path=str(Path(dest) / f"{slug(name, 80)}-v{version}-model"),
+                    tracking_uri=self.tracking_uri,
+                )
+            )
+
+    def verified_model(
+        self, name: str, version: str | int, dest: str | Path, public_key: str
+    ) -> tuple[manifests.Manifest, Path]:
+        """A release's manifest and model files, downloaded under ``dest`` and checked against
+        its Ed25519 signature under ``public_key`` (tags and every file);
+        :class:`~dpmerge.manifests.ReleaseSignatureError` when anything differs."""
+        stored = self.get_version(name, version)
+        manifest = self.manifest(stored, public_key)
+        root = self.download_model(name, version, dest)
+        manifests.check_files(manifest, root)
+        return manifest, root
+
+    def resolve(self, model_uri: str) -> tuple[str, str]:
+        """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` as (name, version);
+        :class:`RegistryError` for another form or an alias the model does not have."""
+        match = MODEL_URI.match(model_uri)
+        if match is None:
+            raise RegistryError(
+                f"expected models:/NAME@ALIAS or models:/NAME/VERSION, got {model_uri[:120]!r}"
+            )
+        name, alias, version = match["name"], match["alias"], match["version"]
+        if alias is not None:
+            aliases = self._aliases(name) if self.model_exists(name) else {}
+            if alias not in aliases:
+                raise RegistryError(f"{name} has no alias {alias!r} this user can see")
+            version = aliases[alias]
+        return name, str(version)
+
+    def load_verified(self, model_uri: str, dest: str | Path, public_key: str) -> Any:
+        """The release ``model_uri`` names as an MLflow pyfunc model, loaded from ``dest`` only
+        after its files and tags were checked against its signature under ``public_key``
+        (docs/design.md#security); :class:`~dpmerge.manifests.ReleaseSignatureError` when they
+        differ: swapped weights are never loaded."""
+        name, version = self.resolve(model_uri)
+        _, root = self.verified_model(name, version, dest, public_key)
+        with self._errors(f"loading {model_uri}"):
+            return mlflow.pyfunc.load_model(str(root))
 
     def download_candidate(self, name: str, version: str | int, dest: str | Path) -> Path:
         """The dpmerge files of a version, downloaded under ``dest`` (not verified)."""

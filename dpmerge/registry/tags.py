@@ -14,6 +14,7 @@ STATUS_REGISTERING, STATUS_READY, STATUS_FAILED = "registering", "ready", "faile
 STATUS_QUARANTINED = "quarantined"  # taken out of use by an operator (a record that failed)
 TAG_VALUE_LIMIT = 5000  # bytes every MLflow backend stores for a tag value
 SIGNATURE_TAG, KEY_ID_TAG = "dp.signature", "dp.key_id"  # a version's signature, its key
+MANIFEST_TAG = "dp.manifest"  # a merged version's signed manifest (dpmerge.manifests)
 RELEASE_FACT_TAGS = (
     "dp.role",
     "dp.content_hash",
