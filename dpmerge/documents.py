@@ -12,15 +12,10 @@ import yaml
 from pydantic import ValidationError
 
 from dpmerge.errors import InputError, RecordError
+from dpmerge.formatting import cut
 
 MAX_SHOWN = 60
 """Echoed input is cut to this many characters: an error line stays one short line."""
-
-
-def cut(text: str, limit: int) -> str:
-    """``text`` on one line, cut to ``limit`` characters with an ellipsis."""
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 _REPR = reprlib.Repr()
@@ -31,7 +26,7 @@ so echoing it costs microseconds and a few characters, not gigabytes."""
 
 
 def shorten(value: Any, limit: int = MAX_SHOWN) -> str:
-    """``repr(value)`` (bounded, see :data:`_REPR`), cut to ``limit`` characters."""
+    """``repr(value)`` (bounded, see :data:`_REPR`), cut to ``limit`` characters, escaped."""
     return cut(_REPR.repr(value), limit)
 
 

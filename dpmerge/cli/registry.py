@@ -3,9 +3,11 @@ target and aliases; one version's privacy card. ``quarantine`` and ``sign``: the
 candidate whose record fails verification (docs/design.md#security).
 
 Read-only and quick: the registry is found as every command finds it (:mod:`dpmerge.locate`:
-``--tracking-uri``, ``$MLFLOW_TRACKING_URI``, a running local stack, the embedded state) and
-read through :mod:`dpmerge.registry.catalog`, without importing MLflow or torch. Nothing is
-created: with no registry anywhere the command says where it looked (exit 2).
+``--tracking-uri`` or ``--home``, ``$MLFLOW_TRACKING_URI``, the local stack, the embedded
+state), named in the output (``registry: <uri> (<kind>; from <where>)``, and ``"registry"`` in
+the JSON), and read through :mod:`dpmerge.registry.catalog`, without importing MLflow or torch.
+Nothing is created: with no registry anywhere the command says where it looked (exit 2); a
+local stack that is recorded but stopped is named with ``dpmerge stack up`` (exit 1).
 """
 
 from __future__ import annotations
@@ -13,19 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import tempfile
 
 from dpmerge.errors import InputError
-from dpmerge.formatting import epsilon_text, number_text
-from dpmerge.locate import locate_registry
-from dpmerge.registry.catalog import Catalog, open_catalog
+from dpmerge.formatting import cut, epsilon_text, number_text, printable
+from dpmerge.locate import Located, locate_registry
+from dpmerge.registry.catalog import open_catalog
 from dpmerge.registry.versions import VersionSummary
 
 TRACKING_HELP = (
-    "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else a running local stack, else "
+    "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the local stack, else "
     "the embedded state $DPMERGE_HOME or ./.dpmerge)"
 )
+HOME_HELP = "use the embedded state in this directory (instead of --tracking-uri)"
 _REFERENCE = re.compile(
     r"^(?P<name>[^@/]+)(?:@(?P<alias>[^@/]+)|/(?P<version>\d+))?$|^@(?P<only>[^@/]+)$"
 )
@@ -92,7 +94,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     quarantine.set_defaults(handler=_quarantine)
     sign.set_defaults(handler=_sign)
     for sub in (ls, show, quarantine, sign):
-        sub.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
+        where = sub.add_mutually_exclusive_group()
+        where.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
+        where.add_argument("--home", default=None, help=HOME_HELP)
 
 
 def _version(text: str) -> str:
@@ -101,11 +105,17 @@ def _version(text: str) -> str:
     return str(int(text))
 
 
+def _located(args: argparse.Namespace) -> Located:
+    return locate_registry(args.tracking_uri, home=args.home)
+
+
 def _registry(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The writable registry where every command finds it (imports MLflow: repairs only)."""
     from dpmerge.registry import Registry
 
-    return Registry(locate_registry(args.tracking_uri).tracking_uri)
+    located = _located(args)
+    print(located.describe())
+    return Registry(located.tracking_uri)
 
 
 def _quarantine(args: argparse.Namespace) -> int:
@@ -123,24 +133,20 @@ def _sign(args: argparse.Namespace) -> int:
     return 0
 
 
-def _catalog(args: argparse.Namespace) -> Catalog:
-    located = locate_registry(args.tracking_uri)
-    return open_catalog(located.tracking_uri)
-
-
 def _list(args: argparse.Namespace) -> int:
-    catalog = _catalog(args)
-    rows = catalog.rows(args.name, internal=args.internal)
+    located = _located(args)
+    rows = open_catalog(located.tracking_uri).rows(args.name, internal=args.internal)
     if args.json:
-        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        document = {"registry": located.to_dict(), "versions": [r.to_dict() for r in rows]}
+        print(json.dumps(document, indent=2))
         return 0
+    print(located.describe())
     if not rows:
-        print(f"no dpmerge versions registered at {catalog.tracking_uri}")
+        print("no dpmerge versions registered")
         return 0
     header = ("model", "ver", "role", "status", "ε (accountant, δ)", "bound", "policy", "ε*")
     table = [(*header, "acc", "aliases"), *(_row(r) for r in rows)]
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    print(f"registry: {catalog.tracking_uri}")
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
     return 0
@@ -153,7 +159,7 @@ def _row(r: VersionSummary) -> tuple[str, ...]:
         else "—"
     )
     role = f"{r.role} ({r.method})" if r.method else r.role
-    return (
+    cells = (
         r.name,
         r.version,
         role,
@@ -165,21 +171,30 @@ def _row(r: VersionSummary) -> tuple[str, ...]:
         number_text(r.accuracy) if r.accuracy is not None else "—",
         ",".join(r.aliases) or "—",
     )
+    return tuple(printable(cell) for cell in cells)  # registry writers are not trusted
 
 
 def _show(args: argparse.Namespace) -> int:
     match = _REFERENCE.match(args.reference)
     if match is None:
-        raise InputError(f"expected NAME, NAME@ALIAS or NAME/VERSION, got {args.reference[:80]!r}")
-    detail = _catalog(args).detail(match["name"], match["version"], match["alias"] or match["only"])
+        raise InputError(
+            "expected NAME, NAME@ALIAS, NAME/VERSION or @ALIAS, got "
+            + cut(repr(args.reference), 80)
+        )
+    located = _located(args)
+    catalog = open_catalog(located.tracking_uri)
+    detail = catalog.detail(match["name"], match["version"], match["alias"] or match["only"])
     if args.json:
-        print(json.dumps(detail.to_dict(), indent=2))
+        print(json.dumps({"registry": located.to_dict(), **detail.to_dict()}, indent=2))
         return 0
     tags = detail.stored.tags
     aliases = ", ".join(detail.aliases) or "none"
-    sys.stdout.write(
+    heading = (
         f"{detail.stored.name} v{detail.stored.version} — {tags.get('dp.role', '?')}, "
-        f"{tags.get('dp.status', '?')}; aliases: {aliases}\n\n"
+        f"{tags.get('dp.status', '?')}; aliases: {aliases}"
     )
-    print(detail.description or "(no description)")
+    print(located.describe())
+    print(printable(heading) + "\n")
+    card = detail.description or "(no description)"
+    print("\n".join(printable(line) for line in card.splitlines()))
     return 0

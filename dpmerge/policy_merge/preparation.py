@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dpmerge.errors import UnsupportedError
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.candidates import (
     CandidatePool,
@@ -74,7 +75,7 @@ def prime_caches(workspace: Workspace, dataset: str, model: str) -> CandidatePoo
         )
         for record in records:
             for discretisation in (pld_mod.FINE_DISCRETISATION, pld_mod.COARSE_DISCRETISATION):
-                with suppress(ValueError):  # an RDP-only label has no PLD
+                with suppress(UnsupportedError):  # an RDP-only label has no PLD
                     pld_mod.candidate_pld(record, discretisation)
     finally:
         remove_tree(scratch)
