@@ -4,8 +4,10 @@ rounded toward less privacy loss."""
 
 from __future__ import annotations
 
+import difflib
 import math
 import unicodedata
+from collections.abc import Iterable
 
 EPSILON_DIGITS = 4
 ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
@@ -68,3 +70,12 @@ def cut(text: str, limit: int) -> str:
     characters with an ellipsis."""
     text = printable(" ".join(text.split()))
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def did_you_mean(word: str, known: Iterable[str], *, quoted: bool = True) -> str:
+    """``"; did you mean 'x'?"`` naming the known word nearest to a misspelt ``word``, or
+    ``""`` when none is near (``quoted=False``: the word bare, as for an option)."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f"; did you mean {close[0]!r}?" if quoted else f"; did you mean {close[0]}?"

@@ -72,7 +72,8 @@ class GatingBound(StrEnum):
 
 
 class PolicyMethod(StrEnum):
-    """A policy's merge method: ``auto`` calibrates RS and LC and keeps the better one."""
+    """A policy's merge method: ``auto`` calibrates RS and LC and keeps the release with the
+    smaller noise proxy, a data-independent choice (docs/design.md#calibration)."""
 
     AUTO = "auto"
     RS = "rs"

@@ -533,6 +533,13 @@ def test_dry_run_reports_the_release_and_changes_nothing(env, trained, capsys) -
     assert code == 3 and "infeasible" in capsys.readouterr().out
     code = main([*base, "--target-epsilon", "9", "--min-accuracy", "0.999", "--dry-run"])
     assert code == 4 and "would not promote" in capsys.readouterr().out
+    # δ ≥ 1/n (digits: about 1,300 training rows) would permit releasing rows: refused, n named
+    for delta in ("0.5", "1e-3"):
+        what_if = ["policy", "set", "--name", "what-if", "--delta", delta, "--dataset", "digits"]
+        assert main([*what_if, "--target-epsilon", "5", "--dry-run"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+        assert f"δ = {float(delta):g} is not below 1/n" in err and "training rows" in err
     assert snapshot() == before  # versions, cards, aliases, ledger, audit, runs
 
 

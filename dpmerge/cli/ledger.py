@@ -22,20 +22,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "records. Entries of a readable ledger are kept; an unreadable one is replaced."
         ),
     )
-    rebuild.add_argument("--home", default=None, help="state directory (default $DPMERGE_HOME)")
+    rebuild.add_argument(
+        "--home",
+        default=None,
+        help="use the embedded state in this directory (default: the registry every command "
+        "finds: $MLFLOW_TRACKING_URI, the local stack, $DPMERGE_HOME or ./.dpmerge)",
+    )
     rebuild.set_defaults(handler=_rebuild)
 
 
 def _rebuild(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    import dataclasses
 
     from dpmerge import policy_merge as pm
     from dpmerge.errors import InputError
+    from dpmerge.locate import command, locate_registry
 
+    located = locate_registry(home=args.home)  # never creates a registry to rebuild from
+    print(located.describe())
     workspace = pm.Workspace.from_env(args.home)
-    database = workspace.tracking_uri.removeprefix("sqlite:///")
-    if workspace.tracking_uri.startswith("sqlite:///") and not Path(database).is_file():
-        raise InputError(f"no registry at {workspace.tracking_uri}: nothing to rebuild from")
+    if located.stack is not None and workspace.s3 is None:
+        raise InputError(
+            "the local stack keeps its release ledger in its S3, which this shell does not "
+            f'reach: run `eval "$({command("stack", "env")})"` first'
+        )
+    workspace = dataclasses.replace(workspace, tracking_uri=located.tracking_uri)
     added = pm.rebuild_ledger(workspace)
-    print(f"release ledger: {len(added)} release(s) added back from {workspace.tracking_uri}")
+    print(f"release ledger: {len(added)} release(s) added back")
     return 0

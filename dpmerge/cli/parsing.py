@@ -17,13 +17,12 @@ stack's included, behaves alike. This module imports nothing heavy: ``--help`` s
 from __future__ import annotations
 
 import argparse
-import difflib
 import functools
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from dpmerge.formatting import printable
+from dpmerge.formatting import did_you_mean, printable
 from dpmerge.vocabulary import ExitCode
 
 _SEEN = "_dpmerge_options_seen"
@@ -96,8 +95,7 @@ class Parser(argparse.ArgumentParser):
                 and not self._has_negative_number_optionals
             ):
                 continue  # a negative number is a value
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else f" (options: {', '.join(known)})"
+            hint = did_you_mean(name, known, quoted=False) or f" (options: {', '.join(known)})"
             return f"unknown option {name}{hint}"
         return None
 

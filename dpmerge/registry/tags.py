@@ -15,6 +15,14 @@ STATUS_QUARANTINED = "quarantined"  # taken out of use by an operator (a record 
 TAG_VALUE_LIMIT = 5000  # bytes every MLflow backend stores for a tag value
 ALIAS_TIME_TAG = "dp.alias_time."  # + alias: on a registered model, the event time of its change
 ALIAS_OWNER_TAG = "dp.alias_owner."  # + alias: on a registered model, the policy that owns it
+MLFLOW_ALIAS_LIMIT = 255  # MLflow's MAX_REGISTERED_MODEL_ALIAS_LENGTH
+MLFLOW_TAG_KEY_LIMIT = 250  # MLflow's MAX_MODEL_REGISTRY_TAG_KEY_LENGTH
+ALIAS_LIMIT = min(
+    MLFLOW_ALIAS_LIMIT, MLFLOW_TAG_KEY_LIMIT - max(len(ALIAS_TIME_TAG), len(ALIAS_OWNER_TAG))
+)
+"""Longest alias a policy may own: MLflow's own limit, and short enough that the registered
+model's tags that carry it (``dp.alias_owner.<alias>``, ``dp.alias_time.<alias>``) fit
+MLflow's tag-key limit (235 characters)."""
 RELEASED_TAG = "dp.released"  # "true" on a merged version once the release ledger counts it
 SIGNATURE_TAG, KEY_ID_TAG = "dp.signature", "dp.key_id"  # a candidate's record signature
 FAILURE_TAG = "dp.failure"  # why a version was marked failed or quarantined
