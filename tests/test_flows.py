@@ -53,7 +53,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def trained(env: dict[str, Any]) -> list[dict[str, Any]]:
+def training(env: dict[str, Any]) -> dict[str, Any]:
     from flows.training import train_candidates
 
     return train_candidates(
@@ -64,6 +64,11 @@ def trained(env: dict[str, Any]) -> list[dict[str, Any]]:
         batch_size=64,
         learning_rate=1.0,
     )
+
+
+@pytest.fixture(scope="module")
+def trained(training: dict[str, Any]) -> list[dict[str, Any]]:
+    return training["candidates"]
 
 
 def _policy(**fields: Any) -> Policy:
@@ -152,7 +157,8 @@ def test_training_flows_take_the_declared_training_parameters() -> None:
     fan_out = train_candidates.parameters
     shared = {p.name for p in declared} - {"name", "noise_multiplier", "target_epsilon"}
     own = {"noise_multipliers", "target_epsilons", "deployment"}
-    assert set(fan_out.properties) == shared | own | {"deployment_timeout_s", "prime_merge_caches"}
+    switches = {"deployment_timeout_s", "prime_merge_caches", "frontier_report"}
+    assert set(fan_out.properties) == shared | own | switches
     assert fan_out.properties["dataset"]["default"] == "fashion-mnist" and not fan_out.required
     # a deployment run gets exactly the parameters the one-candidate flow validates
     (spec,) = plan_candidates("digits", "cnn", [1.5], None, epochs=2, limit=300, torch_threads=2)
@@ -257,6 +263,28 @@ def test_remote_tasks_retry_transient_errors_only_and_give_up(env) -> None:
     with pytest.raises(RegistryUnavailableError, match="unreachable"):
         run("down")
     assert attempts.count("down") == 1 + len(RETRY_DELAYS)
+
+
+def test_train_candidates_reports_what_it_spent_and_the_frontier(env, training) -> None:
+    """The flow names its registry, each candidate's σ and ε under PLD and RDP at δ (and, in
+    its unpersisted result, the accuracies), and logs the frontier at once."""
+    assert training["registry"] == {
+        "uri": env["uri"],
+        "kind": "embedded",
+        "source": "$MLFLOW_TRACKING_URI",
+    }
+    for candidate in training["candidates"]:
+        assert candidate["delta"] == DELTA and candidate["dataset_size"] > 1000
+        assert 0 < candidate["epsilon_pld"] <= candidate["epsilon_rdp"]
+        assert candidate["epsilon"] == candidate["epsilon_pld"]  # the smaller one gates
+        assert 0 < candidate["validation_accuracy"] <= 1
+    frontier = training["frontier"]
+    assert frontier["artifacts"] == ["frontier.png", "frontier.csv", "frontier.md"]
+    client = MlflowClient(env["uri"], env["uri"])
+    run = client.get_run(frontier["run_id"])
+    assert client.get_experiment(run.info.experiment_id).name == "dpmerge-reports"
+    assert "frontier.png" in {f.path for f in client.list_artifacts(frontier["run_id"])}
+    assert frontier["registered_model"] == training["candidates"][0]["registered_model"]
 
 
 def test_train_candidates_registers_each_level(env, trained) -> None:
@@ -621,6 +649,7 @@ def test_demo_trains_registers_applies_and_promotes(tmp_path: Path) -> None:
     assert "PREFECT_SERVER_API_PORT" in out and "bin/dpmerge registry ls" in out
     assert "[4/4] the privacy–utility frontier" in out and "logged to MLflow run" in out
     home = tmp_path / ".dpmerge"
+    assert f"registry: sqlite:///{home}/mlflow.db (embedded; from the embedded state" in out
     assert (home / "mlflow.db").is_file() and (home / "mlartifacts").is_dir()
     assert (home / "prefect" / "prefect.db").is_file()  # the runs, for `prefect server start`
     assert (home / "ledger.json").is_file()

@@ -12,9 +12,9 @@ The steps, in order:
    signature, and candidates trained with fixed seeds are refused.
 2. :func:`load_evaluation_data` — the splits the candidates were trained with (found by their
    internal fingerprint), for validation utilities (disjoint from training) and test accuracy.
-3. :func:`calibrate_policy` — ``method: auto`` calibrates RS (utilities: the candidates'
-   validation accuracies) and LC (utility: the merged weights' validation accuracy) and keeps
-   the better expected validation accuracy; ties go to LC (no secret draw). Infeasible targets
+3. :func:`calibrate_policy` — ``method: auto`` calibrates RS and LC and keeps the release with
+   the smaller noise proxy, a data-independent choice; ties go to LC (no secret draw).
+   Validation accuracy only tunes the LC weights within the chosen subset. Infeasible targets
    raise :class:`~dpmerge.errors.InfeasibleTargetError` with the reachable range.
 4. :func:`merge_request` — the release's content hash (candidates, method, weights, δ, bound;
    not the target); :func:`plan_release` reuses a ready version of the same release (a re-run

@@ -12,7 +12,7 @@ from typing import Any
 
 from dpmerge.home import DEFAULT_HOME, HOME_ENV, resolve_home
 from dpmerge.keys import WorkflowKey
-from dpmerge.locate import embedded_tracking_uri
+from dpmerge.locate import Located, embedded_tracking_uri
 from dpmerge.registry import Registry
 from dpmerge.storage import S3Config, S3Store
 
@@ -47,6 +47,13 @@ class Workspace:
         uri = os.environ.get("MLFLOW_TRACKING_URI") or embedded_tracking_uri(home_path)
         use_s3 = os.environ.get("DPMERGE_S3_ENDPOINT_URL") or os.environ.get("DPMERGE_S3_BUCKET")
         return cls(uri, home_path, S3Config.from_env() if use_s3 else None)
+
+    def located(self) -> Located:
+        """The registry this workspace uses, named as every command names it
+        (:meth:`dpmerge.locate.Located.describe`)."""
+        from_env = os.environ.get("MLFLOW_TRACKING_URI") == self.tracking_uri
+        source = "$MLFLOW_TRACKING_URI" if from_env else f"the embedded state ({self.home})"
+        return Located.at(self.tracking_uri, source)
 
     def registry(self) -> Registry:
         """The registry, with the workflow's secret key (``$DPMERGE_SECRET_KEY``, else
