@@ -16,6 +16,7 @@ from prefect import get_run_logger, task
 
 from dpmerge import policy_merge as pm
 from dpmerge.data import DatasetSplits
+from dpmerge.formatting import epsilon_text
 from dpmerge.training import (
     RunOptions,
     TrainConfig,
@@ -120,11 +121,11 @@ def register(workspace: pm.Workspace, path: str) -> dict[str, Any]:
         "test_accuracy": loaded.metrics.get("test_accuracy"),
     }
     get_run_logger().info(
-        "registered %s as %s v%s (ε = %.4f)",
+        "registered %s as %s v%s (ε = %s)",  # rounded up, as every displayed ε
         info["name"],
         registered.name,
         registered.version,
-        info["epsilon"] or float("nan"),
+        epsilon_text(info["epsilon"]),
     )
     return info
 
