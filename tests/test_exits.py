@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
 import re
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from commands import REPO, fresh_env
 from factories import make_record
 
 import dpmerge
@@ -26,8 +26,6 @@ from dpmerge.exits import exit_code
 from dpmerge.registry.catalog import SqliteCatalog
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError
 from dpmerge.vocabulary import ExitCode
-
-REPO = Path(__file__).resolve().parents[1]
 
 EXPECTED = {
     # bad input or a refusal: one line, nothing changed
@@ -139,21 +137,6 @@ def _free_port() -> int:
         return free.getsockname()[1]
 
 
-def _clean_env(tmp_path: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PREFECT_", "MLFLOW_TRACKING", "DPMERGE_"))
-    }
-    return env | {
-        "PYTHONPATH": str(REPO),
-        "DPMERGE_STACK_DIR": str(tmp_path / "no-stack"),
-        "DPMERGE_HOME": str(tmp_path / "home"),
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-
-
 def _dpmerge(*args: str, **options: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "flows.cli", *args],
@@ -167,7 +150,7 @@ def _dpmerge(*args: str, **options: Any) -> subprocess.Popen[str]:
 def test_an_unreachable_mlflow_is_an_outage_not_bad_input(tmp_path: Path) -> None:
     """README: exit 1 for an outage; exit 2 is for rejected input."""
     uri = f"http://127.0.0.1:{_free_port()}"
-    done = _dpmerge("registry", "ls", "--tracking-uri", uri, env=_clean_env(tmp_path))
+    done = _dpmerge("registry", "ls", "--tracking-uri", uri, env=fresh_env(tmp_path))
     out, err = done.communicate(timeout=120)
     assert done.returncode == ExitCode.FAILURE, err
     assert out == "" and err.count("\n") == 1 and "Traceback" not in err
@@ -180,7 +163,7 @@ def test_ctrl_c_ends_with_one_line_and_130(tmp_path: Path) -> None:
         server.bind(("127.0.0.1", 0))
         server.listen()
         uri = f"http://127.0.0.1:{server.getsockname()[1]}"
-        command = _dpmerge("registry", "ls", "--tracking-uri", uri, env=_clean_env(tmp_path))
+        command = _dpmerge("registry", "ls", "--tracking-uri", uri, env=fresh_env(tmp_path))
         server.settimeout(120)
         connection, _ = server.accept()  # the command is now waiting for an answer
         with connection:

@@ -4,13 +4,13 @@ heavy imports, and every ``--help`` quick (README.md#the-command-line)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from commands import fresh_env
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = """
@@ -28,17 +28,8 @@ print(json.dumps({"code": code, "seconds": time.perf_counter() - start,
 
 
 def _clean_env(tmp_path: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PREFECT_", "MLFLOW_TRACKING", "DPMERGE_"))
-    }
-    return env | {
-        "PYTHONPATH": str(REPO),
-        "DPMERGE_STACK_DIR": str(tmp_path / "no-stack"),
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
+    """A fresh environment whose embedded state is ``./.dpmerge`` of the command's directory."""
+    return {k: v for k, v in fresh_env(tmp_path).items() if k != "DPMERGE_HOME"}
 
 
 def _probe(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[dict, str, str]:

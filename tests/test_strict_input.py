@@ -5,18 +5,17 @@ echoes nothing raw (README, "The command line"; docs/design.md#policies)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from commands import fresh_env
 from factories import make_record
 
 from dpmerge.policies import PolicyError, policy_from_dict
 from dpmerge.registry.tags import ALIAS_LIMIT
 
-REPO = Path(__file__).resolve().parents[1]
 RECORD = make_record("c1", 1.0).model_dump(mode="json", exclude_none=True)
 POLICY = {"name": "eu", "target_epsilon": 2.0, "target_delta": 1e-5, "dataset": "digits"}
 
@@ -154,21 +153,6 @@ def bad_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return tmp, _inputs(tmp)
 
 
-def _env(tmp: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PREFECT_", "MLFLOW_TRACKING", "DPMERGE_"))
-    }
-    return env | {
-        "PYTHONPATH": str(REPO),
-        "DPMERGE_STACK_DIR": str(tmp / "no-stack"),
-        "DPMERGE_HOME": str(tmp / "home"),
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-
-
 NAMES = [
     "duplicate JSON key",
     "control characters echoed",
@@ -197,7 +181,7 @@ def test_a_bad_input_is_one_escaped_line(name: str, bad_inputs: tuple[Path, dict
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", *args],
         cwd=tmp,
-        env=_env(tmp),
+        env=fresh_env(tmp),
         capture_output=True,
         text=True,
         timeout=120,
