@@ -74,6 +74,16 @@ def _inputs(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
             2,
             "alias 'a\\x1b]0;pwned\\x07' is not a valid registry alias",
         ),
+        "control characters in a file name": (
+            ["policy", "apply", str(tmp / "no\x1b[2J\x1b[Hsuch.yaml")],
+            2,
+            "no\\x1b[2J\\x1b[Hsuch.yaml",
+        ),
+        "control characters in an argument": (
+            ["registry", "show", "a", "b\x1b[31m"],
+            2,
+            "unrecognized arguments: b\\x1b[31m",
+        ),
         "repeated option": (
             ["policy", "set", "--name", "eu", "--target-epsilon", "1", "--target-epsilon", "5"],
             2,
@@ -157,6 +167,8 @@ NAMES = [
     "duplicate JSON key",
     "control characters echoed",
     "control characters in an option",
+    "control characters in a file name",
+    "control characters in an argument",
     "repeated option",
     "one option under two spellings",
     "repeated option of a library command",

@@ -90,11 +90,8 @@ class Parser(argparse.ArgumentParser):
             name = token.split("=", 1)[0]
             if not name.startswith("-") or name == "-" or name in self._option_string_actions:
                 continue
-            if (
-                self._negative_number_matcher.match(token)
-                and not self._has_negative_number_optionals
-            ):
-                continue  # a negative number is a value
+            if name[1] in "0123456789.":
+                continue  # a negative number (or a list of them) is a value, not an option
             hint = did_you_mean(name, known, quoted=False) or f" (options: {', '.join(known)})"
             return f"unknown option {name}{hint}"
         return None
