@@ -1,7 +1,8 @@
 """Privacy policies: the target a deployed model must meet, as validated data.
 
-A policy names a dataset and model family, a target (ε*, δ*), how to merge (``auto`` tries RS
-and LC and keeps the better validation accuracy), which LC bound gates promotion (``generic``
+A policy names a dataset and model family, a target (ε*, δ*), how to merge (``auto``
+calibrates RS and LC and keeps the release with the smaller noise proxy, a data-independent
+choice: docs/design.md#calibration), which LC bound gates promotion (``generic``
 by default, docs/design.md#generic-bound; ``structured`` is the paper's analysis, opt-in,
 docs/design.md#structured-bound), the accuracy
 floor, the registry alias it owns, and what happens when no release meets it (``revoke`` the
@@ -32,13 +33,15 @@ from pydantic import (
 from dpmerge.documents import describe_validation_error, load_yaml, read_item_list, shorten
 from dpmerge.errors import InputError
 from dpmerge.publication import dataset_name
+from dpmerge.registry.tags import ALIAS_LIMIT
 from dpmerge.vocabulary import GatingBound, OnNoncompliant, PolicyMethod
 
 if TYPE_CHECKING:
     from dpmerge.registry.catalog import Inventory
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-_ALIAS = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
+_ALIAS = re.compile(r"^[A-Za-z0-9_-]+$")  # MLflow's alias characters (ASCII only here)
+_VERSION_ALIAS = re.compile(r"^[vV]\d+$")  # MLflow reserves these for versions
 
 
 class PolicyError(InputError):
@@ -103,10 +106,15 @@ class Policy(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> Policy:
         alias = self.alias or f"policy-{self.name}"
-        if not _ALIAS.match(alias) or alias == "latest" or re.fullmatch(r"[vV]\d+", alias):
+        if len(alias) > ALIAS_LIMIT:
+            raise ValueError(
+                f"alias {shorten(alias)} is {len(alias)} characters long; the registry takes at "
+                f"most {ALIAS_LIMIT}"
+            )
+        if not _ALIAS.match(alias) or alias.lower() == "latest" or _VERSION_ALIAS.match(alias):
             raise ValueError(
                 f"alias {shorten(alias)} is not a valid registry alias (letters, digits, '-', '_'; "
-                "not 'latest' or a version like 'v3')"
+                "not 'latest' in any case, nor a version like 'v3')"
             )
         if self.gating_bound == "structured" and self.method == "rs":
             raise ValueError(
@@ -163,7 +171,7 @@ def policy_from_dict(data: Mapping[str, Any]) -> Policy:
     try:
         return Policy.model_validate(dict(data))
     except ValidationError as error:
-        raise PolicyError(describe_validation_error(where, error)) from None
+        raise PolicyError(describe_validation_error(where, error, Policy)) from None
 
 
 def policies_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Policy, ...]:

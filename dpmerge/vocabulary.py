@@ -6,10 +6,9 @@ CLI options carry plain strings while the code names the members.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import TypeVar
 
-from dpmerge.documents import shorten
 from dpmerge.errors import InputError
 
 E = TypeVar("E", bound=StrEnum)
@@ -24,6 +23,8 @@ def choose(enum: type[E], value: object, what: str) -> E:
             return enum(value)
         except ValueError:
             pass
+    from dpmerge.documents import shorten  # here: the command line's parser imports this module
+
     choices = ", ".join(repr(m.value) for m in enum)
     raise InputError(f"{what} must be one of {choices}, got {shorten(value)}")
 
@@ -71,7 +72,8 @@ class GatingBound(StrEnum):
 
 
 class PolicyMethod(StrEnum):
-    """A policy's merge method: ``auto`` calibrates RS and LC and keeps the better one."""
+    """A policy's merge method: ``auto`` calibrates RS and LC and keeps the release with the
+    smaller noise proxy, a data-independent choice (docs/design.md#calibration)."""
 
     AUTO = "auto"
     RS = "rs"
@@ -179,6 +181,39 @@ class Engine(StrEnum):
 
     LINEAR_EXACT = "linear-exact"
     OPACUS = "opacus"
+
+
+class RegistryKind(StrEnum):
+    """Which registry a command uses (:mod:`dpmerge.locate`), named in its output."""
+
+    EMBEDDED = "embedded"
+    """A local sqlite file: the embedded state (``$DPMERGE_HOME`` or ./.dpmerge) or another."""
+    STACK = "stack"
+    """The local stack's MLflow server (``dpmerge stack up``)."""
+    SERVER = "server"
+    """Any other tracking server or database, given by ``--tracking-uri`` or the environment."""
+
+
+class ExitCode(IntEnum):
+    """What a ``dpmerge`` command's exit status means (README, "Outcomes"): the same for every
+    command, in-process or through a server. :func:`dpmerge.exits.exit_code` maps an error's
+    type onto it."""
+
+    OK = 0
+    FAILURE = 1
+    """An outage (MLflow, S3 or the Prefect server unreachable or failing) or a bug."""
+    REFUSED = 2
+    """Bad input, or a request refused before anything changed (one line says why)."""
+    INFEASIBLE = 3
+    """No merge meets the target; the reachable range is reported."""
+    NOT_PROMOTED = 4
+    """A promotion gate failed; the alias stays where it was."""
+    SUPERSEDED = 5
+    """A later event of the same policy takes precedence; nothing was touched."""
+    INTERRUPTED = 130
+    """Ctrl-C (128 + SIGINT), as a shell reports it."""
+    BROKEN_PIPE = 141
+    """The reader of the output went away (128 + SIGPIPE, e.g. ``dpmerge … | head``)."""
 
 
 def values(vocabulary: type[StrEnum]) -> tuple[str, ...]:

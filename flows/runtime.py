@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from dpmerge.environment import QUIET, TELEMETRY_OFF, probe
-from dpmerge.errors import DPMergeError
+from dpmerge.errors import OutageError
 from dpmerge.keys import KEY_ENV
 from dpmerge.locate import LocalStack, command, embedded_tracking_uri, resolve_home
 
@@ -29,7 +29,7 @@ short on a loaded two-core machine (seen in CI: "Timed out while attempting to c
 SECRET_BLOCK_ENV = "DPMERGE_SECRET_BLOCK"
 
 
-class ServerError(DPMergeError):
+class ServerError(OutageError):
     """The configured Prefect server cannot be reached."""
 
 

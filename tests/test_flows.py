@@ -51,7 +51,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def trained(env: dict[str, Any]) -> list[dict[str, Any]]:
+def training(env: dict[str, Any]) -> dict[str, Any]:
     from flows.training import train_candidates
 
     return train_candidates(
@@ -62,6 +62,11 @@ def trained(env: dict[str, Any]) -> list[dict[str, Any]]:
         batch_size=64,
         learning_rate=1.0,
     )
+
+
+@pytest.fixture(scope="module")
+def trained(training: dict[str, Any]) -> list[dict[str, Any]]:
+    return training["candidates"]
 
 
 def _policy(**fields: Any) -> Policy:
@@ -154,7 +159,8 @@ def test_training_flows_take_the_declared_training_parameters() -> None:
     fan_out = train_candidates.parameters
     shared = {p.name for p in declared} - {"name", "noise_multiplier", "target_epsilon"}
     own = {"noise_multipliers", "target_epsilons", "deployment"}
-    assert set(fan_out.properties) == shared | own | {"deployment_timeout_s", "prime_merge_caches"}
+    switches = {"deployment_timeout_s", "prime_merge_caches", "frontier_report"}
+    assert set(fan_out.properties) == shared | own | switches
     assert fan_out.properties["dataset"]["default"] == "fashion-mnist" and not fan_out.required
     # a deployment run gets exactly the parameters the one-candidate flow validates
     (spec,) = plan_candidates("digits", "cnn", [1.5], None, epochs=2, limit=300, torch_threads=2)
@@ -208,6 +214,28 @@ def test_remote_tasks_retry_transient_errors_only_and_give_up(env) -> None:
     with pytest.raises(RegistryUnavailableError, match="unreachable"):
         run("down")
     assert attempts.count("down") == 1 + len(RETRY_DELAYS)
+
+
+def test_train_candidates_reports_what_it_spent_and_the_frontier(env, training) -> None:
+    """The flow names its registry, each candidate's σ and ε under PLD and RDP at δ (and, in
+    its unpersisted result, the accuracies), and logs the frontier at once."""
+    assert training["registry"] == {
+        "uri": env["uri"],
+        "kind": "embedded",
+        "source": "$MLFLOW_TRACKING_URI",
+    }
+    for candidate in training["candidates"]:
+        assert candidate["delta"] == DELTA and candidate["dataset_size"] > 1000
+        assert 0 < candidate["epsilon_pld"] <= candidate["epsilon_rdp"]
+        assert candidate["epsilon"] == candidate["epsilon_pld"]  # the smaller one gates
+        assert 0 < candidate["validation_accuracy"] <= 1
+    frontier = training["frontier"]
+    assert frontier["artifacts"] == ["frontier.png", "frontier.csv", "frontier.md"]
+    client = MlflowClient(env["uri"], env["uri"])
+    run = client.get_run(frontier["run_id"])
+    assert client.get_experiment(run.info.experiment_id).name == "dpmerge-reports"
+    assert "frontier.png" in {f.path for f in client.list_artifacts(frontier["run_id"])}
+    assert frontier["registered_model"] == training["candidates"][0]["registered_model"]
 
 
 def test_train_candidates_registers_each_level(env, trained) -> None:
@@ -429,7 +457,7 @@ def test_cli_policy_set_and_apply_run_in_process(
     )
     outcome = _json_lines(capsys.readouterr().out)[-1]
     assert code == 0 and outcome["status"] == "promoted" and outcome["policy"] == "cli"
-    assert outcome["kind"] == "embedded" and outcome["registry"] == env["uri"]
+    assert outcome["registry"]["kind"] == "embedded" and outcome["registry"]["uri"] == env["uri"]
     # a partial change keeps every field it does not name
     assert main(["policy", "set", "--name", "cli", "--target-epsilon", "9", "--json"]) == 0
     capsys.readouterr()
@@ -494,7 +522,8 @@ def test_policy_set_fails_fast_on_a_typo_and_starts_no_run(env, trained, capsys)
     for flag, value, field in (("--dataset", "digitz", "dataset"), ("--model", "cnn", "model")):
         start = time.perf_counter()
         args = ["policy", "set", "--name", "typo", "--target-epsilon", "2", "--delta", "1e-5"]
-        code = main([*args, "--dataset", "digits", flag, value])
+        dataset = () if flag == "--dataset" else ("--dataset", "digits")  # an option once
+        code = main([*args, *dataset, flag, value])
         seconds = time.perf_counter() - start
         err = capsys.readouterr().err
         assert code == 2 and seconds < 10, (code, seconds)
@@ -538,7 +567,7 @@ def test_dry_run_reports_the_release_and_changes_nothing(env, trained, capsys) -
     assert report["epsilon"] <= _eps(trained)[1] * 1.2 and report["method"] in ("rs", "lc")
     assert 0 < report["test_accuracy"] <= 1 and 0 < report["validation_accuracy"] <= 1
     assert {g["name"] for g in report["gates"]} == {"epsilon", "delta", "accuracy", "ledger"}
-    assert report["registry"] == env["uri"] and report["kind"] == "embedded"
+    assert report["registry"]["uri"] == env["uri"] and report["registry"]["kind"] == "embedded"
     code = main([*base, "--target-epsilon", f"{_eps(trained)[1] * 1.2:.4f}", "--dry-run"])
     out = capsys.readouterr().out
     assert code == 0 and "policy what-if: new" in out
@@ -548,7 +577,14 @@ def test_dry_run_reports_the_release_and_changes_nothing(env, trained, capsys) -
     assert code == 3 and "infeasible" in capsys.readouterr().out
     code = main([*base, "--target-epsilon", "9", "--min-accuracy", "0.999", "--dry-run"])
     assert code == 4 and "would not promote" in capsys.readouterr().out
-    assert snapshot() == before  # versions, cards, aliases, state, audit, runs
+    # δ ≥ 1/n (digits: about 1,300 training rows) would permit releasing rows: refused, n named
+    for delta in ("0.5", "1e-3"):
+        what_if = ["policy", "set", "--name", "what-if", "--delta", delta, "--dataset", "digits"]
+        assert main([*what_if, "--target-epsilon", "5", "--dry-run"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+        assert f"δ = {float(delta):g} is not below 1/n" in err and "training rows" in err
+    assert snapshot() == before  # versions, cards, aliases, ledger, audit, runs
 
 
 def test_cli_exit_codes_match_the_outcome(env, trained, capsys) -> None:
@@ -628,6 +664,7 @@ def test_demo_trains_registers_applies_and_promotes(tmp_path: Path) -> None:
     assert "PREFECT_SERVER_API_PORT" in out and "bin/dpmerge registry ls" in out
     assert "[4/4] the privacy–utility frontier" in out and "logged to MLflow run" in out
     home = tmp_path / ".dpmerge"
+    assert f"registry: sqlite:///{home}/mlflow.db (embedded; from the embedded state" in out
     assert (home / "mlflow.db").is_file() and (home / "mlartifacts").is_dir()
     assert (home / "prefect" / "prefect.db").is_file()  # the runs, for `prefect server start`
     assert list((home / "state" / "datasets").glob("*.json"))  # the ledger and the pointers

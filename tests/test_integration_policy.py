@@ -232,9 +232,8 @@ def test_one_policy_at_a_time_the_later_event_wins(stack, candidates) -> None:
 def test_different_policies_run_side_by_side(stack, candidates) -> None:
     """The lock is per policy: while policy side-a's lock is held (here, by the test), an event
     for side-b is applied and one for side-a waits; released, side-a's run completes."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows.policy_runs import policy_lock
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
     side_a, side_b = (
@@ -297,4 +296,5 @@ def test_outcome_exit_codes_are_the_embedded_ones(stack, candidates, capsys) -> 
     strict = [*base, "--target-epsilon", f"{epsilons[2] * 1.3:.4f}", "--min-accuracy", "0.999"]
     assert main([*strict, "--wait", "180"]) == 4
     assert capsys.readouterr().out.startswith("policy codes: not promoted — ")
-    assert main([*base, "--target-epsilon", "2", "--dataset", "digitz"]) == 2  # before any event
+    typo = [*base[:-1], "digitz", "--target-epsilon", "2"]  # --dataset digitz, given once
+    assert main(typo) == 2  # before any event

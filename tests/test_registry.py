@@ -26,6 +26,7 @@ from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelSpec, save_model_dir
 from dpmerge.cli import main
 from dpmerge.errors import is_transient
+from dpmerge.exits import exit_code
 from dpmerge.keys import WorkflowKey
 from dpmerge.manifests import ReleaseSignatureError, file_digests
 from dpmerge.merging import merge_model_dirs
@@ -38,6 +39,7 @@ from dpmerge.registry import (
     GateError,
     Registry,
     RegistryError,
+    RegistryFailureError,
     RegistryUnavailableError,
     candidate_model_name,
     merged_model_name,
@@ -46,6 +48,7 @@ from dpmerge.registry.catalog import open_catalog
 from dpmerge.registry.errors import registry_error
 from dpmerge.registry.filters import search_filter
 from dpmerge.storage import S3Store
+from dpmerge.vocabulary import ExitCode
 
 DELTA = 1e-5
 DATASET = "toy-sha256:0123456789abcdef0123"
@@ -349,7 +352,10 @@ def test_embedded_registry_and_ls_cli(
     registry.set_alias(MERGED, "production", result.version)
 
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded, "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["versions"]
+    listed = json.loads(capsys.readouterr().out)
+    where = {"uri": mlflow_embedded, "kind": "embedded", "source": "--tracking-uri"}
+    assert listed["registry"] == where  # every answer names the registry it read
+    rows = listed["versions"]
     assert [(r["role"], r["version"]) for r in rows] == [
         ("candidate", "1"),
         ("candidate", "2"),
@@ -364,6 +370,7 @@ def test_embedded_registry_and_ls_cli(
     assert rows[3]["policy"] == "toy-eps5" and rows[3]["target_epsilon"] == 5.0
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded]) == 0
     table = capsys.readouterr().out
+    assert table.startswith(f"registry: {mlflow_embedded} (embedded; from --tracking-uri)\n")
     assert "production" in table and "pld" in table.lower() and "toy-eps5" in table
     # the catalog (sqlite read-only, no MLflow import) reads what the MLflow client reads
     assert open_catalog(mlflow_embedded).rows() == registry.list_versions()
@@ -371,7 +378,10 @@ def test_embedded_registry_and_ls_cli(
         main(["registry", "show", f"{MERGED}@production", "--tracking-uri", mlflow_embedded]) == 0
     )
     shown = capsys.readouterr().out
-    assert shown.startswith(f"{MERGED} v1 — merged, ready; aliases: production")
+    assert shown.startswith(
+        f"registry: {mlflow_embedded} (embedded; from --tracking-uri)\n"
+        f"{MERGED} v1 — merged, ready; aliases: production"
+    )
     assert "# Privacy card" in shown and "policy `toy-eps5`" in shown
     assert main(["registry", "show", "@production", "--tracking-uri", mlflow_embedded]) == 0
     assert capsys.readouterr().out == shown  # the release model that carries the alias
@@ -473,6 +483,7 @@ def test_mlflow_failures_are_transient_by_type_code_or_status() -> None:
     from mlflow.exceptions import MlflowException, RestException
     from mlflow.protos.databricks_pb2 import (
         DEADLINE_EXCEEDED,
+        INVALID_PARAMETER_VALUE,
         RESOURCE_DOES_NOT_EXIST,
         TEMPORARILY_UNAVAILABLE,
     )
@@ -495,18 +506,28 @@ def test_mlflow_failures_are_transient_by_type_code_or_status() -> None:
         "timeout": from_rest_client(requests.exceptions.ReadTimeout("read timed out")),
         "retries": from_rest_client(requests.exceptions.RetryError("too many 502 responses")),
     }
-    permanent = {
+    refused = {  # MLflow's answer that the request is wrong: bad input, exit 2
         "missing": MlflowException("no such model", error_code=RESOURCE_DOES_NOT_EXIST),
+        "invalid": MlflowException("database is locked", error_code=INVALID_PARAMETER_VALUE),
+    }
+    failed = {  # the server failed, but not temporarily: an outage or a bug, exit 1
         "text only": MlflowException("failed with error code 503 (database is locked)"),
         "bad url": from_rest_client(requests.exceptions.InvalidURL("no host")),
+        "not mlflow": OSError("disk full"),
     }
     for what, error in transient.items():
         translated = registry_error(f"reading m: {what}", error)
         assert isinstance(translated, RegistryUnavailableError), what
         assert is_transient(translated) and str(translated) == f"reading m: {what}"
-    for what, error in permanent.items():
+        assert exit_code(translated) == ExitCode.FAILURE
+    for what, error in refused.items():
         translated = registry_error(what, error)
         assert type(translated) is RegistryError and not is_transient(translated), what
+        assert exit_code(translated) == ExitCode.REFUSED
+    for what, error in failed.items():
+        translated = registry_error(what, error)
+        assert type(translated) is RegistryFailureError and not is_transient(translated), what
+        assert exit_code(translated) == ExitCode.FAILURE
 
 
 @pytest.mark.slow
@@ -523,3 +544,23 @@ def test_a_locked_database_is_transient(mlflow_embedded: str) -> None:
     finally:
         database.execute("ROLLBACK")
         database.close()
+
+
+def test_a_cancellation_during_registration_is_not_a_registry_error(
+    mlflow_embedded: str, candidate_dirs: list[Path]
+) -> None:
+    """Prefect cancels a run by raising ``TerminationSignal`` (a ``BaseException``) in it: the
+    registration marks its version failed and lets the signal through as it is, so the run is
+    cancelled rather than failed with a registry error."""
+    from prefect.exceptions import TerminationSignal
+
+    class Cancelled(Registry):
+        def _verify(self, *args: Any, **kwargs: Any) -> None:
+            raise TerminationSignal(15)
+
+    with pytest.raises(TerminationSignal):
+        Cancelled(mlflow_embedded).register_candidate(candidate_dirs[0])
+    (version,) = MlflowClient(mlflow_embedded, mlflow_embedded).search_model_versions(
+        f"name = '{CANDIDATES}'"
+    )
+    assert version.tags["dp.status"] == STATUS_FAILED

@@ -56,7 +56,9 @@ def _workspace(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from dpmerge.errors import InputError
     from dpmerge.policy_merge import Workspace
 
-    workspace = Workspace.of_registry(locate_registry(args.tracking_uri).tracking_uri)
+    located = locate_registry(args.tracking_uri)
+    print(located.describe())
+    workspace = Workspace.of_registry(located.tracking_uri)
     if workspace.workflow_key() is None:
         raise InputError(
             "this repair signs what it writes and needs the workflow's key (run it with the "

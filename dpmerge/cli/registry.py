@@ -5,9 +5,11 @@ store, docs/design.md#release-state). ``verify``: compare MLflow with the releas
 and the signatures, and with ``--repair`` repair what is safe to repair.
 
 Read-only and quick: the registry is found as every command finds it (:mod:`dpmerge.locate`:
-``--tracking-uri``, ``$MLFLOW_TRACKING_URI``, a running local stack, the embedded state) and
-read through :mod:`dpmerge.registry.catalog`, without importing MLflow or torch. Nothing is
-created: with no registry anywhere the command says where it looked (exit 2).
+``--tracking-uri`` or ``--home``, ``$MLFLOW_TRACKING_URI``, the local stack, the embedded
+state), named in the output (``registry: <uri> (<kind>; from <where>)``, and ``"registry"`` in
+the JSON), and read through :mod:`dpmerge.registry.catalog`, without importing MLflow or torch.
+Nothing is created: with no registry anywhere the command says where it looked (exit 2); a
+local stack that is recorded but stopped is named with ``dpmerge stack up`` (exit 1).
 """
 
 from __future__ import annotations
@@ -15,19 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from typing import Any
 
 from dpmerge.errors import InputError
-from dpmerge.formatting import epsilon_text, number_text
-from dpmerge.locate import locate_registry
-from dpmerge.registry.catalog import Catalog, open_catalog
+from dpmerge.formatting import cut, epsilon_text, number_text, printable
+from dpmerge.locate import Located, locate_registry
+from dpmerge.registry.catalog import open_catalog
 from dpmerge.registry.versions import VersionSummary
 
 TRACKING_HELP = (
-    "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else a running local stack, else "
+    "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the local stack, else "
     "the embedded state $DPMERGE_HOME or ./.dpmerge)"
 )
+HOME_HELP = "use the embedded state in this directory (instead of --tracking-uri)"
 _REFERENCE = re.compile(
     r"^(?P<name>[^@/]+)(?:@(?P<alias>[^@/]+)|/(?P<version>\d+))?$|^@(?P<only>[^@/]+)$"
 )
@@ -99,7 +101,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(handler=_verify)
     for sub in (ls, show, quarantine, verify):
-        sub.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
+        where = sub.add_mutually_exclusive_group()
+        where.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
+        where.add_argument("--home", default=None, help=HOME_HELP)
 
 
 def _version(text: str) -> str:
@@ -108,17 +112,23 @@ def _version(text: str) -> str:
     return str(int(text))
 
 
-def _workspace(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _located(args: argparse.Namespace) -> Located:
+    return locate_registry(args.tracking_uri, home=args.home)
+
+
+def _workspace(args: argparse.Namespace, located: Located | None = None):  # type: ignore[no-untyped-def]
     """The registry where every command finds it, with its release-state store."""
     from dpmerge.policy_merge import Workspace
 
-    return Workspace.of_registry(locate_registry(args.tracking_uri).tracking_uri)
+    return Workspace.of_registry((located or _located(args)).tracking_uri)
 
 
 def _quarantine(args: argparse.Namespace) -> int:
     from dpmerge.state.quarantine import quarantine
 
-    workspace = _workspace(args)
+    located = _located(args)
+    print(located.describe())
+    workspace = _workspace(args, located)
     registry = workspace.registry()
     registry.get_version(args.model, args.version)  # it must exist
     record = quarantine(workspace.state(), args.model, args.version, args.reason)
@@ -133,31 +143,29 @@ def _quarantine(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from dpmerge.policy_merge.verify import verify
 
-    workspace = _workspace(args)
+    located = _located(args)
+    workspace = _workspace(args, located)
     findings = verify(workspace, repair=args.repair)
-    where = {"registry": workspace.tracking_uri, "state": workspace.state().where}
+    where = {"registry": located.to_dict(), "state": workspace.state().where}
     if args.json:
         print(json.dumps({**where, "findings": [f.to_dict() for f in findings]}, indent=2))
     else:
+        print(located.describe())
         for finding in findings:
-            print(finding.line())
+            print(printable(finding.line()))
         print(
-            f"{len(findings)} finding(s); registry {where['registry']}, state {where['state']}"
+            f"{len(findings)} finding(s); state {where['state']}"
             + ("" if workspace.workflow_key() else " (signatures not checked: no workflow key)")
         )
     return 1 if findings else 0
 
 
-def _catalog(args: argparse.Namespace) -> Catalog:
-    located = locate_registry(args.tracking_uri)
-    return open_catalog(located.tracking_uri)
-
-
-def _aliases(args: argparse.Namespace) -> list[Any]:
+def _aliases(located: Located) -> list[Any]:
     """The serving pointers of the registry's release-state store (none when it has none)."""
+    from dpmerge.policy_merge import Workspace
     from dpmerge.state.serving import every_alias
 
-    return every_alias(_workspace(args).state())
+    return every_alias(Workspace.of_registry(located.tracking_uri).state())
 
 
 def _serves(alias: Any) -> str:
@@ -166,24 +174,26 @@ def _serves(alias: Any) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    catalog = _catalog(args)
-    rows = catalog.rows(args.name, internal=args.internal)
+    located = _located(args)
+    rows = open_catalog(located.tracking_uri).rows(args.name, internal=args.internal)
     serving: dict[tuple[str, str], list[str]] = {}
-    for alias in _aliases(args):
+    for alias in _aliases(located):
         if alias.serving is not None:
             serving.setdefault((alias.model, alias.serving), []).append(_serves(alias))
     if args.json:
         documents = [{**r.to_dict(), "serves": serving.get((r.name, r.version), [])} for r in rows]
-        print(json.dumps({"registry": catalog.tracking_uri, "versions": documents}, indent=2))
+        print(json.dumps({"registry": located.to_dict(), "versions": documents}, indent=2))
         return 0
+    print(located.describe())
     if not rows:
-        print(f"no dpmerge versions registered at {catalog.tracking_uri}")
+        print("no dpmerge versions registered")
         return 0
     header = ("model", "ver", "role", "status", "ε (accountant, δ)", "bound", "policy", "ε*")
     table = [(*header, "acc", "aliases", "serves (policy version)")]
-    table += [(*_row(r), "; ".join(serving.get((r.name, r.version), [])) or "—") for r in rows]
+    table += [
+        (*_row(r), printable("; ".join(serving.get((r.name, r.version), [])) or "—")) for r in rows
+    ]
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    print(f"registry: {catalog.tracking_uri}")
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
     return 0
@@ -196,7 +206,7 @@ def _row(r: VersionSummary) -> tuple[str, ...]:
         else "—"
     )
     role = f"{r.role} ({r.method})" if r.method else r.role
-    return (
+    cells = (
         r.name,
         r.version,
         role,
@@ -208,31 +218,38 @@ def _row(r: VersionSummary) -> tuple[str, ...]:
         number_text(r.accuracy) if r.accuracy is not None else "—",
         ",".join(r.aliases) or "—",
     )
+    return tuple(printable(cell) for cell in cells)  # registry writers are not trusted
 
 
 def _show(args: argparse.Namespace) -> int:
     match = _REFERENCE.match(args.reference)
     if match is None:
-        raise InputError(f"expected NAME, NAME@ALIAS or NAME/VERSION, got {args.reference[:80]!r}")
+        raise InputError(
+            "expected NAME, NAME@ALIAS, NAME/VERSION or @ALIAS, got "
+            + cut(repr(args.reference), 80)
+        )
+    located = _located(args)
     alias = match["alias"] or match["only"]
-    pointers = [a for a in _aliases(args) if alias is not None and a.alias == alias]
+    pointers = [a for a in _aliases(located) if alias is not None and a.alias == alias]
     if match["name"]:
         pointers = [a for a in pointers if a.model == match["name"]]
     pointer = pointers[0] if len(pointers) == 1 else None
     if pointer is not None and pointer.serving is None:
-        return _not_serving(pointer, args.json)
-    detail = _catalog(args).detail(match["name"], match["version"], alias)
+        return _not_serving(pointer, located, args.json)
+    detail = open_catalog(located.tracking_uri).detail(match["name"], match["version"], alias)
     if args.json:
-        document = detail.to_dict()
+        document = {"registry": located.to_dict(), **detail.to_dict()}
         document["serving_pointer"] = pointer.to_dict() if pointer else None
         print(json.dumps(document, indent=2, ensure_ascii=False))
         return 0
     tags = detail.stored.tags
     aliases = ", ".join(detail.aliases) or "none"
-    sys.stdout.write(
+    heading = (
         f"{detail.stored.name} v{detail.stored.version} — {tags.get('dp.role', '?')}, "
-        f"{tags.get('dp.status', '?')}; aliases: {aliases}\n"
+        f"{tags.get('dp.status', '?')}; aliases: {aliases}"
     )
+    print(located.describe())
+    print(printable(heading))
     if pointer is not None:
         state = "NON-COMPLIANT (kept by its policy)" if pointer.state == "noncompliant" else ""
         print(
@@ -245,15 +262,18 @@ def _show(args: argparse.Namespace) -> int:
                 f"pointer says v{pointer.serving}: `dpmerge registry verify --repair` moves it back"
             )
     print()
-    print(detail.description or "(no description)")
+    card = detail.description or "(no description)"
+    print("\n".join(printable(line) for line in card.splitlines()))
     return 0
 
 
-def _not_serving(pointer: Any, as_json: bool) -> int:
+def _not_serving(pointer: Any, located: Located, as_json: bool) -> int:
     """An alias that serves nothing: by which policy version, run, when and why."""
     if as_json:
-        print(json.dumps({"serving_pointer": pointer.to_dict()}, indent=2, ensure_ascii=False))
+        document = {"registry": located.to_dict(), "serving_pointer": pointer.to_dict()}
+        print(json.dumps(document, indent=2, ensure_ascii=False))
         return 0
+    print(located.describe())
     if pointer.state == "unset":
         print(f"{pointer.model}@{pointer.alias}: claimed by policy {pointer.owner}, never served")
         return 0
@@ -261,7 +281,7 @@ def _not_serving(pointer: Any, as_json: bool) -> int:
         f"{pointer.model}@{pointer.alias}: {pointer.state.upper()} by policy {pointer.owner} "
         f"v{pointer.policy_version} (run {pointer.run or 'in-process'}) at {pointer.since}"
     )
-    print(f"  why: {pointer.reason or '(not recorded)'}")
+    print(f"  why: {printable(pointer.reason or '(not recorded)')}")
     previous = [h for h in pointer.history if h.get("version")]
     if previous:
         last = previous[-1]

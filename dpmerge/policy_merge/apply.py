@@ -34,7 +34,7 @@ them to observe, break or kill one. Nothing here imports Prefect.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +184,7 @@ class _Run:
             candidates=tuple(report.names),
             reachable_epsilon_range=plan.calibration.reachable_epsilon_range,
             compared=plan.compared,
-            notes=(note,) if note else (),
+            notes=(*prepared.notes, *((note,) if note else ())),
         )
         planned = steps.plan_release(self.workspace, request, entry, self.policy)
         if planned.refused:  # known before merging: nothing is merged, drawn or registered
@@ -192,6 +192,7 @@ class _Run:
         registered, metrics = planned.existing, {}
         if registered is None:
             merged = steps.merge(self.workspace, request, candidates, plan, data, self.workdir)
+            merged = replace(merged, notes=(*prepared.notes, *merged.notes))  # δ on the card
             metrics = merged.metrics
             try:
                 counted = steps.count(self.workspace, entry, self.policy.cumulative_epsilon_cap)

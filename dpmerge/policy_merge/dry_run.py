@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from dpmerge.accounting.delta import delta_check_for
 from dpmerge.artifacts import WEIGHTS_FILE
 from dpmerge.errors import InfeasibleTargetError, InputError
 from dpmerge.evaluation import expected_accuracy
@@ -86,6 +87,7 @@ class DryRun:
     reachable_epsilon_range: tuple[float, float] | None = None
     reasons: tuple[str, ...] = ()
     compared: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # δ against the dataset size (a warning, or why unchecked)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -97,7 +99,7 @@ class DryRun:
         """One line for people."""
         head = f"policy {self.policy} (dry run): {self.verdict.value.replace('_', ' ')}"
         if self.verdict == Verdict.INFEASIBLE:
-            return f"{head} — {'; '.join(self.reasons)}"
+            return f"{head} — {'; '.join((*self.reasons, *self.notes))}"
         expected = "expected " if self.accuracy_is_expected else ""
         shown = ", ".join(
             f"{name} v{version} {weight:.4f}"
@@ -122,7 +124,8 @@ class DryRun:
         if self.existing_version:
             line += f"; reuses {self.merged_model} v{self.existing_version}"
         failing = [g.detail for g in self.gates if g.passes is not True]
-        return line + (f"; gates: {'; '.join(failing)}" if failing else "; every gate passes")
+        line += f"; gates: {'; '.join(failing)}" if failing else "; every gate passes"
+        return "; ".join((line, *self.notes))
 
 
 def dry_run(version: PolicyVersion, workspace: Workspace) -> DryRun:
@@ -147,7 +150,10 @@ def dry_run(version: PolicyVersion, workspace: Workspace) -> DryRun:
             registry, pool, scratch, cache_dir=workspace.cache_dir / "candidates"
         )
         refuse_fixed_seeds(candidates)  # what a real run refuses, the dry run refuses too
-        first = candidates[0].model_dir.record
+        records = [c.model_dir.record for c in candidates]
+        delta_check = delta_check_for(records, policy.target_delta)  # δ ≥ 1/n: refused
+        base["notes"] = tuple(n for n in (delta_check.warning, delta_check.note) if n)
+        first = records[0]
         data = load_evaluation_data(  # by the internal fingerprint, as a real run does
             first.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
         )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dpmerge.accounting.delta import delta_check_for
 from dpmerge.errors import UnsupportedError
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.candidates import (
@@ -89,6 +90,7 @@ class Prepared:
     superseded_by: int | None = None
     candidates: tuple[RegisteredCandidate, ...] = ()
     data: EvaluationData | None = None
+    notes: tuple[str, ...] = ()  # for the card: δ against the number of training rows
 
 
 def later_version(workspace: Workspace, version: PolicyVersion, pool: CandidatePool) -> int | None:
@@ -131,11 +133,14 @@ def prepare(workspace: Workspace, version: PolicyVersion, dest: str | Path) -> P
         return Prepared(pool, superseded_by=later)
     candidates = load_candidates(registry, pool, dest, cache_dir=workspace.cache_dir / "candidates")
     refuse_fixed_seeds(candidates)
-    first = candidates[0].model_dir.record
+    records = [c.model_dir.record for c in candidates]
+    delta = delta_check_for(records, policy.target_delta)  # δ ≥ 1/n: refused (DeltaError)
+    first = records[0]
     data = load_evaluation_data(
         first.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
     )
-    return Prepared(pool, None, tuple(candidates), data)
+    notes = tuple(n for n in (delta.warning, delta.note) if n)
+    return Prepared(pool, None, tuple(candidates), data, notes)
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,12 @@ from dpmerge.policy_merge.outcome import Status
 from dpmerge.policy_merge.release import MergeRequest, Release
 from dpmerge.policy_merge.workspace import Workspace
 from dpmerge.registry import GateError, RegistryError, ReleaseFacts
+from dpmerge.registry.tags import SERVED_TAG
 from dpmerge.state import AliasState, CountedRelease, Guarantee, SupersededError
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.quarantine import quarantined
 from dpmerge.vocabulary import GatingBound, OnNoncompliant, ServingState
-
-SERVED_TAG = "dpmerge.serves."
-"""+ alias: a registered-model tag with what the alias serves, rounded up (display only)."""
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass
 from dpmerge import manifests
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
-from dpmerge.policy_merge.promotion import SERVED_TAG, served_text, unmet
+from dpmerge.policy_merge.promotion import served_text, unmet
 from dpmerge.policy_merge.workspace import Workspace
 from dpmerge.registry import Registry, RegistryError
-from dpmerge.registry.tags import STATUS_QUARANTINED
+from dpmerge.registry.tags import SERVED_TAG, STATUS_QUARANTINED
 from dpmerge.state import AliasState, DatasetState, StateIntegrityError, StateStore
 from dpmerge.state import policies as stored_policies
 from dpmerge.state import serving as state_serving

@@ -12,7 +12,7 @@ from typing import Any
 
 from dpmerge.home import DEFAULT_HOME, HOME_ENV, resolve_home
 from dpmerge.keys import KEY_ENV, KEY_FILE_ENV, WorkflowKey
-from dpmerge.locate import embedded_tracking_uri
+from dpmerge.locate import Located, embedded_tracking_uri
 from dpmerge.registry import Registry
 from dpmerge.state import LocalBackend, S3Backend, StateStore
 from dpmerge.storage import S3Config, S3Store
@@ -68,6 +68,13 @@ class Workspace:
         if os.environ.get(KEY_ENV) or os.environ.get(KEY_FILE_ENV) or self.s3 is None:
             return WorkflowKey.from_env(self.home)
         return None
+
+    def located(self) -> Located:
+        """The registry this workspace uses, named as every command names it
+        (:meth:`dpmerge.locate.Located.describe`)."""
+        from_env = os.environ.get("MLFLOW_TRACKING_URI") == self.tracking_uri
+        source = "$MLFLOW_TRACKING_URI" if from_env else f"the embedded state ({self.home})"
+        return Located.at(self.tracking_uri, source)
 
     def registry(self) -> Registry:
         """The registry, with the workflow's secret key where this process has it."""

@@ -35,7 +35,8 @@ This package is the only code that talks to MLflow: its client is private, calle
 dpmerge's own dataclasses (:class:`StoredVersion`, …), never an MLflow entity, and MLflow's
 failures arrive as :class:`RegistryError` — as :class:`RegistryUnavailableError` (a
 :class:`~dpmerge.errors.TransientError`) when their type, error code or HTTP status says they
-are temporary (docs/design.md#registry).
+are temporary, as :class:`RegistryFailureError` (an outage or a bug) when the server failed
+otherwise (docs/design.md#registry).
 
 Modules: :mod:`~dpmerge.registry.adapter` (the :class:`Registry`: registration, promotion,
 aliases, reports), :mod:`~dpmerge.registry.queries` (its reads),
@@ -63,6 +64,7 @@ _EXPORTS = {
     "GateError": "errors",
     "RecordIntegrityError": "errors",
     "RegistryError": "errors",
+    "RegistryFailureError": "errors",
     "RegistryUnavailableError": "errors",
     "candidate_content_hash": "names",
     "candidate_model_name": "names",
@@ -98,6 +100,7 @@ __all__ = [
     "RegisteredVersion",
     "Registry",
     "RegistryError",
+    "RegistryFailureError",
     "RegistryUnavailableError",
     "ReleaseFacts",
     "StoredVersion",
@@ -126,6 +129,7 @@ if TYPE_CHECKING:
         GateError,
         RecordIntegrityError,
         RegistryError,
+        RegistryFailureError,
         RegistryUnavailableError,
     )
     from dpmerge.registry.names import (

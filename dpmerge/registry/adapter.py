@@ -379,8 +379,8 @@ class Registry(RegistryQueries):
             if version is not None:
                 self._mark_failed(name, version)
             self._end_run(run_id, "FAILED")
-            if isinstance(error, DPMergeError | KeyboardInterrupt):
-                raise
+            if isinstance(error, DPMergeError) or not isinstance(error, Exception):
+                raise  # ours, or a cancellation (Ctrl-C, Prefect's TerminationSignal): as it is
             raise registry_error(f"registering {name} failed: {error}", error) from error
         self._end_run(run_id, "FINISHED", run.ended_ms)
         first = self.find_ready_version(name, content_hash)

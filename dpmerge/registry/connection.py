@@ -45,6 +45,7 @@ from dpmerge.artifacts import (
     ModelDir,
 )
 from dpmerge.environment import probe
+from dpmerge.formatting import cut
 from dpmerge.locate import command
 from dpmerge.manifests import file_digests
 from dpmerge.privacy_card import PrivacyCard
@@ -56,6 +57,9 @@ MODEL_ARTIFACT = "model"
 EXTRA_DIR = "extra_files"  # where mlflow.pytorch.log_model puts extra_files
 CARD_MARKDOWN, CARD_JSON = "privacy_card.md", "privacy_card.json"
 INPUT_EXAMPLE_BATCH = 4  # > 1 so that pt2 export keeps the batch dimension dynamic
+
+MESSAGE_LIMIT = 300
+"""MLflow's messages are cut to this many characters: an error stays one readable line."""
 
 _PT2_EXPORT_LOCK = threading.Lock()
 """Saving a pt2 model runs ``torch.export``, which is not thread-safe: two registrations from
@@ -92,7 +96,14 @@ class MlflowConnection:
     def __init__(self, tracking_uri: str | None, artifact_root: str | None) -> None:
         bound_client_retries()
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
-        self._client = MlflowClient(self.tracking_uri, self.tracking_uri)
+        with self._errors("opening the registry"):  # MLflow refuses some URIs right here
+            try:
+                self._client = MlflowClient(self.tracking_uri, self.tracking_uri)
+            except ImportError as error:  # a database URI whose driver is not installed
+                raise RegistryError(
+                    f"opening the registry at {self.tracking_uri}: it needs the Python package "
+                    f"{error.name or 'of its database driver'}, which is not installed"
+                ) from None
         self.artifact_root = artifact_root or _default_artifact_root(self.tracking_uri)
         self._experiment_ids: dict[str, str] = {}
         if self.tracking_uri.startswith(("http://", "https://")):
@@ -103,7 +114,7 @@ class MlflowConnection:
         try:
             yield
         except MlflowException as error:
-            message = f"{action} at {self.tracking_uri}: {error.message}"
+            message = f"{action} at {self.tracking_uri}: {cut(error.message, MESSAGE_LIMIT)}"
             raise registry_error(message, error) from None
         except (requests.exceptions.RequestException, ConnectionError, TimeoutError) as error:
             message = f"{action} at {self.tracking_uri}: {type(error).__name__}: {error}"

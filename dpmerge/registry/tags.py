@@ -33,6 +33,12 @@ RELEASE_FACT_TAGS = (
     "dp.card_digest",
 )
 """The tags of a merged version its signature covers: everything a gate or the ledger trusts."""
+SERVED_TAG = "dpmerge.serves."  # + alias: on a registered model, what the alias serves (display)
+MLFLOW_ALIAS_LIMIT = 255  # MLflow's MAX_REGISTERED_MODEL_ALIAS_LENGTH
+MLFLOW_TAG_KEY_LIMIT = 250  # MLflow's MAX_MODEL_REGISTRY_TAG_KEY_LENGTH
+ALIAS_LIMIT = min(MLFLOW_ALIAS_LIMIT, MLFLOW_TAG_KEY_LIMIT - len(SERVED_TAG))
+"""Longest alias a policy may own: MLflow's own limit, and short enough that the registered
+model's tag showing what it serves (``dpmerge.serves.<alias>``) fits MLflow's tag-key limit."""
 FAILURE_TAG = "dp.failure"  # why a version was marked failed or quarantined
 REGISTERING_BY_TAG = "dp.registering_by"  # host:pid of the process registering a version
 

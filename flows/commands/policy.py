@@ -29,33 +29,35 @@ from pathlib import Path
 from typing import Any
 
 from dpmerge.cli.common import positive_float
-from dpmerge.errors import DPMergeError
+from dpmerge.errors import OutageError
 from dpmerge.locate import Located, command, locate_registry
 from dpmerge.policies import Policy, PolicyError, check_registered, load_policies
 from dpmerge.state import StateStore
 from dpmerge.state import policies as stored_policies
 from dpmerge.state.policies import PolicyVersion
+from dpmerge.vocabulary import ExitCode
 from flows.commands.policy_options import add_policy_options, given_fields, new_policy_defaults
 
 EXIT_CODES = {
-    "promoted": 0,
-    "unchanged": 0,
-    "stored": 0,
-    "would_promote": 0,
-    "would_be_unchanged": 0,
-    "rejected": 2,
-    "refused": 2,
-    "infeasible": 3,
-    "not_promoted": 4,
-    "would_not_promote": 4,
-    "superseded": 5,
+    "promoted": ExitCode.OK,
+    "unchanged": ExitCode.OK,
+    "stored": ExitCode.OK,
+    "would_promote": ExitCode.OK,
+    "would_be_unchanged": ExitCode.OK,
+    "rejected": ExitCode.REFUSED,
+    "refused": ExitCode.REFUSED,
+    "infeasible": ExitCode.INFEASIBLE,
+    "not_promoted": ExitCode.NOT_PROMOTED,
+    "would_not_promote": ExitCode.NOT_PROMOTED,
+    "superseded": ExitCode.SUPERSEDED,
 }
-"""Exit code per outcome (``status``, or a dry run's ``verdict``); anything else is 1."""
+"""Exit code per outcome (``status``, or a dry run's ``verdict``); anything else is a failure
+(the same table as every command's: :mod:`dpmerge.exits`)."""
 DISPATCH_WAIT_S = 60.0
 POLL_S = 0.5
 
 
-class DispatchError(DPMergeError):
+class DispatchError(OutageError):
     """The workflow did not turn a stored policy version into a run in time."""
 
 
@@ -146,13 +148,12 @@ class Place:
         """Runs happen on the stack's workers (else in this process)."""
         return self.workspace.s3 is not None
 
-    def describe(self) -> dict[str, str]:
-        kind = "stack" if self.stack else "embedded"
-        return {"registry": self.located.tracking_uri, "kind": kind, "state": self.store.where}
+    def describe(self) -> dict[str, Any]:
+        """What every JSON answer carries: the registry and the state store it used."""
+        return {"registry": self.located.to_dict(), "state": self.store.where}
 
     def line(self) -> str:
-        where = self.describe()
-        return f"registry {where['registry']} ({where['kind']}); state {where['state']}"
+        return f"{self.located.describe()}; state {self.store.where}"
 
 
 def _print(document: dict[str, Any], line: str, as_json: bool) -> None:
@@ -160,7 +161,7 @@ def _print(document: dict[str, Any], line: str, as_json: bool) -> None:
 
 
 def _exit_code(key: Any) -> int:
-    return EXIT_CODES.get(str(key), 1)
+    return EXIT_CODES.get(str(key), ExitCode.FAILURE)
 
 
 def handle(args: argparse.Namespace) -> int:

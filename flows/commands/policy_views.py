@@ -77,7 +77,9 @@ def _ls(store: StateStore, as_json: bool, where: dict[str, str]) -> int:
     if as_json:
         print(json.dumps({**where, "policies": [_summary(v, a) for v, a in rows]}, indent=2))
         return 0
-    print(f"state {where['state']}; registry {where['registry']} ({where['kind']})")
+    registry = where["registry"]
+    print(f"registry: {registry['uri']} ({registry['kind']}; from {registry['source']})")
+    print(f"state {where['state']}")
     if not rows:
         print("no policies stored")
         return 0
