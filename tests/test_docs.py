@@ -20,7 +20,7 @@ SCANNED = ("*.py", "*.md", "*.yaml", "*.yml", "*.toml", "*.sh")
 SKIPPED = {".venv", ".git", ".stack", ".dpmerge", "results", "node_modules"}
 TOP_LEVEL = ("dpmerge", "flows", "tasks", "devstack", "deployments", "docs", "tests")
 TOP_LEVEL += ("benchmarks", "scripts", ".ci")
-NOT_MODULES = {"dpmerge.policy"}
+NOT_MODULES = {"dpmerge.policy", "dpmerge.drift"}
 """Dotted names that are not module paths: the Prefect event and resource namespace
 (``dpmerge.policy.updated``, ``dpmerge.policy.<name>``)."""
 

@@ -10,8 +10,8 @@ says how it ended (:class:`Status`, :class:`PolicyOutcome`); its steps are injec
    published, keyed identifier) and model, each verified against its signature (fixed-seed
    candidates refused), and the evaluation split; stops early when another policy owns the
    alias (refused) or a later version of the policy exists (``superseded``).
-2. :func:`calibrate_policy` — ``method: auto`` picks among the methods by data-independent
-   noise proxies (docs/design.md#calibration).
+2. :func:`calibrate_policy` — ``method: auto`` keeps the release with the smaller noise
+   proxy, a data-independent choice (docs/design.md#calibration).
 3. :func:`merge_request` and :func:`plan_release` — the release's hash (candidates, method,
    weights, δ, bound; not the target); a ready, signed version of it is reused (a rerun never
    draws again); the ledger cap refuses a new release before anything is merged or drawn.
