@@ -225,8 +225,6 @@ class KeyPurpose(StrEnum):
     """What the workflow's secret key is used for; each purpose derives its own sub-key
     (domain separation, docs/design.md#security)."""
 
-    RECORD_SIGNATURE = "record-signature/v1"
-    """HMAC over a candidate's content hash: a record an artifact-store writer changed fails."""
     DATASET_ID = "dataset-id/v1"
     """The published dataset identifier: a keyed hash of the training-data fingerprint."""
     LINEAGE_ID = "lineage-id/v1"

@@ -209,8 +209,8 @@ def test_merged_version_card_gates_and_alias(
     assert client.get_registered_model(MERGED).aliases["production"] == result.version
     assert server_registry.set_alias(MERGED, "production", result.version) == result.version
 
-    # a candidate is never released: its facts are not a merged version's
-    with pytest.raises(ReleaseSignatureError, match="unsigned"):
+    # a candidate is never released: signed too, but not a merged version
+    with pytest.raises(GateError, match="only merged versions"):
         server_registry.check_gates(CANDIDATES, registered[0], **_gates(target_epsilon=99.0))
 
     # a version that failed after creation is marked and never aliased; a re-run registers anew

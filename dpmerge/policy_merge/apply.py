@@ -168,10 +168,8 @@ class _Run:
                 (str(error),),
                 {"reachable_epsilon_range": (float(low), float(high))},
             )
-        keys = self.workspace.workflow_key()
-        assert keys is not None  # checked by apply_policy
         request = merge_request(self.policy, pool, candidates, plan)
-        entry = ledger_entry(request, candidates, plan, self.version, keys)
+        entry = ledger_entry(request, candidates, plan, self.version)
         report = plan.calibration.report
         note = spend_note(plan.calibration, self.policy.target_epsilon)
         facts: dict[str, Any] = dict(

@@ -147,8 +147,7 @@ def load_candidates(
         if path is None:
             missing.append(version)
             continue
-        model_dir = registry.verify_candidate(stored, path)
-        found[version] = RegisteredCandidate(pool.registered_model, version, model_dir)
+        found[version] = registry.verify_candidate(stored, path)
     if missing:
         for item in registry.load_candidates(pool.registered_model, missing, dest=dest):
             found[item.version] = item

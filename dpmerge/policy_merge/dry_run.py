@@ -17,7 +17,7 @@ from typing import Any
 
 from dpmerge.accounting.delta import delta_check_for
 from dpmerge.artifacts import WEIGHTS_FILE
-from dpmerge.errors import InfeasibleTargetError, InputError
+from dpmerge.errors import InfeasibleTargetError
 from dpmerge.evaluation import expected_accuracy
 from dpmerge.formatting import epsilon_text, number_text, within_text
 from dpmerge.merging import linear_combination
@@ -201,10 +201,7 @@ def _planned(
     validation, test = _accuracies(candidates, weights, plan.method, data)
     request = merge_request(policy, pool, candidates, plan)
     existing = find_release(workspace, request)
-    keys = workspace.workflow_key()
-    if keys is None:
-        raise InputError("a dry run needs the workflow's key (it verifies the candidates)")
-    entry = ledger_entry(request, candidates, plan, version, keys)
+    entry = ledger_entry(request, candidates, plan, version)
     gates = [
         Gate("epsilon", report.epsilon <= policy.target_epsilon, "ε within the target"),
         Gate("delta", report.delta <= policy.target_delta, "δ within the target"),

@@ -23,15 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from dpmerge.accounting.ledger import release_of
-from dpmerge.accounting.records import Candidate
 from dpmerge.errors import IntegrityError
 from dpmerge.formatting import epsilon_text
-from dpmerge.keys import WorkflowKey
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.calibration import PolicyPlan
 from dpmerge.policy_merge.release import MergeRequest
 from dpmerge.policy_merge.workspace import Workspace
-from dpmerge.publication import public_record
 from dpmerge.registry import RegisteredCandidate, Registry
 from dpmerge.state import CountedRelease, DatasetState
 from dpmerge.state import serving as state_serving
@@ -43,25 +40,19 @@ class LedgerIntegrityError(IntegrityError):
     replaced; the message names the repair."""
 
 
-def _public(candidates: Sequence[RegisteredCandidate], keys: WorkflowKey) -> list[Candidate]:
-    """The candidates' records as published (keyed dataset identifier and lineages): every
-    number the accountants use is unchanged, and the ledger never holds a fingerprint."""
-    return [public_record(c.model_dir.record, keys) for c in candidates]  # type: ignore[arg-type]
-
-
 def ledger_entry(
     request: MergeRequest,
     candidates: Sequence[RegisteredCandidate],
     plan: PolicyPlan,
     version: PolicyVersion,
-    keys: WorkflowKey,
 ) -> CountedRelease:
     """The ledger entry of the release ``request`` names: its candidates with non-zero weight
-    (as published), asked for by ``version`` of its policy."""
+    as published (keyed dataset identifier and lineages, signed with each candidate: every
+    number the accountants use, never a fingerprint), asked for by ``version`` of its policy."""
     release = release_of(
         request.content_hash,
         plan.calibration.method,
-        _public(candidates, keys),
+        [c.published for c in candidates],
         plan.calibration.weights,
     )
     versions = {
@@ -198,7 +189,7 @@ def rebuild_ledger(workspace: Workspace) -> list[str]:
             release = release_of(
                 facts.content_hash,
                 tags["dp.method"],
-                _public(ordered, registry.keys),
+                [c.published for c in ordered],
                 json.loads(tags["dp.weights"]),
             )
             entry = CountedRelease.of(

@@ -77,10 +77,13 @@ class Workspace:
         return Located.at(self.tracking_uri, source)
 
     def registry(self) -> Registry:
-        """The registry, with the workflow's secret key where this process has it."""
+        """The registry, with the workflow's secret key where this process has it; without
+        it (an operator's shell) signatures are verified with the release public key
+        (``$DPMERGE_RELEASE_PUBLIC_KEY``) and nothing can be signed."""
         if self.tracking_uri.startswith("sqlite:///"):
             self.home.mkdir(parents=True, exist_ok=True)
-        return Registry(self.tracking_uri, keys=self.workflow_key())
+        key = self.workflow_key()
+        return Registry(self.tracking_uri, keys=key, public_key=None if key else "")
 
     def store(self) -> S3Store | None:
         return S3Store(self.s3) if self.s3 is not None else None

@@ -24,7 +24,7 @@ from dpmerge.errors import DPMergeError, RecordError
 from dpmerge.formatting import epsilon_text
 from dpmerge.keys import WorkflowKey
 from dpmerge.privacy_card import PrivacyCard
-from dpmerge.publication import dataset_name, public_record, signature
+from dpmerge.publication import dataset_name, public_record
 from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
 from dpmerge.registry.errors import (
     GateError,
@@ -43,6 +43,7 @@ from dpmerge.registry.tags import (
     FAILURE_TAG,
     KEY_ID_TAG,
     MANIFEST_TAG,
+    PUBLISHED_RECORD_TAG,
     REGISTERING_BY_TAG,
     ROLE_CANDIDATE,
     ROLE_MERGED,
@@ -51,6 +52,7 @@ from dpmerge.registry.tags import (
     STATUS_READY,
     STATUS_REGISTERING,
     scalar_metrics,
+    signed_facts,
     tag_float,
     tag_value,
     tag_values,
@@ -59,7 +61,6 @@ from dpmerge.registry.versions import (
     RegisteredVersion,
     ReleaseFacts,
     StoredVersion,
-    release_fact_tags,
 )
 
 CANDIDATES_EXPERIMENT, RELEASES_EXPERIMENT = "dpmerge-candidates", "dpmerge-releases"
@@ -136,13 +137,14 @@ class Registry(RegistryQueries):
         tracking_uri: str | None = None,
         *,
         keys: WorkflowKey | None = None,
+        public_key: str | None = None,
         artifact_root: str | None = None,
         build_module: ModuleBuilder | None = None,
         accuracy_keys: Sequence[str] = ("test_accuracy", "accuracy"),
         ready_timeout_s: float = 300.0,
         stale_registration_s: float = 900.0,
     ) -> None:
-        super().__init__(tracking_uri, artifact_root, keys)
+        super().__init__(tracking_uri, artifact_root, keys, public_key)
         self.accuracy_keys = tuple(accuracy_keys)
         self.ready_timeout_s = ready_timeout_s
         self.stale_registration_s = stale_registration_s
@@ -198,8 +200,9 @@ class Registry(RegistryQueries):
                 "dp.clip_norm": getattr(record, "clip_norm", None),
                 "dp.noise_lineage": getattr(public, "noise_lineage", None),
                 "dp.batch_lineage": getattr(public, "batch_lineage", None),
-                SIGNATURE_TAG: signature(content_hash, keys),
-                KEY_ID_TAG: keys.key_id,
+                PUBLISHED_RECORD_TAG: json.dumps(
+                    public.model_dump(mode="json", exclude_none=True), sort_keys=True
+                ),
                 **self._accuracy_tags(loaded.metrics),
             }
         )
@@ -265,20 +268,6 @@ class Registry(RegistryQueries):
         card = merged.card(name, versions, ledger, notes)
         tags = merged.tags(parent_model, versions, self._accuracy_tags(merged.loaded.metrics))
         tags["dp.card_digest"] = card_digest(card.description(), card.data)
-        facts = release_fact_tags({**tags, "dp.content_hash": content_hash})
-
-        def sign(logged_model: str, files: dict[str, str]) -> dict[str, str]:
-            manifest = manifests.Manifest(
-                model=name,
-                logged_model=logged_model,
-                release=content_hash,
-                facts=facts,
-                files=files,
-                card_digest=tags["dp.card_digest"],
-            )
-            text, signed = manifests.sign(manifest, self.keys)
-            return {MANIFEST_TAG: text, SIGNATURE_TAG: signed, KEY_ID_TAG: self.keys.key_id}
-
         requester = f"policy-{merged.policy_id}" if merged.policy_id else "merge"
         run = RunInfo(
             name=f"{requester} ε*={merged.target_epsilon:g}",
@@ -297,7 +286,6 @@ class Registry(RegistryQueries):
             record_bytes=merged.public_record(),
             description=card.description(),
             card=card,
-            sign=sign,
         )
 
     def _parent_versions(
@@ -332,11 +320,10 @@ class Registry(RegistryQueries):
         record_bytes: bytes,
         description: str,
         card: PrivacyCard | None,
-        sign: Callable[[str, dict[str, str]], dict[str, str]] | None = None,
     ) -> RegisteredVersion:
-        """Log and register one version (see :meth:`register_candidate`); ``sign`` turns the
-        logged model's id and file digests into signature tags (a merged version's
-        manifest, :mod:`dpmerge.manifests`)."""
+        """Log, sign and register one version: its manifest (:mod:`dpmerge.manifests`) covers
+        its facts (every ``dp.*`` tag but the lifecycle ones), its content hash, its logged
+        model and the digest of every file of it, signed with the workflow's Ed25519 key."""
         existing = self.find_ready_version(name, content_hash)
         if existing is not None:
             return RegisteredVersion(
@@ -352,8 +339,7 @@ class Registry(RegistryQueries):
             model_id, source, files, digests = self._log_model(
                 run_id, experiment_id, self._module(loaded), loaded, record_bytes, card, role
             )
-            if sign is not None:
-                tags = {**tags, **sign(model_id, digests)}
+            tags = {**tags, **self._signature(name, model_id, content_hash, tags, digests)}
             self._log_run(run_id, model_id, run, params, card)
             with self._errors(f"registering {name}"):
                 created = self._client.create_model_version(
@@ -443,6 +429,27 @@ class Registry(RegistryQueries):
         except MlflowException:
             self._client.log_inputs(run_id, datasets=[dataset])
 
+    def _signature(
+        self,
+        name: str,
+        model_id: str,
+        content_hash: str,
+        tags: Mapping[str, str],
+        digests: dict[str, str],
+    ) -> dict[str, str]:
+        """The tags that sign a version being registered (see :meth:`_register`)."""
+        manifest = manifests.Manifest(
+            model=name,
+            logged_model=model_id,
+            release=content_hash,
+            facts=signed_facts({**tags, "dp.content_hash": content_hash}),
+            files=digests,
+            card_digest=tags.get("dp.card_digest", ""),
+        )
+        text, signed = manifests.sign(manifest, self.keys)
+        key_id = manifests.fingerprint(manifests.public_key_hex(self.keys))
+        return {MANIFEST_TAG: text, SIGNATURE_TAG: signed, KEY_ID_TAG: key_id}
+
     def _retire_abandoned(self, name: str, content_hash: str) -> None:
         """Mark failed every version of this content left ``registering`` by a registration
         that died: by a process of this host that is gone, or longer ago than
@@ -502,7 +509,7 @@ class Registry(RegistryQueries):
         under the workflow's public key or its tags differ from it: a tag changed after
         registration, or a version planted by someone without the workflow's key."""
         try:
-            self.manifest(stored, manifests.public_key_hex(self.keys))
+            self.manifest(stored)
         except manifests.ReleaseSignatureError as error:
             raise manifests.ReleaseSignatureError(
                 f"{stored.name} v{stored.version}: {error}; it is never reused or promoted — "

@@ -6,6 +6,7 @@ checked against their content hash and their signature). Every search goes throu
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -14,9 +15,10 @@ from typing import Any
 import mlflow
 
 from dpmerge import manifests
-from dpmerge.artifacts import ModelDir, load_model_dir
+from dpmerge.accounting.records import candidate_from_dict
+from dpmerge.artifacts import load_model_dir
+from dpmerge.errors import InputError
 from dpmerge.keys import WorkflowKey
-from dpmerge.publication import signature_ok
 from dpmerge.registry.catalog import summaries
 from dpmerge.registry.connection import EXTRA_DIR, MlflowConnection
 from dpmerge.registry.errors import RecordIntegrityError, RegistryError
@@ -24,6 +26,7 @@ from dpmerge.registry.filters import search_filter
 from dpmerge.registry.names import candidate_content_hash, slug
 from dpmerge.registry.tags import (
     MANIFEST_TAG,
+    PUBLISHED_RECORD_TAG,
     ROLE_CANDIDATE,
     ROLE_MERGED,
     SIGNATURE_TAG,
@@ -46,16 +49,35 @@ class RegistryQueries(MlflowConnection):
     :meth:`WorkflowKey.from_env`), which verifies candidate signatures."""
 
     def __init__(
-        self, tracking_uri: str | None, artifact_root: str | None, keys: WorkflowKey | None
+        self,
+        tracking_uri: str | None,
+        artifact_root: str | None,
+        keys: WorkflowKey | None,
+        public_key: str | None = None,
     ) -> None:
         super().__init__(tracking_uri, artifact_root)
         self._keys = keys
+        self._public_key = public_key
 
     @property
     def keys(self) -> WorkflowKey:
+        """The workflow's secret key, to sign (default: loaded on first use); a registry made
+        with only a ``public_key`` (an operator's, a consumer's) has none."""
         if self._keys is None:
+            if self._public_key is not None:
+                raise InputError(
+                    "this needs the workflow's secret key, which only the workflow role holds"
+                )
             self._keys = WorkflowKey.from_env()
         return self._keys
+
+    @property
+    def public_key(self) -> str:
+        """The key every signature is verified with: the public half of the workflow's key,
+        or for a registry without it the one given (``""``: ``$DPMERGE_RELEASE_PUBLIC_KEY``)."""
+        if self._keys is None and self._public_key is not None:
+            return self._public_key or manifests.configured_public_key()
+        return manifests.public_key_hex(self.keys)
 
     def get_version(self, name: str, version: str | int) -> StoredVersion:
         """Version ``version`` of ``name`` with its tags; :class:`RegistryError` if missing."""
@@ -91,23 +113,20 @@ class RegistryQueries(MlflowConnection):
         return min(ready, key=lambda v: int(v.version)) if ready else None
 
     def signed(self, stored: StoredVersion) -> bool:
-        """Whether ``stored`` carries the workflow's signature: over its content hash for a
-        candidate, its Ed25519 manifest for a merged version."""
-        tags, tag = stored.tags, stored.tags.get(SIGNATURE_TAG)
-        if tags.get("dp.role") == ROLE_MERGED:
-            try:
-                self.manifest(stored, manifests.public_key_hex(self.keys))
-            except manifests.ReleaseSignatureError:
-                return False
-            return True
-        return signature_ok(tags.get("dp.content_hash", ""), tag, self.keys)
+        """Whether ``stored`` carries the workflow's signature (its manifest verifies)."""
+        try:
+            self.manifest(stored)
+        except manifests.ReleaseSignatureError:
+            return False
+        return True
 
-    def manifest(self, stored: StoredVersion, public_key: str) -> manifests.Manifest:
-        """The signed manifest of merged version ``stored``, verified under ``public_key`` and
-        against the version's tags; :class:`~dpmerge.manifests.ReleaseSignatureError`
-        otherwise."""
+    def manifest(self, stored: StoredVersion, public_key: str | None = None) -> manifests.Manifest:
+        """The signed manifest of version ``stored``, verified under ``public_key`` (default
+        :attr:`public_key`) and against the version's tags;
+        :class:`~dpmerge.manifests.ReleaseSignatureError` otherwise."""
         tags = stored.tags
-        manifest = manifests.verify(tags.get(MANIFEST_TAG), tags.get(SIGNATURE_TAG), public_key)
+        key = public_key or self.public_key
+        manifest = manifests.verify(tags.get(MANIFEST_TAG), tags.get(SIGNATURE_TAG), key)
         manifests.check_facts(manifest, tags)
         if (manifest.model, manifest.release) != (stored.name, tags.get("dp.content_hash")):
             raise manifests.ReleaseSignatureError(
@@ -153,10 +172,11 @@ class RegistryQueries(MlflowConnection):
         ]
         return summaries(found, self._aliases, internal=internal)
 
-    def verify_candidate(self, stored: StoredVersion, path: Path) -> ModelDir:
-        """Load the candidate directory ``path`` of version ``stored`` after checking that its
-        files hash to the version's ``dp.content_hash`` and that this hash carries the
-        workflow's signature; :class:`RecordIntegrityError` (with the repair) otherwise."""
+    def verify_candidate(self, stored: StoredVersion, path: Path) -> RegisteredCandidate:
+        """The candidate directory ``path`` of version ``stored``, loaded after checking that
+        its files hash to the version's ``dp.content_hash`` and that its manifest — content
+        hash, record as published, every signed tag — verifies under :attr:`public_key`;
+        :class:`RecordIntegrityError` (with the repair) otherwise."""
         where = f"{stored.name} v{stored.version}"
         content_hash = candidate_content_hash(path)
         if content_hash != stored.tags.get("dp.content_hash"):
@@ -164,14 +184,16 @@ class RegistryQueries(MlflowConnection):
                 f"{where}: its files do not match dp.content_hash; "
                 f"{repair_hint(stored.name, stored.version)}"
             )
-        if not signature_ok(content_hash, stored.tags.get(SIGNATURE_TAG), self.keys):
-            why = "unsigned" if not stored.tags.get(SIGNATURE_TAG) else "signature mismatch"
+        try:
+            self.manifest(stored)
+        except manifests.ReleaseSignatureError as error:
             raise RecordIntegrityError(
-                f"{where}: its record fails verification ({why}; key {self.keys.key_id}, "
-                f"signed with {stored.tags.get('dp.key_id', 'no key')}); "
+                f"{where}: its record fails verification ({error}; signed with key "
+                f"{stored.tags.get('dp.key_id', 'none')}); "
                 f"{repair_hint(stored.name, stored.version)}"
-            )
-        return load_model_dir(path)
+            ) from None
+        published = candidate_from_dict(json.loads(stored.tags[PUBLISHED_RECORD_TAG]))
+        return RegisteredCandidate(stored.name, stored.version, load_model_dir(path), published)
 
     def load_candidates(
         self,
@@ -195,8 +217,7 @@ class RegistryQueries(MlflowConnection):
             if tags.get("dp.role") != ROLE_CANDIDATE or tags.get("dp.status") != STATUS_READY:
                 raise RegistryError(f"{name} v{version} is not a ready candidate version")
             path = self.download_candidate(name, version, root)
-            model_dir = self.verify_candidate(stored, path)
-            result.append(RegisteredCandidate(name, version, model_dir))
+            result.append(self.verify_candidate(stored, path))
         return result
 
     def download_model(self, name: str, version: str | int, dest: str | Path) -> Path:

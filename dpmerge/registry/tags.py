@@ -15,24 +15,12 @@ STATUS_QUARANTINED = "quarantined"  # taken out of use by an operator (a record 
 TAG_VALUE_LIMIT = 5000  # bytes every MLflow backend stores for a tag value
 SIGNATURE_TAG, KEY_ID_TAG = "dp.signature", "dp.key_id"  # a version's signature, its key
 MANIFEST_TAG = "dp.manifest"  # a merged version's signed manifest (dpmerge.manifests)
-RELEASE_FACT_TAGS = (
-    "dp.role",
-    "dp.content_hash",
-    "dp.dataset",
-    "dp.model",
-    "dp.method",
-    "dp.parent_model",
-    "dp.parents",
-    "dp.weights",
-    "dp.gating_bound",
-    "dp.accountant",
-    "dp.epsilon",
-    "dp.delta",
-    "dp.accuracy",
-    "dp.accuracy_metric",
-    "dp.card_digest",
+PUBLISHED_RECORD_TAG = "dp.published_record"  # a candidate's record as published (JSON)
+LIFECYCLE_TAGS = frozenset(
+    {"dp.status", "dp.failure", "dp.registering_by", SIGNATURE_TAG, MANIFEST_TAG, KEY_ID_TAG}
 )
-"""The tags of a merged version its signature covers: everything a gate or the ledger trusts."""
+"""The ``dp.*`` tags that may change after registration (status, why, who registers) or that
+carry the signature itself; every other ``dp.*`` tag is a signed fact."""
 SERVED_TAG = "dpmerge.serves."  # + alias: on a registered model, what the alias serves (display)
 MLFLOW_ALIAS_LIMIT = 255  # MLflow's MAX_REGISTERED_MODEL_ALIAS_LENGTH
 MLFLOW_TAG_KEY_LIMIT = 250  # MLflow's MAX_MODEL_REGISTRY_TAG_KEY_LENGTH
@@ -53,6 +41,11 @@ def tag_value(value: Any) -> str:
 def tag_values(values: Mapping[str, Any]) -> dict[str, str]:
     """The tags of ``values`` that are set, as strings."""
     return {k: tag_value(v) for k, v in values.items() if v is not None}
+
+
+def signed_facts(tags: Mapping[str, str]) -> dict[str, str]:
+    """The tags a version's signature covers: its ``dp.*`` tags but the lifecycle ones."""
+    return {k: v for k, v in tags.items() if k.startswith("dp.") and k not in LIFECYCLE_TAGS}
 
 
 def tag_float(value: Any) -> float | None:

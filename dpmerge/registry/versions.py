@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from dpmerge.registry.tags import RELEASE_FACT_TAGS, ROLE_CANDIDATE, tag_float
+from dpmerge.registry.tags import ROLE_CANDIDATE, tag_float
 
-if TYPE_CHECKING:  # neither is imported to read the registry (``dpmerge registry ls``)
+if TYPE_CHECKING:  # none is imported to read the registry (``dpmerge registry ls``)
     from mlflow.entities.model_registry import ModelVersion
 
+    from dpmerge.accounting.records import Candidate
     from dpmerge.artifacts import ModelDir
 
 
@@ -40,16 +41,14 @@ class RegisteredVersion:
 
 @dataclass(frozen=True)
 class RegisteredCandidate:
-    """A ready candidate version and its model directory, downloaded and checked."""
+    """A ready candidate version, its model directory (downloaded and checked) and its record
+    as published (keyed dataset identifier and lineages, from its signed tags: what the release
+    ledger counts, docs/design.md#release-ledger)."""
 
     name: str
     version: str
     model_dir: ModelDir
-
-
-def release_fact_tags(tags: dict[str, str]) -> dict[str, str]:
-    """The tags a merged version's signature covers (those it has)."""
-    return {k: tags[k] for k in RELEASE_FACT_TAGS if k in tags}
+    published: Candidate
 
 
 @dataclass(frozen=True)
