@@ -337,7 +337,14 @@ class Registry(RegistryQueries):
         version: str | None = None
         try:
             model_id, source, files, digests = self._log_model(
-                run_id, experiment_id, self._module(loaded), loaded, record_bytes, card, role
+                run_id,
+                experiment_id,
+                self._module(loaded),
+                loaded,
+                record_bytes,
+                card,
+                role,
+                run.dataset,
             )
             tags = {**tags, **self._signature(name, model_id, content_hash, tags, digests)}
             self._log_run(run_id, model_id, run, params, card)

@@ -34,6 +34,8 @@ from mlflow.entities import LoggedModelStatus
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
+from mlflow.models.signature import ModelSignature
+from mlflow.types.schema import Schema, TensorSpec
 from torch import nn
 
 from dpmerge.artifacts import (
@@ -44,11 +46,13 @@ from dpmerge.artifacts import (
     WEIGHTS_FILE,
     ModelDir,
 )
+from dpmerge.data.datasets import preprocessing
 from dpmerge.environment import probe
 from dpmerge.formatting import cut
 from dpmerge.locate import command
 from dpmerge.manifests import file_digests
 from dpmerge.privacy_card import PrivacyCard
+from dpmerge.publication import dataset_name
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
 from dpmerge.registry.tags import FAILURE_TAG, ROLE_CANDIDATE, STATUS_FAILED, tag_float
 from dpmerge.registry.versions import StoredVersion
@@ -235,6 +239,7 @@ class MlflowConnection:
         record_bytes: bytes,
         card: PrivacyCard | None,
         role: str,
+        dataset: str,
     ) -> tuple[str, str, list[str], dict[str, str]]:
         """Save ``module`` as a pt2 model with the dpmerge files as extra files and upload it
         as a logged model of the run. Returns model id, artifact location, the dpmerge files
@@ -243,8 +248,19 @@ class MlflowConnection:
         The input example (pt2 export traces with it and stores it) is random, drawn
         independently of everything: an RS release's weights are one candidate's, and a
         deterministic export would make their pt2 files, and so their S3 ETags, identical
-        (docs/design.md#rs-secrecy)."""
+        (docs/design.md#rs-secrecy). The model's signature states its input (a float32 tensor
+        (n, *input shape)) and output (logits), its metadata how raw images of ``dataset`` (a
+        published identifier) become that input, so a consumer can serve it as it is."""
         rng = np.random.default_rng(secrets.randbits(64))
+        signature = ModelSignature(
+            inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *loaded.spec.input_shape))]),
+            outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, loaded.spec.num_classes))]),
+        )
+        metadata = {
+            "input": preprocessing(dataset_name(dataset)),
+            "output": f"float32 logits (n, {loaded.spec.num_classes}): the predicted class is "
+            "the argmax",
+        }
         example = rng.random((INPUT_EXAMPLE_BATCH, *loaded.spec.input_shape), dtype=np.float32)
         with self._errors("creating the logged model"):
             logged = self._client.create_logged_model(
@@ -265,6 +281,8 @@ class MlflowConnection:
                             artifact_path=MODEL_ARTIFACT, run_id=run_id, model_id=logged.model_id
                         ),
                         input_example=example,
+                        signature=signature,
+                        metadata=metadata,
                         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
                         extra_files=[str(f) for f in files],
                         serialization_format="pt2",
