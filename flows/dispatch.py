@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,11 +72,18 @@ def supersede(store: StateStore, item: Pending, newest: int) -> None:
 
 
 class Dispatcher:
-    """Creates the runs (see the module docstring); ``prefect_api`` is a sync Prefect client."""
+    """Creates the runs (see the module docstring); ``prefect_api`` is a sync Prefect client,
+    ``notify(item, flow_run_id)`` announces a dispatch (default: the Prefect event)."""
 
-    def __init__(self, store: StateStore, prefect_api: Any) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        prefect_api: Any,
+        notify: Callable[[Pending, str], None] | None = None,
+    ) -> None:
         self.store = store
         self.api = prefect_api
+        self.notify = notify or _notify
         self.deployment_id: Any = None
 
     def _deployment(self) -> Any:
@@ -114,7 +122,7 @@ class Dispatcher:
             item.version,
             {"flow_run": str(run.id), "flow_run_name": name, "deployment": DEPLOYMENT},
         )
-        _notify(item, str(run.id))
+        self.notify(item, str(run.id))
         log.info("policy %s v%d: flow run %s (%s)", item.name, item.version, run.id, name)
         return str(run.id)
 
@@ -134,7 +142,9 @@ def _notify(item: Pending, run: str) -> None:
 
 def main() -> int:
     """Poll forever (the stack's ``dispatcher`` service); errors are logged and retried."""
+    import httpx
     from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectException
 
     from dpmerge.policy_merge import Workspace
     from flows.runtime import load_workflow_secret
@@ -148,9 +158,9 @@ def main() -> int:
         while True:
             try:
                 dispatcher.once()
-            except (DPMergeError, OSError) as error:
-                log.warning("dispatch failed, retrying: %s", error)
-            except Exception as error:  # Prefect's client errors (a 503, a missing deployment)
+            except (DPMergeError, OSError, PrefectException, httpx.HTTPError) as error:
+                # S3 or the Prefect API answered badly (a 503, no deployment yet): the
+                # idempotency key makes the next poll's attempt safe
                 log.warning("dispatch failed, retrying: %s: %s", type(error).__name__, error)
                 dispatcher.deployment_id = None
             time.sleep(POLL_S)

@@ -15,10 +15,11 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime, timedelta
 from typing import Any
 
+from dpmerge.errors import DPMergeError
 from dpmerge.state.store import StateStore, now, stamp
 
 TTL = timedelta(seconds=30)
@@ -80,7 +81,10 @@ def lease(store: StateStore, policy: str, timeout_s: float, ttl: timedelta = TTL
 
     def renew() -> None:
         while not stop.wait(RENEW_EVERY):
-            _take(store, key, holder, ttl)
+            # a failed renewal only risks another run starting on the policy: every
+            # transition refuses a stale run by itself, so it is retried, not raised
+            with suppress(DPMergeError, OSError):
+                _take(store, key, holder, ttl)
 
     renewer = threading.Thread(target=renew, name=f"lease-{policy}", daemon=True)
     renewer.start()
