@@ -56,10 +56,12 @@ class Optimizer(StrEnum):
 
 
 class Method(StrEnum):
-    """How candidates are merged: random selection or linear combination."""
+    """How candidates are merged: random selection, linear combination, or a secret draw
+    between two LC merges of subsets (docs/design.md#random-selection, "RS between merges")."""
 
     RS = "rs"
     LC = "lc"
+    MIXTURE = "mixture"
 
 
 class GatingBound(StrEnum):
@@ -71,11 +73,13 @@ class GatingBound(StrEnum):
 
 
 class PolicyMethod(StrEnum):
-    """A policy's merge method: ``auto`` calibrates RS and LC and keeps the better one."""
+    """A policy's merge method: ``auto`` calibrates RS, LC and the mixture and keeps one by a
+    rule read off the records (``dpmerge.accounting.choice.choose_method``)."""
 
     AUTO = "auto"
     RS = "rs"
     LC = "lc"
+    MIXTURE = "mixture"
 
 
 class OnInfeasible(StrEnum):
@@ -92,6 +96,8 @@ class BoundKind(StrEnum):
 
     CANDIDATE = "candidate"
     SELECTION = "selection"
+    MIXTURE = "mixture"
+    """A secret draw between LC merges: the mixture of their generic bounds' curves."""
     GENERIC = "generic"
     STRUCTURED = "structured"
     GAUSSIAN = "gaussian"

@@ -14,6 +14,9 @@ from dpmerge.errors import RecordError, RefusalError
 from dpmerge.vocabulary import BoundKind
 
 MAX_CALIBRATED_NOISE = 1e4
+COARSE_BRACKET = 0.02
+"""Relative width of the coarse bracket handed to the fine search (the coarse and fine grids'
+σ roots differed by under 2 % in every case measured; the fine search widens it if not)."""
 
 
 @lru_cache(maxsize=2048)
@@ -50,19 +53,26 @@ def dpsgd_epsilon_pld(
     )
 
 
+@lru_cache(maxsize=256)
 def noise_multiplier_for_epsilon(
-    target_epsilon: float, delta: float, sample_rate: float, steps: int, rel_tol: float = 1e-3
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, rel_tol: float = 1e-4
 ) -> float:
     """Smallest noise multiplier (within ``rel_tol``) whose certified PLD ε ≤ target.
 
-    Bisection steers at the coarse discretisation; the returned σ is certified at the fine one
-    and moved up until it is (the answer errs toward more noise, never less).
+    Bisection at the coarse discretisation brackets the answer; bisection at the fine one then
+    locates it, so the returned σ spends the target up to ``rel_tol`` (the coarse grid alone
+    overstates small ε and would leave up to a few percent of the target unspent). The
+    returned σ is the noisier end of the final bracket: certified at the fine discretisation,
+    never less noise than the target allows.
     """
     if not target_epsilon > 0:
         raise RecordError(f"target ε must be positive, got {target_epsilon}")
 
     def coarse(sigma: float) -> float:
         return dpsgd_epsilon_pld(sigma, sample_rate, steps, delta, pld_mod.COARSE_DISCRETISATION)
+
+    def fine(sigma: float) -> float:
+        return dpsgd_epsilon_pld(sigma, sample_rate, steps, delta)
 
     low, high = 0.3, 1.0
     while coarse(high) > target_epsilon:
@@ -74,9 +84,14 @@ def noise_multiplier_for_epsilon(
             )
     while low > 0.05 and coarse(low) <= target_epsilon:
         low, high = low / 2, low
-    while high / low - 1 > rel_tol:
+    while high / low - 1 > COARSE_BRACKET:
         mid = (low * high) ** 0.5
         low, high = (low, mid) if coarse(mid) <= target_epsilon else (mid, high)
-    while dpsgd_epsilon_pld(high, sample_rate, steps, delta) > target_epsilon:
-        high *= 1 + rel_tol
+    while fine(high) > target_epsilon:  # the fine bracket: fine(low) > target ≥ fine(high)
+        low, high = high, high * (1 + COARSE_BRACKET)
+    while low > 0.05 and fine(low) <= target_epsilon:
+        low, high = low / (1 + COARSE_BRACKET), low
+    while high / low - 1 > rel_tol:
+        mid = (low * high) ** 0.5
+        low, high = (low, mid) if fine(mid) <= target_epsilon else (mid, high)
     return high

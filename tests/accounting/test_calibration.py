@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
@@ -12,7 +13,6 @@ from hypothesis import strategies as st
 from dpmerge.accounting.account import account
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.accounting.generic import composed_pld, release_units
 from dpmerge.accounting.generic_search import subset_weights
 from dpmerge.accounting.records import PrivacyLabel
 from dpmerge.accounting.weights import merged_noise_proxy
@@ -47,25 +47,20 @@ def test_rs_reproduces_the_linear_programme(ladder):
     assert result.report.gating.kind == "selection"
 
 
-def test_rs_uses_validation_utilities_and_spends_less_when_it_gains_nothing(ladder):
-    # The most private candidate is also the most accurate: nothing is gained by mixing.
-    utilities = [0.80, 0.81, 0.82, 0.83, 0.84]
-    result = calibrate(ladder, "rs", 1.0, DELTA, utilities=utilities)
-    assert result.weights == (0.0, 0.0, 0.0, 0.0, 1.0)
-    assert result.epsilon < 1.0
-    assert result.utility == pytest.approx(0.84)
-    assert result.utility_kind == "expected validation accuracy"
-
-
-@PROPERTY
-@given(data=st.data())
-def test_rs_calibrated_epsilon_never_exceeds_the_target(short_ladder, data):
-    low, high = min(epsilons(short_ladder)), max(epsilons(short_ladder))
-    target = data.draw(st.floats(low, high * 1.2))
-    utilities = data.draw(st.lists(st.floats(0, 1), min_size=4, max_size=4))
-    result = calibrate(short_ladder, "rs", target, DELTA, utilities=utilities)
-    assert result.epsilon <= target
-    assert sum(p > 0 for p in result.weights) <= 2  # the LP optimum mixes at most two
+def test_rs_probabilities_come_from_the_records_only(ladder):
+    """π is a function of the records: there is no way to pass accuracies (the audit found
+    validation accuracies steering π), and a validation utility is refused for RS."""
+    assert "utilities" not in inspect.signature(calibrate).parameters
+    with pytest.raises(TypeError):
+        calibrate(ladder, "rs", 1.0, DELTA, utilities=[0.8, 0.81, 0.82, 0.83, 0.84])
+    with pytest.raises(RecordError, match="generic bound only"):
+        calibrate(ladder, "rs", 1.0, DELTA, merge_utility=lambda weights: weights[-1])
+    result = calibrate(ladder, "rs", 1.0, DELTA)
+    assert result.utility_kind.startswith("noise proxy")
+    assert result.utility == pytest.approx(
+        -sum(p * c.noise_multiplier**2 for p, c in zip(result.weights, ladder, strict=True)),
+        abs=1e-6,
+    )
 
 
 @PROPERTY
@@ -188,24 +183,6 @@ def test_validation_utilities_cannot_steer_a_choice_beyond_the_released_subset(l
     for gate, method in (("structured", "lc"), ("generic", "rs")):
         with pytest.raises(RecordError, match="generic bound only"):
             calibrate(ladder, method, 1.5, DELTA, gating_bound=gate, merge_utility=len)
-
-
-def test_interpolation_draws_between_two_rungs_and_is_certified(ladder):
-    """RS between two subset merges spends the budget between rungs; its ε, recomputed from
-    the two rungs' composed PLDs mixed by the library, meets the target."""
-    single = calibrate(ladder, "lc", 2.0, DELTA)
-    mixed = calibrate(ladder, "lc", 2.0, DELTA, interpolate=True)
-    assert mixed.mixture is not None and mixed.weights is None
-    assert single.epsilon < mixed.epsilon <= 2.0
-    (a, b), (p_a, p_b) = mixed.mixture.weights, mixed.mixture.probabilities
-    assert p_a + p_b == pytest.approx(1.0) and 0 < p_b < 1
-    plds = []
-    for weights in (a, b):
-        used = [c for c, w in zip(ladder, weights, strict=True) if w > 0]
-        plds.append(composed_pld(release_units(used), 1e-4))
-    library = plds[0].compute_mixture(plds[1], p_a).get_epsilon_for_delta(DELTA)
-    assert library <= mixed.epsilon <= library + 1e-6
-    assert mixed.to_dict()["mixture"]["merges"][1]["probability"] == p_b
 
 
 def test_lc_above_the_reachable_range_returns_the_best_merge(short_ladder):

@@ -321,7 +321,7 @@ def test_help_imports_no_heavy_library():
 def test_reachable_range_is_the_methods_in_every_mode(capsys, tmp_path):
     """LC's range ends at the joint release of every candidate (a shared-batch pair is one
     unit), RS's at the least private candidate — the same whether weights are evaluated or a
-    target is calibrated; an interpolated release states each assumption once."""
+    target is calibrated (the mixture's is LC's); a mixture states each assumption once."""
     records = (
         make_record("a", 1.0, steps=100, sample_rate=0.01, batch_lineage="b1"),
         make_record("b", 1.5, steps=50, sample_rate=0.01, batch_lineage="b1"),
@@ -343,7 +343,8 @@ def test_reachable_range_is_the_methods_in_every_mode(capsys, tmp_path):
     assert high >= evaluated["epsilon"]  # the all-candidates merge lies inside its own range
     rs = reachable("--method", "rs", "--weights", "0.3,0.3,0.4")["reachable_epsilon_range"]
     assert rs[0] == low and rs[1] < high
-    mixed = reachable("--method", "lc", "--target-epsilon", "1.2", "--interpolate")
+    mixed = reachable("--method", "mixture", "--target-epsilon", "1.2")
+    assert mixed["reachable_epsilon_range"] == [low, high]
     assumptions = mixed["bounds"]["gating"]["assumptions"]
     assert len(assumptions) == len(set(assumptions))
 
