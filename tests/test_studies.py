@@ -409,3 +409,124 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, messag
     assert code == dpmerge.cli.EXIT_BAD_INPUT
     assert len(lines) == 1 and lines[0].startswith("dpmerge: error:") and message in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+# --- figures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """Every figure the study code saves, kept open for inspection."""
+    from matplotlib import pyplot as plt
+    from matplotlib.figure import Figure
+
+    kept, real_save, real_close = [], Figure.savefig, plt.close
+
+    def save(self, *args, **kwargs):
+        kept.append((self, Path(args[0])))
+        return real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", save)
+    monkeypatch.setattr(plt, "close", lambda *args, **kwargs: None)
+    yield kept
+    for canvas, _ in kept:
+        real_close(canvas)
+
+
+def pixels(canvas) -> np.ndarray:
+    canvas.canvas.draw()
+    return np.asarray(canvas.canvas.buffer_rgba()).copy()
+
+
+def check_readable(canvas, path: Path) -> None:
+    """The PNG has a sensible size; every title lies inside the canvas; every legend entry's
+    line shows somewhere (hiding it clearly changes pixels, more than the antialiased edges of
+    a line on top would); no legend covers a data point."""
+    from matplotlib import image
+
+    height, width = image.imread(path).shape[:2]
+    assert width >= 600 and height >= 300 and path.stat().st_size > 10_000
+    renderer = canvas.canvas.get_renderer()
+    inside = canvas.bbox
+    texts = [a.title for a in canvas.axes] + ([canvas._suptitle] if canvas._suptitle else [])
+    for text in texts:
+        if text.get_text():
+            box = text.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.x1 <= inside.x1 and box.y1 <= inside.y1, text.get_text()
+    for axes in canvas.axes:
+        legend = axes.get_legend()
+        handles, labels = axes.get_legend_handles_labels()
+        assert legend is not None and len(handles) >= 2
+        before = pixels(canvas)
+        for handle, label in zip(handles, labels, strict=True):
+            parts = handle.get_children() if hasattr(handle, "get_children") else [handle]
+            parts = [p for p in parts if p.get_visible()] or [handle]
+            for part in parts:
+                part.set_visible(False)
+            difference = np.abs(pixels(canvas).astype(int) - before.astype(int)).max(axis=2)
+            changed = int((difference > 80).sum())  # not just antialiased edges
+            for part in parts:
+                part.set_visible(True)
+            assert changed >= 20, f"{path.name}: {label!r} is hidden under other lines"
+        box = legend.get_window_extent(renderer)
+        for line in axes.get_lines():
+            for x, y in axes.transData.transform(line.get_xydata()):
+                assert not box.contains(x, y), f"{path.name}: the legend covers data"
+
+
+def frontier_table(groups: bool) -> pd.DataFrame:
+    """A frontier where several methods coincide (as in the non-convex 'independent' panel)."""
+    rows = []
+    for group in ("shared", "independent") if groups else ("one",):
+        for i in range(3):
+            rows.append(dict(group=group, kind="candidate", epsilon=0.2 * 2**i,
+                             test_accuracy=0.8 + 0.01 * i, delta=1e-5))  # fmt: skip
+        for kind in ("rs", "lc-generic", "mixture", "auto", "lc-structured"):
+            for t, target in enumerate((0.2, 0.4, 0.8)):
+                lift = 0.0 if group == "independent" or kind == "rs" else 0.003 * t
+                rows.append(dict(group=group, kind=kind, epsilon=target, delta=1e-5,
+                                 test_accuracy=0.79 + 0.01 * t + lift))  # fmt: skip
+    table = pd.DataFrame(rows)
+    return table if groups else table.drop(columns="group")
+
+
+def test_figures_are_readable(tmp_path, saved_figures):
+    from dpmerge.studies.engine import plot_gaps
+    from dpmerge.studies.frontier import plot_frontier
+    from dpmerge.studies.mean_estimation_study import MeanEstimationStudy, _plot_exact
+
+    long_title = (
+        "dpmerge-fashion-mnist-0123abcd-logreg-candidates: accuracy vs certified ε (δ = 1e-05)"
+    )
+    plot_frontier(frontier_table(False), tmp_path / "pareto.png", long_title)
+    plot_frontier(frontier_table(True), tmp_path / "nonconvex.png", long_title)
+    gaps = pd.DataFrame(
+        [
+            dict(
+                kind=kind,
+                reference="retrain",
+                target_epsilon=target,
+                gap=gap,
+                ci_low=gap - 0.004,
+                ci_high=gap + 0.004,
+            )
+            for kind, shift in (("auto", 0.0), ("mixture", 0.0), ("lc-generic", -0.01))
+            for target, gap in ((0.25, 0.001 + shift), (0.4, 0.004 + shift), (0.9, 0.02 + shift))
+        ]
+    )
+    plot_gaps(gaps, tmp_path / "gap.png", "merge minus retrain at the target, same seed (95 % CI)")
+    exact = pd.DataFrame(
+        dict(
+            target_epsilon=[1.0, 2.0, 4.0],
+            rs_epsilon_mixture_bound=[1.0, 2.0, 4.0],
+            rs_epsilon_exact=[0.93, 1.99, 1.96],
+            rs_epsilon_d2_lower=[0.93, 1.99, 1.96],  # equal to the scalar release's
+            rs_epsilon_d100_lower=[1.0, 2.0, 4.0],  # equal to the bound
+        )
+    )
+    study = MeanEstimationStudy(sigmas=(0.5, 1.0), targets=(1.0, 2.0, 4.0), delta=1e-5,
+                                dimensions=(2, 100))  # fmt: skip
+    _plot_exact(exact, tmp_path / "exact.png", study)
+    assert len(saved_figures) == 4
+    for canvas, path in saved_figures:
+        check_readable(canvas, path)
