@@ -136,14 +136,10 @@ def quick_frontier(tmp_path_factory, tracking):
 def test_frontier_points_meet_their_targets(quick_frontier, capsys):
     folder, _ = quick_frontier
     table = pd.read_csv(folder / "frontier.csv")
-    assert set(table.kind) == {
-        "candidate",
-        "rs",
-        "lc-generic",
-        "lc-generic-rs",
-        "lc-structured",
-        "retrain",
-        "retrain-matched",
+    merges = {"rs", "lc-generic", "mixture", "auto", "lc-structured"}
+    assert {"candidate", "retrain", *merges} <= set(table.kind)
+    assert {k for k in set(table.kind) - merges if k not in ("candidate", "retrain")} == {
+        f"retrain-matched-m{m}" for m in set(table.members[table.kind.isin(merges)]) if m > 1
     }
     assert set(table.seed) == {0, 1}
     targets = sorted(table.target_epsilon.dropna().unique())
@@ -157,17 +153,26 @@ def test_frontier_points_meet_their_targets(quick_frontier, capsys):
     assert ((table.test_accuracy > 0.1) & (table.test_accuracy <= 1)).all()
     rs = points[points.kind == "rs"]
     assert rs.drawn_test_accuracy.isin(candidates.test_accuracy.values).all()
-    # LC with RS between two subset merges: a mixture row names both merges and their odds.
-    for row in points[points.kind == "lc-generic-rs"].itertuples():
-        merges = json.loads(row.weights)
-        if isinstance(merges[0], dict):
-            assert sum(m["probability"] for m in merges) == pytest.approx(1.0)
+    # The mixture names both merges and their odds; auto repeats the row of what it chose.
+    for row in points[points.kind == "mixture"].itertuples():
+        rungs = json.loads(row.weights)
+        assert row.method == "mixture" and sum(r["probability"] for r in rungs) == pytest.approx(1)
+    for row in points[points.kind == "auto"].itertuples():
+        chosen = points[
+            (points.kind == ("lc-generic" if row.method == "lc" else row.method))
+            & (points.seed == row.seed)
+            & (points.target_epsilon == row.target_epsilon)
+        ].iloc[0]
+        assert (row.epsilon, row.test_accuracy, row.weights) == (
+            chosen.epsilon,
+            chosen.test_accuracy,
+            chosen.weights,
+        )
 
 
-def test_frontier_retrains_are_calibrated_to_the_target(quick_frontier):
+def test_frontier_retrains_spend_the_target_and_match_each_merges_compute(quick_frontier):
     folder, _ = quick_frontier
     table = pd.read_csv(folder / "frontier.csv")
-    candidate = table[table.kind == "candidate"].iloc[0]
     models = {
         load_model_dir(p).record.name: load_model_dir(p)
         for p in (folder / "units").iterdir()
@@ -178,26 +183,35 @@ def test_frontier_retrains_are_calibrated_to_the_target(quick_frontier):
         record = model.record
         row = table[table.candidates == json.dumps([record.name])].iloc[0]
         target = row.target_epsilon
-        assert candidate_bound(record, 1e-5).epsilon_pld <= target  # σ meets the target …
-        assert (
-            dpsgd_epsilon_pld(  # … and is not much larger than needed
-                record.noise_multiplier * 0.99, record.sample_rate, record.steps, 1e-5
-            )
-            > target
-        )
-    for row in table[table.kind == "retrain-matched"].itertuples():
-        merge = table[
-            (table.kind == "lc-generic")
+        epsilon = candidate_bound(record, 1e-5).epsilon_pld
+        assert 0.999 * target <= epsilon <= target  # spends the target (σ to 1e-4)
+        assert dpsgd_epsilon_pld(record.noise_multiplier * 0.999, record.sample_rate,
+                                 record.steps, 1e-5) > target  # fmt: skip
+    merges = table[table.kind.isin(["rs", "lc-generic", "mixture", "auto", "lc-structured"])]
+    for row in merges[merges.members > 1].itertuples():
+        retrain = table[
+            (table.kind == f"retrain-matched-m{row.members}")
             & (table.seed == row.seed)
             & (table.target_epsilon == row.target_epsilon)
         ].iloc[0]
-        share = row.per_example_gradients / (merge.members * candidate.per_example_gradients)
+        share = retrain.per_example_gradients / row.per_example_gradients
         assert share == pytest.approx(1.0, rel=0.05)
+    gaps = pd.read_csv(folder / "gaps.csv")
+    assert set(gaps.reference) == {"retrain", "retrain-matched"}
+    assert (gaps.ci_low <= gaps.gap).all() and (gaps.gap <= gaps.ci_high).all()
+    assert (gaps.seeds == 2).all()
 
 
 def test_frontier_files_logging_and_resume(quick_frontier, capsys, tracking):
     folder, argv = quick_frontier
-    for name in ("frontier.csv", "summary.csv", "frontier.md", "frontier.png", "gap.png"):
+    for name in (
+        "frontier.csv",
+        "summary.csv",
+        "gaps.csv",
+        "frontier.md",
+        "frontier.png",
+        "gap.png",
+    ):
         assert (folder / name).stat().st_size > 500
     summary = pd.read_csv(folder / "summary.csv")
     merges = summary[summary.kind == "lc-structured"]
@@ -289,8 +303,8 @@ def test_non_convex_runs_resnet18_gn_on_cifar_format_data(tmp_path, capsys):
         "1",
         "--batch-size",
         "8",
-        "--grid",
-        "1",
+        "--targets",
+        "5",
         "--path-points",
         "2",
         "--no-structured",
@@ -303,7 +317,7 @@ def test_non_convex_runs_resnet18_gn_on_cifar_format_data(tmp_path, capsys):
     )
     assert code == 0
     table = pd.read_csv(tmp_path / "r" / "nonconvex.csv")
-    assert set(table.kind) == {"candidate", "rs", "lc-generic", "lc-generic-rs"}
+    assert set(table.kind) == {"candidate", "rs", "lc-generic", "mixture", "auto"}
     model = next(p for p in (tmp_path / "r" / "units").iterdir() if p.is_dir())
     assert load_model_dir(model).spec.name == "resnet18_gn"
 
@@ -365,6 +379,8 @@ def test_pretrained_fine_tunes_from_public_rows(tmp_path, capsys):
         (["frontier", "--dataset", "nope"], "unknown dataset 'nope'"),
         (["frontier", "--quick", "--targets=-1,2"], "targets must be positive"),
         (["frontier", "--grid", "2.5"], "--grid"),
+        (["frontier", "--grid", "1"], "grid must be at least 2"),
+        (["frontier", "--checkpoints", "3,4"], "including the last (10)"),
         (
             ["mean-estimation", "--sigmas", "1,-1", "--targets", "1", "--delta", "1e-5"],
             "noise multipliers must lie in",
@@ -409,6 +425,32 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, messag
     assert code == dpmerge.cli.EXIT_BAD_INPUT
     assert len(lines) == 1 and lines[0].startswith("dpmerge: error:") and message in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_results_file_every_target_infeasible_and_ctrl_c_are_one_line(
+    tmp_path, capsys, monkeypatch
+):
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    code, _, err = run(capsys, "frontier", "--quick", "--results", str(taken), "--no-mlflow")
+    assert code == 2 and err.count("\n") == 1 and "is a file, not a folder" in err
+    assert taken.read_text() == "a file"
+    low = str(tmp_path / "low")
+    argv = ["frontier", "--quick", "--seeds", "1", "--epochs", "1", "--targets", "0.001",
+            "--no-structured", "--results", low, "--no-mlflow", "--no-progress"]  # fmt: skip
+    code, _, err = run(capsys, *argv)
+    assert code == 3 and err.count("\n") == 1 and "Traceback" not in err
+    assert "every target (0.001) is below the most private candidate" in err
+    assert not list((tmp_path / "low").glob("*.png"))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    from dpmerge.studies import convex
+
+    monkeypatch.setattr(convex, "run_frontier_study", interrupted)
+    code, _, err = run(capsys, "frontier", "--quick", "--results", str(tmp_path / "r"))
+    assert code == 130 and err.count("\n") == 1 and "interrupted" in err and "resume" in err
 
 
 # --- figures ------------------------------------------------------------------------------------

@@ -89,15 +89,39 @@ def _embed(k: int, members: Sequence[int], values: Sequence[float]) -> tuple[flo
     return tuple(weights)
 
 
-def candidate_subsets(k: int, epsilons: Sequence[float], target: float) -> list[tuple[int, ...]]:
-    """Subsets whose members each meet the target (necessary: composition never falls below a
-    member's ε). Exhaustive up to :data:`MAX_EXHAUSTIVE_SUBSETS` candidates."""
-    allowed = [i for i in range(k) if epsilons[i] <= target]
-    if len(allowed) <= MAX_EXHAUSTIVE_SUBSETS:
-        return [s for r in range(1, len(allowed) + 1) for s in itertools.combinations(allowed, r)]
-    # Greedy: nested prefixes of the candidates ordered from least to most noisy, plus singles.
-    order = sorted(allowed, key=lambda i: -epsilons[i])
-    return [(i,) for i in allowed] + [tuple(order[:r]) for r in range(2, len(order) + 1)]
+def candidate_subsets(
+    candidates: Sequence[Candidate], epsilons: Sequence[float], target: float
+) -> list[tuple[int, ...]]:
+    """The member sets of the ladder: subsets of *runs*, each run taken up to a common stop
+    (a step count), with every checkpoint of it up to that stop — an LC over checkpoints of
+    one run averages its iterates at the cost of the longest (docs/design.md#release-units).
+    Records without a shared ``run_id`` are runs of their own, so without checkpoints these
+    are the subsets of the candidates. Only sets whose members each meet the target
+    (composition never falls below a member's ε); exhaustive up to
+    :data:`MAX_EXHAUSTIVE_SUBSETS` runs, nested greedy prefixes beyond."""
+    allowed = [i for i in range(len(candidates)) if epsilons[i] <= target]
+    runs: dict[object, list[int]] = {}
+    for i in allowed:
+        run_id = getattr(candidates[i], "run_id", None)
+        runs.setdefault(i if run_id is None else run_id, []).append(i)
+    groups = list(runs.values())
+    if len(groups) <= MAX_EXHAUSTIVE_SUBSETS:
+        chosen = [c for r in range(1, len(groups) + 1) for c in itertools.combinations(groups, r)]
+    else:
+        order = sorted(groups, key=lambda g: -max(epsilons[i] for i in g))
+        chosen = [(g,) for g in groups] + [tuple(order[:r]) for r in range(2, len(order) + 1)]
+    stops = sorted({_steps(candidates[i]) for i in allowed})
+    found: dict[tuple[int, ...], None] = {}
+    for subset in chosen:
+        for stop in stops:
+            parts = [[i for i in group if _steps(candidates[i]) <= stop] for group in subset]
+            if all(parts):  # every run of the subset has a checkpoint within the stop
+                found.setdefault(tuple(sorted(i for part in parts for i in part)), None)
+    return list(found)
+
+
+def _steps(candidate: Candidate) -> int:
+    return candidate.steps if isinstance(candidate, MechanismRecord) else 0
 
 
 TUNED_REASON = (
@@ -124,7 +148,7 @@ def rungs(
         if i not in usable
     ]
     found = []
-    for members in candidate_subsets(k, epsilons, target):
+    for members in candidate_subsets(candidates, epsilons, target):
         if not set(members) <= usable:
             continue
         chosen = [candidates[i] for i in members]

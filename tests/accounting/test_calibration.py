@@ -226,3 +226,48 @@ def test_candidates_from_different_initialisations_are_never_averaged():
     assert any("different initialisations" in s for s in generic.search["skipped"])
     report = account(candidates, "lc", [0.4, 0.3, 0.3], DELTA)
     assert any("different initialisations" in n for n in report.notes)
+
+
+def checkpoints(sigma: float, steps=(100, 150, 200)):
+    """Three kept checkpoints of one run (one run id, one noise and batch stream)."""
+    return [
+        make_record(
+            f"run{sigma}-{t}",
+            sigma,
+            steps=t,
+            sample_rate=0.01,
+            batch=600.0,
+            run_id=f"run-{sigma}",
+            noise_lineage=f"noise-{sigma}",
+            batch_lineage=f"batches-{sigma}",
+        )
+        for t in steps
+    ]
+
+
+def test_checkpoints_of_one_run_are_averaged_at_the_cost_of_the_longest():
+    """A run's kept checkpoints join a rung together, up to a common stop: the LC averages its
+    iterates, and its generic ε is the longest checkpoint's (docs/design.md#release-units)."""
+    candidates = checkpoints(1.0) + checkpoints(2.0)
+    longest = candidate_bound(candidates[2], DELTA).epsilon
+    result = calibrate(candidates, "lc", longest, DELTA)
+    used = [c for c, w in zip(candidates, result.weights, strict=True) if w > 0]
+    assert {c.name for c in used} == {"run1.0-100", "run1.0-150", "run1.0-200"}
+    assert result.epsilon == pytest.approx(longest, abs=1e-9)
+    assert len({w for w in result.weights if w > 0}) == 1  # equal weights: a tail average
+    # Between two stops of the noisier run, the ladder stops that run early.
+    second = candidate_bound(candidates[4], DELTA).epsilon
+    early = calibrate(candidates[3:], "lc", second * 1.0001, DELTA)
+    assert [c.name for c, w in zip(candidates[3:], early.weights, strict=True) if w > 0] == [
+        "run2.0-100",
+        "run2.0-150",
+    ]
+    mixed = calibrate(candidates, "mixture", (longest + second) / 2, DELTA)
+    assert mixed.epsilon <= (longest + second) / 2
+    for rung in mixed.rungs:
+        steps = {c.run_id: [] for c in candidates}
+        for c, w in zip(candidates, rung.weights, strict=True):
+            if w > 0:
+                steps[c.run_id].append(c.steps)
+        for taken in steps.values():  # each run from its first kept checkpoint up to a stop
+            assert taken == sorted(taken) and (not taken or taken[0] == 100)
