@@ -227,6 +227,40 @@ def test_frontier_files_logging_and_resume(quick_frontier, capsys, tracking):
     assert {"frontier.csv", "frontier.md", "frontier.png", "gap.png"} <= set(artifacts)
 
 
+def test_frontier_with_kept_checkpoints(tmp_path, capsys):
+    """Each run's kept epochs are candidates of one run (one run id, steps per epoch); the
+    grid still runs between the runs' ends; merges count runs, not checkpoints; the retrain is
+    also reported averaged over its own checkpoints at its own ε."""
+    argv = ["frontier", "--dataset", "digits", "--sigmas", "1,3", "--epochs", "2",
+            "--checkpoints", "1,2", "--batch-size", "64", "--seeds", "1", "--grid", "2",
+            "--no-structured", "--no-compute-matched", "--results", str(tmp_path / "ck"),
+            "--no-mlflow", "--json", "--no-progress"]  # fmt: skip
+    code, _, _ = run(capsys, *argv)
+    assert code == 0
+    table = pd.read_csv(tmp_path / "ck" / "frontier.csv")
+    candidates = table[table.kind == "candidate"]
+    assert len(candidates) == 4
+    runs = [
+        load_model_dir(p).record
+        for p in (tmp_path / "ck" / "units").glob("run-convex-*/e*")
+        if p.is_dir()
+    ]
+    assert len({r.run_id for r in runs}) == 2 and sorted({r.steps for r in runs})[1] == 2 * min(
+        r.steps for r in runs
+    )
+    ends = candidates.groupby("noise_multiplier").epsilon.max()
+    targets = sorted(table.target_epsilon.dropna().unique())
+    assert targets == pytest.approx(sorted(ends))
+    merges = table[table.kind.isin(["rs", "lc-generic", "mixture", "auto"])]
+    assert (merges.epsilon <= merges.target_epsilon + 1e-12).all()
+    assert merges.members.max() <= 2
+    averaged = table[table.kind == "retrain-averaged"]
+    plain = table[table.kind == "retrain"]
+    assert len(averaged) == len(plain) == 2
+    assert list(averaged.epsilon) == list(plain.epsilon)
+    assert "retrain-averaged" in set(pd.read_csv(tmp_path / "ck" / "gaps.csv").reference)
+
+
 # --- non-convex and pretrained --------------------------------------------------------------
 
 

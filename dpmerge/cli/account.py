@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "account",
         help="privacy of a merge (given weights) or the best merge for a target ε",
         description=(
-            "Evaluate RS/LC weights, or calibrate a merge to --target-epsilon. Every ε is "
+            "Evaluate RS/LC weights, or calibrate an RS, LC or mixture merge to "
+            "--target-epsilon. Every ε is "
             "derived from the candidates' mechanism records (or labels) by PLD and RDP "
             "accountants, add-or-remove-one adjacency (docs/design.md)."
         ),
