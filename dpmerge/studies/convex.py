@@ -140,17 +140,12 @@ def _markdown(study, summary, kinds, gaps, verdict) -> str:  # type: ignore[no-u
         markdown_table(engine.accuracy_table(summary, "convex", kinds)),
         "",
     ]
+    merges = [k for k in kinds if not k.startswith(RETRAIN)]
     for gap in gaps:
-        view = gap.assign(
-            gap=100 * gap.gap,
-            gap_std=100 * gap.gap_std,
-            ci_low=100 * gap.ci_low,
-            ci_high=100 * gap.ci_high,
-        )
         lines += [
-            f"## Merge minus {view.reference.iloc[0]} (pp, paired by seed, 95 % CI)",
+            f"## Merge minus {gap.reference.iloc[0]} (pp, paired by seed: mean [95 % CI])",
             "",
-            markdown_table(view.drop(columns=["group"]), 2),
+            markdown_table(engine.gap_table(gap, merges)),
             "",
         ]
     lines += [

@@ -526,6 +526,27 @@ def paired_gaps(table: pd.DataFrame, kinds: Sequence[str], reference: str) -> pd
     return pd.DataFrame(out)
 
 
+def gap_table(gaps: pd.DataFrame, kinds: Sequence[str]) -> pd.DataFrame:
+    """One row per target, one column per kind: the paired gap in pp with its confidence
+    interval, ``+0.20 [−0.24, +0.65]``."""
+    out = []
+    for target, rows in gaps.groupby("target_epsilon", sort=True):
+        entry: dict[str, Any] = {"target ε": f"{target:.3f}"}
+        by_kind = {r.kind: r for r in rows.itertuples()}
+        for kind in kinds:
+            row = by_kind.get(kind)
+            entry[kind] = "" if row is None else _gap_text(row.gap, row.ci_low, row.ci_high)
+        out.append(entry)
+    return pd.DataFrame(out)
+
+
+def _gap_text(gap: float, low: float | None, high: float | None) -> str:
+    text = f"{100 * gap:+.2f}"
+    if low is None or high is None or low != low:
+        return text
+    return f"{text} [{100 * low:+.2f}, {100 * high:+.2f}]"
+
+
 def confidence_interval(mean: float, std: float, n: int) -> tuple[float | None, float | None]:
     """The two-sided Student-t interval of a mean over ``n`` paired differences (``None``
     for a single seed)."""
