@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 
 from dpmerge.accounting import pld as pld_mod
+from dpmerge.accounting.account import check_candidates, check_delta
 from dpmerge.accounting.bounds import MixtureRung, PrivacyReport
 from dpmerge.accounting.calibrated import LP_SLACK, Calibration, MergeUtility
 from dpmerge.accounting.generic import (
@@ -43,7 +44,7 @@ from dpmerge.accounting.generic_search import (
 from dpmerge.accounting.records import Candidate
 from dpmerge.accounting.rs import mixture_bound
 from dpmerge.accounting.rs_calibration import best_two_point_mixture
-from dpmerge.accounting.weights import simplex_weights
+from dpmerge.accounting.weights import initialisation_conflict, simplex_weights
 from dpmerge.errors import RecordError, RefusalError, UnsupportedError
 from dpmerge.vocabulary import BoundKind, Method
 
@@ -66,17 +67,22 @@ def mixture_report(
     for each ``(p, λ)`` of ``rungs_`` (one or two rungs; λ over every candidate, on the
     simplex). Refuses a rung whose subset the release-unit rules refuse
     (docs/design.md#release-units)."""
+    check_candidates(candidates)
+    delta = check_delta(delta)
     names = tuple(c.name for c in candidates)
     if not 1 <= len(rungs_) <= 2:
         raise RecordError(f"a mixture draws between one and two LC merges, got {len(rungs_)}")
     odds = simplex_weights([p for p, _ in rungs_], len(rungs_), what="mixture probabilities")
     if any(p == 0 for p in odds):
         raise RecordError("every rung of a mixture has a probability above 0")
-    parts = []
+    parts, notes = [], [NOTE]
     for p, weights in zip(odds, (w for _, w in rungs_), strict=True):
         weights = simplex_weights(weights, len(candidates), what="rung weights")
-        units = release_units([c for c, w in zip(candidates, weights, strict=True) if w > 0])
-        parts.append((p, weights, units))
+        used = [c for c, w in zip(candidates, weights, strict=True) if w > 0]
+        parts.append((p, weights, release_units(used)))
+        conflict = initialisation_conflict(used)
+        if conflict is not None and f"warning: {conflict}" not in notes:
+            notes.append(f"warning: {conflict}")
     bound = mixture_bound(
         odds,
         [lambda u=units: composed_pld(u, discretisation) for _, _, units in parts],
@@ -92,7 +98,7 @@ def mixture_report(
         (),
         delta,
         bound,
-        notes=(NOTE,),
+        notes=tuple(notes),
         rungs=tuple(
             MixtureRung(p, weights, units_bound(units, delta, discretisation))
             for p, weights, units in parts

@@ -143,6 +143,11 @@ def test_mixture_inputs_are_checked(short_ladder):
     ):
         with pytest.raises(RecordError, match=message):
             mixture_report(short_ladder, rungs, DELTA)
+    with pytest.raises(RecordError, match="δ must lie in"):
+        mixture_report(short_ladder, [(1.0, one)], 1.5)
+    other = short_ladder[1].model_copy(update={"initialisation": "seed-9"})
+    warned = mixture_report([short_ladder[0], other], [(1.0, [0.5, 0.5])], DELTA)
+    assert any("different initialisations" in note for note in warned.notes)
     reused = [
         make_record(n, 1.0, steps=100, sample_rate=0.01, noise_lineage="same-stream")
         for n in ("x", "y")
