@@ -48,7 +48,9 @@ class BoundContradictionError(DPMergeError):
 class InfeasibleTargetError(DPMergeError):
     """No merge of the candidates meets the target (docs/design.md#calibration).
 
-    Carries the reachable ε range so callers can print it or put it into JSON.
+    Carries the reachable ε range so callers can print it or put it into JSON, and, where a
+    DP-SGD candidate sets the bottom of that range, the noise multiplier a new candidate with
+    its sample rate and steps needs to reach the target (PLD, rounded up).
     """
 
     def __init__(
@@ -58,11 +60,13 @@ class InfeasibleTargetError(DPMergeError):
         target_epsilon: float,
         delta: float,
         reachable_epsilon_range: tuple[float, float],
+        required_noise_multiplier: float | None = None,
     ) -> None:
         super().__init__(message)
         self.target_epsilon = target_epsilon
         self.delta = delta
         self.reachable_epsilon_range = reachable_epsilon_range
+        self.required_noise_multiplier = required_noise_multiplier
 
 
 class IntegrityError(DPMergeError):

@@ -8,6 +8,7 @@ import difflib
 import math
 import unicodedata
 from collections.abc import Iterable
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
 EPSILON_DIGITS = 4
 ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
@@ -17,17 +18,20 @@ right-to-left override reorders what is shown), surrogates, private-use and unas
 points, line and paragraph separators."""
 
 
-def epsilon_text(value: float | None) -> str:
-    """An ε for display, rounded *up* to 4 decimals; ``—`` when absent, ``∞`` when unbounded.
+def _ceiling(value: float, digits: int) -> Decimal:
+    """``value`` rounded up to ``digits`` decimals, exactly: the float's own binary value is
+    compared, so the result is never below it (0.98340000000001 shows 0.9835)."""
+    return Decimal(value).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_CEILING)
 
-    The 1e-9 guard keeps a value that is a 4-decimal number up to float noise (0.98340000000001)
-    from showing one step higher; every PLD ε already carries a 1e-7 safety margin."""
+
+def epsilon_text(value: float | None) -> str:
+    """An ε for display, rounded *up* to 4 decimals (never below the value); ``—`` when
+    absent, ``∞`` when unbounded."""
     if value is None:
         return "—"
     if math.isinf(value):
         return "∞"
-    scale = 10**EPSILON_DIGITS
-    return f"{math.ceil(value * scale - 1e-9) / scale:.{EPSILON_DIGITS}f}"
+    return f"{_ceiling(value, EPSILON_DIGITS):.{EPSILON_DIGITS}f}"
 
 
 def within_text(value: float, target: float) -> str:
@@ -39,10 +43,9 @@ def within_text(value: float, target: float) -> str:
         return f"ε = {epsilon_text(value)} > ε* = {target:g}"
     exact = float(f"{target:g}") == target
     for digits in range(EPSILON_DIGITS, 13):
-        scale = 10**digits
-        shown = math.ceil(value * scale - 1e-9) / scale
-        limit = target if exact else math.floor(target * scale + 1e-9) / scale
-        if shown <= limit:
+        shown = _ceiling(value, digits)
+        limit = Decimal(target).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_FLOOR)
+        if shown <= (Decimal(target) if exact else limit):
             break
     limit_text = f"{target:g}" if exact else f"{limit:.{digits}f}"
     return f"ε = {shown:.{digits}f} ≤ ε* = {limit_text}"

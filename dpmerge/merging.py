@@ -1,9 +1,11 @@
-"""Merging candidate model directories: random selection and linear combination
-(docs/design.md#random-selection, docs/design.md#generic-bound).
+"""Merging candidate model directories: random selection, linear combination and the
+mixture of two LC merges (docs/design.md#random-selection, docs/design.md#generic-bound).
 
-LC releases θ = Σ λ_i θ_i with λ on the simplex; RS releases θ_I for one secret draw I ~ π.
-Both read the candidates' ``weights.safetensors`` one candidate and one tensor at a time, so
-memory stays near one candidate's mapped file plus the output, whatever the number of inputs.
+LC releases θ = Σ λ_i θ_i with λ on the simplex; RS releases θ_I for one secret draw I ~ π; the
+mixture releases the LC merge of rung I for one secret draw I ~ (p, 1 − p). All read the
+candidates' ``weights.safetensors`` one candidate and one tensor at a time, so memory stays
+near one candidate's mapped file plus the output (two for a mixture), whatever the number of
+inputs.
 
 The arithmetic is exact where it can be tested: a weight of exactly 1 copies the candidate
 bit-for-bit (so RS, run as a one-hot LC, releases θ_I unchanged), and the first contributing
@@ -11,8 +13,9 @@ candidate initialises the sum instead of being added to zero (which would turn -
 Floats are accumulated in float32 (float64 for float64 tensors) on the chosen device and cast
 back to the source dtype; λ is then used as a float32 number for float32 tensors.
 
-RS validates every candidate completely before drawing and reads all of them afterwards, so
-neither an error nor the running time depends on the drawn index. The index goes to the caller
+RS and the mixture validate every candidate completely before drawing and read all of them
+afterwards (the mixture computes both rungs), so neither an error nor the running time depends
+on the drawn index. The index goes to the caller
 (for an access-restricted audit record) and never into the released directory
 (docs/design.md#random-selection).
 The released weights file is written afresh with a random nonce in its metadata, so its bytes
@@ -53,7 +56,7 @@ from dpmerge.artifacts import (
 )
 from dpmerge.errors import RecordError
 from dpmerge.models import check_weights_match
-from dpmerge.vocabulary import GatingBound, Method
+from dpmerge.vocabulary import GatingBound, Method, choose
 
 Metrics = Callable[[ModelSpec, Mapping[str, torch.Tensor]], Mapping[str, Any]]
 
@@ -65,8 +68,10 @@ candidate's, whatever the weights)."""
 
 @dataclass(frozen=True)
 class MergeResult:
-    """What :func:`merge_model_dirs` released. ``drawn_index`` (RS only) is for an internal,
-    access-restricted audit record; it is left out of ``repr`` so it is not printed by accident."""
+    """What :func:`merge_model_dirs` released. ``weights`` are π or λ (empty for a mixture,
+    whose rungs are in ``report``). ``drawn_index`` (RS: the candidate; mixture: the rung) is
+    for an internal, access-restricted audit record; it is left out of ``repr`` so it is not
+    printed by accident."""
 
     path: Path
     method: Method
@@ -271,25 +276,34 @@ def merge_model_dirs(
     rng: random.Random | None = None,
     draw: Callable[[Sequence[float]], int] | None = None,
 ) -> MergeResult:
-    """Merge candidate directories by RS or LC and write the release to ``out_dir``.
+    """Merge candidate directories by RS, LC or a mixture and write the release to ``out_dir``.
 
-    ``weights`` are π (RS) or λ (LC), or a :class:`Calibration` for this method and δ. The
-    directory gets the merged weights, ``model.json``, a merge record (method, weights, every
+    ``weights`` are π (RS) or λ (LC), or a :class:`Calibration` for this method and δ (a
+    mixture needs its calibration: two LC merges and their odds). The directory gets the merged
+    weights, ``model.json``, a merge record (method, weights or the mixture's rungs, every
     candidate's record and source directory name), ``privacy.json`` (the PrivacyReport) and
-    ``metrics.json`` (``metrics(spec, merged)`` if given). For RS, ``audit_path`` receives the
-    drawn index (mode 0600, outside ``out_dir``) with ``audit_notes``; ``rng`` is a test hook
-    (see :func:`draw_index`). ``draw`` replaces the draw itself (given π, returns the index): a
-    policy merge passes one that reuses the draw stored for its release
-    (``dpmerge.policy_merge.draws``). On any error nothing is written.
+    ``metrics.json`` (``metrics(spec, merged)`` if given). RS and the mixture draw once — an
+    index into π, or into the rungs' odds — and ``audit_path`` receives it (mode 0600, outside
+    ``out_dir``) with ``audit_notes``; ``rng`` is a test hook (see :func:`draw_index`).
+    ``draw`` replaces the draw itself (given the probabilities, returns the index): a policy
+    merge passes one that reuses the draw stored for its release
+    (``dpmerge.policy_merge.draws``). A mixture computes both rungs' merges and keeps the drawn
+    one, so neither an error nor the running time depends on the draw, and everything it
+    writes but the weights is the same whichever rung was drawn
+    (docs/design.md#rs-secrecy). On any error nothing is written.
     """
-    if method not in ("rs", "lc"):
-        raise RecordError(f"method must be 'rs' or 'lc', got {method!r}")
-    if method == "rs" and gating_bound != "generic":
+    method = choose(Method, method, "method")
+    if method != Method.LC and gating_bound != "generic":
         raise RecordError(
-            "the gating bound applies to LC only (RS is gated by the selection bound)"
+            f"the gating bound applies to LC only ({method} is gated by its mixture bound)"
         )
-    if audit_path is not None and method != "rs":
-        raise RecordError("an audit file records the RS draw; LC has no secret to record")
+    if audit_path is not None and method == Method.LC:
+        raise RecordError("an audit file records a secret draw; LC has no secret to record")
+    if method == Method.MIXTURE and not isinstance(weights, Calibration):
+        raise RecordError(
+            "a mixture release needs its calibration (two LC merges and their odds), not a "
+            "weight vector"
+        )
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise RecordError(f"output directory already exists: {out_dir}")
@@ -313,23 +327,31 @@ def merge_model_dirs(
         }
     else:
         report = account(candidates, method, weights, delta, gating_bound=gating_bound)
-    used = report.weights
     files = [d.weights_file for d in dirs]
+    if method == Method.LC:
+        choices = [report.weights]
+    elif method == Method.RS:
+        choices = [tuple(float(i == j) for j in range(len(files))) for i in range(len(files))]
+    else:
+        choices = [rung.weights for rung in report.rungs]
+    odds = report.weights if method == Method.RS else [r.probability for r in report.rungs]
     staging = None if audit_path is None else _prepare_audit(Path(audit_path), out_dir)
     written = False
     try:
         drawn = None
-        if method == "rs":
-            drawn = draw(used) if draw is not None else draw_index(used, rng=rng)
-            one_hot = [float(i == drawn) for i in range(len(files))]
-            merged = linear_combination(files, one_hot, device=device)
+        if method != Method.LC:
+            drawn = draw(odds) if draw is not None else draw_index(odds, rng=rng)
+        if method == Method.MIXTURE:  # both rungs, whichever was drawn
+            computed = [linear_combination(files, w, device=device) for w in choices]
+            merged = computed[drawn]  # type: ignore[index]
         else:
-            merged = linear_combination(files, used, device=device)
+            merged = linear_combination(files, choices[drawn or 0], device=device)
         spec = dirs[0].spec
         scores = dict(metrics(spec, merged)) if metrics is not None else {}
         record = {
-            "method": method,
-            "weights": list(used),
+            "method": str(method),
+            "weights": None if method == Method.MIXTURE else list(report.weights),
+            **({"rungs": report.to_dict()["rungs"]} if method == Method.MIXTURE else {}),
             "bound": report.gating.kind,
             "candidates": [
                 {
@@ -361,11 +383,11 @@ def merge_model_dirs(
             audit = {
                 "release": str(out_dir.resolve()),
                 "weights_sha256": digest,
-                "method": method,
+                "method": str(method),
                 "candidates": [c.name for c in candidates],
-                "probabilities": list(used),
+                "probabilities": list(odds),
                 "drawn_index": drawn,
-                "drawn_candidate": candidates[drawn].name if drawn is not None else None,
+                **_drawn(report, candidates, drawn),
                 "drawn_at": datetime.now(UTC).isoformat(),
                 "notes": dict(audit_notes or {}),
             }
@@ -378,4 +400,13 @@ def merge_model_dirs(
         if written:
             shutil.rmtree(out_dir, ignore_errors=True)
         raise
-    return MergeResult(out_dir, method, used, report, scores, drawn)
+    return MergeResult(out_dir, method, report.weights, report, scores, drawn)
+
+
+def _drawn(report: PrivacyReport, candidates: Sequence[Any], drawn: int | None) -> dict[str, Any]:
+    """What the audit record names as drawn: a candidate (RS) or a rung's members (mixture)."""
+    if drawn is None:
+        return {}
+    if report.method == Method.MIXTURE:
+        return {"drawn_rung": list(report.rungs[drawn].members(report.names))}
+    return {"drawn_candidate": candidates[drawn].name}

@@ -36,6 +36,12 @@ RS_NOTE = (
     "one is part of the mechanism's randomness and is not recorded here "
     "(docs/design.md#rs-secrecy)."
 )
+MIXTURE_NOTE = (
+    "A secret draw released one of the LC merges above with the odds shown; which one is part "
+    "of the mechanism's randomness and is not recorded here (docs/design.md#rs-secrecy). The "
+    "guarantee is the mixture of the merges' generic bounds; the release ledger counts every "
+    "candidate of either merge."
+)
 LEDGER_NOTE = (
     "Releases derived from the same candidates are correlated: adding up their ε values is not "
     "a valid bound; the cumulative bound is the joint release of every candidate used "
@@ -45,10 +51,15 @@ _BOUND_LABELS = {
     "generic": "generic (composition of the used candidates; no assumption)",
     "structured": STRUCTURED_LABEL,
     "selection": "selection (mixture of the candidates' privacy curves)",
+    "mixture": "mixture (of the LC merges' generic-bound curves)",
     "gaussian": "Gaussian mechanism (exact)",
     "candidate": "candidate (its own DP-SGD accounting)",
 }
-_METHODS = {"rs": "RS — random selection", "lc": "LC — linear combination θ = Σ λ_i θ_i"}
+_METHODS = {
+    "rs": "RS — random selection",
+    "lc": "LC — linear combination θ = Σ λ_i θ_i",
+    "mixture": "mixture — a secret draw between LC merges θ = Σ λ_i θ_i of two subsets",
+}
 
 
 @dataclass(frozen=True)
@@ -225,6 +236,22 @@ def _bound_section(title: str, bound: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _rung_section(rungs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A mixture's merges: odds, members and each merge's own generic bound (PLD and RDP)."""
+    lines = [
+        "| merge | probability | members | generic ε PLD | generic ε RDP | δ |",
+        "|---|---|---|---|---|---|",
+    ]
+    for j, rung in enumerate(rungs):
+        bound = rung.get("bound") or {}
+        lines.append(
+            f"| {j + 1} | {rung['probability']:.4f} | {', '.join(rung['members'])} "
+            f"| {epsilon_text(rung.get('epsilon_pld'))} | {epsilon_text(rung.get('epsilon_rdp'))} "
+            f"| {_num(bound.get('delta'))} |"
+        )
+    return [*lines, ""]
+
+
 def build_privacy_card(
     report: Mapping[str, Any],
     *,
@@ -252,13 +279,23 @@ def build_privacy_card(
         raise RecordError(
             f"card candidates {sorted(by_name)} differ from the report's {sorted(names)}"
         )
-    method, weights = report["method"], list(report["weights"])
+    method = report["method"]
+    rungs = list(report.get("rungs") or []) if method == "mixture" else []
+    if method == "mixture" and not rungs:
+        raise RecordError(
+            "a mixture's privacy report lacks its rungs; pass PrivacyReport.to_dict()"
+        )
+    weights = None if rungs else list(report["weights"])
     epsilon, delta = report["epsilon"], report["delta"]
     meets = epsilon is not None and epsilon <= target_epsilon and delta <= target_delta
     bounds = report["bounds"]
     generic, structured = bounds.get("generic"), bounds.get("structured")
     versions = library_versions()
-    weight_name = "π (selection probability)" if method == "rs" else "λ (weight)"
+    columns = (
+        [f"λ in merge {j + 1}" for j in range(len(rungs))]
+        if rungs
+        else ["π (selection probability)" if method == "rs" else "λ (weight)"]
+    )
 
     md = [
         f"# Privacy card{f' — {model_name}' if model_name else ''}",
@@ -287,32 +324,39 @@ def build_privacy_card(
             md += ["### Generic bound", "", "Missing from the report.", ""]
         if structured is not None and gating.get("kind") != "structured":
             md += _bound_section(f"Structured bound: {STRUCTURED_LABEL}", structured)
-    else:
+    elif method == "rs":
         md += [
             "The generic and structured bounds are LC bounds; random selection is bounded by the "
             "mixture of the candidates' curves (no independence between candidates needed).",
             "",
         ]
+    else:
+        md += [
+            "Each merge drawn from is gated by its generic bound (its subset's release units "
+            "composed, listed under Merge); the draw is bounded by the mixture of those curves "
+            "(no independence between the merges needed). The structured bound is not used.",
+            "",
+        ]
+    md += ["## Merge", "", f"Method: **{_METHODS[method]}**.", ""]
+    md += _rung_section(rungs) if rungs else []
     md += [
-        "## Merge",
-        "",
-        f"Method: **{_METHODS[method]}**.",
-        "",
-        f"| candidate | registry version | {weight_name} | ε (accountant, δ) | σ | q | T "
+        f"| candidate | registry version | {' | '.join(columns)} | ε (accountant, δ) | σ | q | T "
         "| noise lineage | batch lineage |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|" + "---|" * len(columns) + "---|---|---|---|---|---|",
     ]
-    for name, weight in zip(names, weights, strict=True):
+    for index, name in enumerate(names):
         c = by_name[name]
+        shares = [r["weights"][index] for r in rungs] if rungs else [weights[index]]  # type: ignore[index]
         md.append(
-            f"| {c.name} | {c.version or '—'} | {weight:.4f} | {epsilon_text(c.epsilon)} "
-            f"({c.accountant or '—'}, {_num(c.delta)}) | {_num(c.noise_multiplier)} "
-            f"| {_num(c.sample_rate)} | {_num(c.steps)} | {c.noise_lineage or '—'} "
-            f"| {c.batch_lineage or '—'} |"
+            f"| {c.name} | {c.version or '—'} | {' | '.join(f'{w:.4f}' for w in shares)} "
+            f"| {epsilon_text(c.epsilon)} ({c.accountant or '—'}, {_num(c.delta)}) "
+            f"| {_num(c.noise_multiplier)} | {_num(c.sample_rate)} | {_num(c.steps)} "
+            f"| {c.noise_lineage or '—'} | {c.batch_lineage or '—'} |"
         )
     md.append("")
     md += _ledger_section(ledger) if ledger is not None else []
-    notes = [*report.get("notes", []), *notes, *([RS_NOTE] if method == "rs" else [])]
+    drawn = {"rs": [RS_NOTE], "mixture": [MIXTURE_NOTE]}.get(method, [])
+    notes = [*report.get("notes", []), *notes, *drawn]
     notes.append(INTERNAL_NOTE)
     notes += [LEDGER_NOTE] if ledger is not None else []
     md += ["## Notes", "", *(f"- {n}" for n in notes), ""]
@@ -343,7 +387,8 @@ def build_privacy_card(
         },
         "merge": {
             "method": method,
-            "weights": weights,
+            "weights": None if rungs else weights,
+            **({"rungs": rungs} if rungs else {}),
             "candidates": [asdict(by_name[n]) for n in names],
         },
         "ledger": dict(ledger) if ledger is not None else None,

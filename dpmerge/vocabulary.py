@@ -57,10 +57,12 @@ class Optimizer(StrEnum):
 
 
 class Method(StrEnum):
-    """How candidates are merged: random selection or linear combination."""
+    """How candidates are merged: random selection, linear combination, or a secret draw
+    between two LC merges of subsets (docs/design.md#random-selection, "RS between merges")."""
 
     RS = "rs"
     LC = "lc"
+    MIXTURE = "mixture"
 
 
 class GatingBound(StrEnum):
@@ -72,12 +74,14 @@ class GatingBound(StrEnum):
 
 
 class PolicyMethod(StrEnum):
-    """A policy's merge method: ``auto`` calibrates RS and LC and keeps the release with the
-    smaller noise proxy, a data-independent choice (docs/design.md#calibration)."""
+    """A policy's merge method: ``auto`` calibrates RS, LC and the mixture and keeps the one with
+    the best expected noise proxy, a rule read off the records
+    (``dpmerge.accounting.choice.choose_method``, docs/design.md#calibration)."""
 
     AUTO = "auto"
     RS = "rs"
     LC = "lc"
+    MIXTURE = "mixture"
 
 
 class OnNoncompliant(StrEnum):
@@ -126,6 +130,8 @@ class BoundKind(StrEnum):
 
     CANDIDATE = "candidate"
     SELECTION = "selection"
+    MIXTURE = "mixture"
+    """A secret draw between LC merges: the mixture of their generic bounds' curves."""
     GENERIC = "generic"
     STRUCTURED = "structured"
     GAUSSIAN = "gaussian"

@@ -109,6 +109,63 @@ def test_rs_merge_keeps_the_draw_out_of_stdout_and_the_release(
     assert code == 0 and "drawn candidate: secret (not recorded)" in stdout
 
 
+def test_rs_merge_never_reads_validation_accuracy(tmp_path, candidates, capsys, monkeypatch):
+    """π comes from the records' noise proxy: with --dataset, only the released model is
+    evaluated, on the test split (the audit found RS steered by validation accuracies)."""
+    from dpmerge.cli import models
+
+    splits = []
+    real = models.evaluate
+
+    def recording(model, split, **kwargs):
+        splits.append(split)
+        return real(model, split, **kwargs)
+
+    monkeypatch.setattr(models, "evaluate", recording)
+    code, stdout, _ = run(
+        capsys, "merge", "--inputs", *candidates, "--method", "rs", "--target-epsilon", "1.5",
+        "--dataset", "digits", "--out", tmp_path / "rs", "--json",
+    )  # fmt: skip
+    assert code == 0
+    calibration = json.loads(stdout)["calibration"]
+    assert calibration["utility_kind"].startswith("noise proxy")
+    assert splits and all(split is not DIGITS.validation for split in splits)
+    assert all(len(split) == len(DIGITS.test) for split in splits)
+    code, _, err = run(
+        capsys, "merge", "--inputs", *candidates, "--method", "rs", "--target-epsilon", "1.5",
+        "--dataset", "digits", "--tune-weights", "--out", tmp_path / "rs2",
+    )  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "--tune-weights" in err
+    assert not (tmp_path / "rs2").exists()
+
+
+def test_mixture_merge_releases_one_of_two_lc_merges(tmp_path, candidates, capsys) -> None:
+    out, audit = tmp_path / "mix", tmp_path / "audit.json"
+    code, stdout, _ = run(
+        capsys, "merge", "--inputs", *candidates, "--method", "mixture", "--target-epsilon",
+        "1.5", "--dataset", "digits", "--audit-file", audit, "--out", out, "--json",
+    )  # fmt: skip
+    assert code == 0
+    document = json.loads(stdout)
+    privacy = document["privacy"]
+    assert privacy["method"] == "mixture" and privacy["epsilon"] <= 1.5
+    assert len(privacy["rungs"]) == 2 and document["weights"] is None
+    drawn = json.loads(audit.read_text())["drawn_index"]
+    assert "drawn_" not in json.dumps([load_model_dir(out).merge, privacy])
+    assert drawn in (0, 1)
+    code, stdout, _ = run(
+        capsys, "merge", "--inputs", *candidates, "--method", "mixture", "--target-epsilon",
+        "1.5", "--out", tmp_path / "mix2",
+    )  # fmt: skip
+    assert code == 0 and stdout.count("with probability") == 2
+    assert "drawn merge: secret (not recorded)" in stdout
+    code, _, err = run(
+        capsys, "merge", "--inputs", *candidates, "--method", "mixture", "--weights", "0.5,0.5",
+        "--out", tmp_path / "mix3",
+    )  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "--target-epsilon" in err
+
+
 def test_errors_print_one_line_and_write_nothing(tmp_path, candidates, capsys) -> None:
     out = tmp_path / "out"
     code, _, stderr = run(
@@ -136,7 +193,7 @@ def test_errors_print_one_line_and_write_nothing(tmp_path, candidates, capsys) -
         tmp_path / "c", class_means_weights(1.0), SPEC, record=record("c", 1.0, "digits-other")
     )
     code, _, stderr = run(
-        capsys, "merge", "--inputs", candidates[0], other, "--method", "rs",
+        capsys, "merge", "--inputs", candidates[0], other, "--method", "lc", "--tune-weights",
         "--target-epsilon", "50", "--dataset", "digits", "--out", out,
     )  # fmt: skip
     assert code == 2 and "validation split is disjoint" in stderr

@@ -45,21 +45,23 @@ def test_frontier_rows_are_certified_and_evaluated(digits_candidates, tmp_path):
     candidates = table[table.kind == "candidate"]
     assert len(candidates) == 3
     merges = table[table.kind != "candidate"]
-    assert set(merges.kind) == {"rs", "lc-generic", "lc-generic-rs", "lc-structured"}
+    assert set(merges.kind) == {"rs", "lc-generic", "mixture", "auto", "lc-structured"}
     assert targets[0] not in set(merges.target_epsilon)  # below the most private: infeasible
     for row in merges.itertuples():
         assert row.epsilon <= row.target_epsilon
         assert 0.0 <= row.test_accuracy <= 1.0
         weights = json.loads(row.weights)
-        if isinstance(weights[0], dict):  # lc-generic-rs: one of two merges, drawn with odds
+        if row.method == "mixture":  # one of two merges (or one), drawn with these odds
             assert abs(sum(m["probability"] for m in weights) - 1) < 1e-9
             assert all(abs(sum(m["weights"]) - 1) < 1e-5 for m in weights)
         else:
             assert abs(sum(weights) - 1) < 1e-5
-    # At the loosest target the noise proxy's best subset is every candidate (the choice is
-    # data-independent; validation accuracy only tunes the weights within it).
+    # At the loosest target the noise proxy's best subset is every candidate, at its default
+    # inverse-variance weights (nothing is tuned on validation accuracy).
     loose = merges[(merges.target_epsilon == targets[-1]) & (merges.kind == "lc-generic")]
-    assert all(w > 0 for w in json.loads(loose.weights.iloc[0]))
+    weights = json.loads(loose.weights.iloc[0])
+    precision = [d.record.noise_multiplier**-2 for d in dirs]
+    assert weights == pytest.approx([p / sum(precision) for p in precision], abs=1e-6)
     png = plot_frontier(table, tmp_path / "frontier.png", title="digits")
     assert png.stat().st_size > 10_000
 

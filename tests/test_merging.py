@@ -21,7 +21,7 @@ from dpmerge.accounting.account import account
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelSpec, load_model_dir, save_model_dir
-from dpmerge.errors import RecordError
+from dpmerge.errors import InputError, RecordError
 from dpmerge.merging import RELEASE_NONCE, draw_index, linear_combination, merge_model_dirs
 
 SPEC = ModelSpec("logreg", (4,), 3)
@@ -229,8 +229,10 @@ def test_bad_inputs_are_refused_before_anything_is_written(tmp_path: Path) -> No
     a, b = (candidate(tmp_path, n, logreg_weights(i)) for i, n in enumerate("ab"))
     with pytest.raises(RecordError, match="given twice"):
         merge_model_dirs([a, a], "lc", [0.5, 0.5], tmp_path / "out", delta=DELTA)
-    with pytest.raises(RecordError, match="method must be"):
+    with pytest.raises(InputError, match="method must be"):
         merge_model_dirs([a, b], "avg", [0.5, 0.5], tmp_path / "out", delta=DELTA)
+    with pytest.raises(RecordError, match="needs its calibration"):
+        merge_model_dirs([a, b], "mixture", [0.5, 0.5], tmp_path / "out", delta=DELTA)
     with pytest.raises(RecordError, match="LC has no secret"):
         merge_model_dirs(
             [a, b], "lc", [0.5, 0.5], tmp_path / "out", delta=DELTA, audit_path=tmp_path / "x"
@@ -331,6 +333,61 @@ def test_rs_releases_the_drawn_candidate_and_keeps_the_index_out_of_public_files
     # Every public file is byte-identical whichever candidate was drawn.
     assert public[0] == public[1] == public[2]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_mixture_draws_one_rung_once_and_its_public_files_do_not_say_which(
+    tmp_path: Path,
+) -> None:
+    """The draw callback is called exactly once with the rungs' odds; the released weights are
+    the drawn rung's LC merge; every public file is byte-identical whichever rung was drawn; the
+    audit record (0600) names the rung."""
+    sigmas = {"a": 1.0, "b": 2.0, "c": 4.0}
+    dirs = [
+        candidate(tmp_path, n, logreg_weights(i), sigma=s)
+        for i, (n, s) in enumerate(sigmas.items())
+    ]
+    calibration = calibrate([record(n, s) for n, s in sigmas.items()], "mixture", 0.3, DELTA)
+    rungs = calibration.rungs
+    assert len(rungs) == 2
+    public: dict[int, dict[str, bytes]] = {}
+    for index in (0, 1):
+        calls: list[list[float]] = []
+
+        def draw(odds, index=index, calls=calls):
+            calls.append(list(odds))
+            return index
+
+        audit = tmp_path / f"audit-{index}.json"
+        result = merge_model_dirs(
+            dirs,
+            "mixture",
+            calibration,
+            tmp_path / f"mix-{index}",
+            delta=DELTA,
+            audit_path=audit,
+            draw=draw,
+            metrics=lambda spec, weights: {"keys": sorted(weights)},
+        )
+        assert calls == [[r.probability for r in rungs]]
+        assert result.drawn_index == index and result.weights == ()
+        expected = linear_combination(
+            [d / "weights.safetensors" for d in dirs], rungs[index].weights
+        )
+        assert_bitwise_equal(load_file(str(result.path / "weights.safetensors")), expected)
+        content = json.loads(audit.read_text())
+        assert stat.S_IMODE(audit.stat().st_mode) == 0o600
+        assert content["drawn_index"] == index and content["method"] == "mixture"
+        assert content["drawn_rung"] == list(rungs[index].members(calibration.report.names))
+        public[index] = {
+            p.name: p.read_bytes() for p in result.path.iterdir() if p.suffix == ".json"
+        }
+        loaded = load_model_dir(result.path)
+        assert loaded.merge["method"] == "mixture" and loaded.merge["weights"] is None
+        assert [r["probability"] for r in loaded.merge["rungs"]] == [r.probability for r in rungs]
+        assert loaded.privacy["epsilon"] == calibration.epsilon <= 0.3
+    assert public[0] == public[1]
+    keys = set().union(*(json_keys(json.loads(v)) for v in public[0].values()))
+    assert not {k for k in keys if any(w in k for w in ("drawn", "index", "selected"))}
 
 
 def test_rs_audit_file_must_lie_outside_the_release_and_be_new(tmp_path: Path) -> None:

@@ -202,3 +202,37 @@ def test_within_text_keeps_the_shown_relation() -> None:
     assert within_text(1.98341, 2.0) == "ε = 1.9835 ≤ ε* = 2"
     assert within_text(2.0, 2.0) == "ε = 2.0000 ≤ ε* = 2"
     assert within_text(2.5, 2.0) == "ε = 2.5000 > ε* = 2"  # never shown as within
+
+
+def test_a_mixture_card_shows_both_merges_their_odds_and_the_mixture_bound():
+    """Both rungs (members, λ within each, odds, each rung's generic ε) and the mixture ε under
+    PLD and RDP, every number read from the report and displayed rounded up; the draw is not
+    named."""
+    from dpmerge.accounting.mixture import mixture_report
+
+    report = mixture_report(
+        RECORDS, [(0.7, (0.0, 0.36, 0.64)), (0.3, (0.5, 0.0, 0.5))], DELTA
+    ).to_dict()
+    card = build_privacy_card(
+        report, target_epsilon=5.0, target_delta=DELTA, candidates=entries(), policy_id="eu"
+    )
+    md = card.markdown
+    assert "mixture — a secret draw between LC merges" in md
+    assert "gated by the **mixture (of the LC merges' generic-bound curves)** bound" in md
+    gating = report["bounds"]["gating"]
+    pld_row = "| PLD (dp_accounting, connect-the-dots, pessimistic) |"
+    assert f"{pld_row} {epsilon_text(gating['epsilon_pld'])} |" in md
+    assert f"| RDP (converted to (ε, δ)) | {epsilon_text(gating['epsilon_rdp'])} |" in md
+    for j, rung in enumerate(report["rungs"]):
+        line = next(x for x in md.splitlines() if x.startswith(f"| {j + 1} | "))
+        assert f"| {rung['probability']:.4f} | {', '.join(rung['members'])} |" in line
+        assert (
+            epsilon_text(rung["epsilon_pld"]) in line and epsilon_text(rung["epsilon_rdp"]) in line
+        )
+    assert "| cand-a | 1 | 0.0000 | 0.5000 |" in md and "| cand-b | 2 | 0.3600 | 0.0000 |" in md
+    assert "not recorded here" in md and "drawn" not in json.dumps(card.data["merge"])
+    assert card.data["merge"]["weights"] is None and len(card.data["merge"]["rungs"]) == 2
+    assert card.data["guarantee"]["bound"] == "mixture" and card.data["target"]["met"]
+    broken = {**report, "rungs": []}
+    with pytest.raises(RecordError, match="lacks its rungs"):
+        build_privacy_card(broken, target_epsilon=5.0, target_delta=DELTA, candidates=entries())

@@ -23,6 +23,11 @@ BOUND_DESCRIPTIONS: dict[BoundKind, str] = {
         "random selection: mixture of the candidates' privacy curves "
         "(docs/design.md#random-selection)"
     ),
+    BoundKind.MIXTURE: (
+        "secret draw between LC merges: mixture of the merges' generic-bound curves, each the "
+        "composition of its subset's release units (docs/design.md#random-selection), no "
+        "assumption beyond the draw's secrecy"
+    ),
     BoundKind.GENERIC: (
         "generic LC bound: composition of the release units of the used candidates "
         "(docs/design.md#generic-bound), no assumption"
@@ -150,12 +155,47 @@ def finite_or_none(value: float | None) -> float | None:
 
 
 @dataclass(frozen=True)
+class MixtureRung:
+    """One LC merge of a mixture release (docs/design.md#random-selection, "RS between
+    merges"): drawn with ``probability``; ``weights`` over every candidate of the report (zero
+    outside the rung's subset); ``bound`` is the rung's own generic bound (the joint release of
+    its subset's release units)."""
+
+    probability: float
+    weights: tuple[float, ...]
+    bound: PairBound
+
+    def members(self, names: Sequence[str]) -> tuple[str, ...]:
+        return tuple(n for n, w in zip(names, self.weights, strict=True) if w > 0)
+
+    def to_dict(self, names: Sequence[str]) -> dict[str, Any]:
+        return {
+            "probability": self.probability,
+            "weights": list(self.weights),
+            "members": list(self.members(names)),
+            **_values(self.bound),
+            "bound": self.bound.to_dict(),
+        }
+
+
+def _values(bound: PairBound) -> dict[str, Any]:
+    return {
+        "epsilon": bound.epsilon if bound.available else None,
+        "accountant": None if bound.accountant is None else str(bound.accountant),
+        "epsilon_pld": bound.epsilon_pld,
+        "epsilon_rdp": bound.epsilon_rdp,
+    }
+
+
+@dataclass(frozen=True)
 class PrivacyReport:
-    """The privacy statement of one merge (RS or LC) at one δ.
+    """The privacy statement of one merge (RS, LC or a mixture of LC merges) at one δ.
 
     ``gating`` is the bound that gates promotion (docs/design.md#generic-bound: generic by
-    default for LC; selection for RS). For LC the generic bound is always reported, and the
-    structured one beside it (or ``None`` with the reason it does not apply).
+    default for LC; selection for RS; the mixture bound for a mixture). For LC the generic bound
+    is always reported, and the structured one beside it (or ``None`` with the reason it does
+    not apply). A mixture has no single weight vector: ``weights`` is empty and ``rungs`` holds
+    each merge's weights, odds and generic bound, so nothing can LC-merge it by mistake.
     """
 
     method: Method
@@ -166,30 +206,42 @@ class PrivacyReport:
     generic: PairBound | None = None
     structured: PairBound | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    rungs: tuple[MixtureRung, ...] = ()
 
     @property
     def epsilon(self) -> float:
         """The gating ε: the smaller of its PLD and RDP values."""
         return self.gating.epsilon
 
+    @property
+    def used_candidates(self) -> tuple[str, ...]:
+        """The candidates the release uses, in the report's order: π_i > 0 (RS), λ_i > 0 (LC),
+        a member of either rung (mixture). The release ledger counts exactly these
+        (docs/design.md#release-ledger); which one an RS or mixture draw picked stays secret."""
+        if self.method == Method.MIXTURE:
+            used = {n for rung in self.rungs for n in rung.members(self.names)}
+            return tuple(n for n in self.names if n in used)
+        return tuple(n for n, w in zip(self.names, self.weights, strict=True) if w > 0)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON shape of the CLI's ``account`` output (keys documented in the README)."""
+        mixture = self.method == Method.MIXTURE
         data: dict[str, Any] = {
             "method": str(self.method),
             "candidates": list(self.names),
-            "weights": list(self.weights),
+            "weights": None if mixture else list(self.weights),
+            "used_candidates": list(self.used_candidates),
             "delta": self.delta,
             "bound": str(self.gating.kind),
-            "epsilon": self.epsilon if self.gating.available else None,
-            "accountant": None if self.gating.accountant is None else str(self.gating.accountant),
-            "epsilon_pld": self.gating.epsilon_pld,
-            "epsilon_rdp": self.gating.epsilon_rdp,
+            **_values(self.gating),
             "neighbouring": str(self.gating.neighbouring),
             "assumptions": list(self.gating.assumptions),
             "reason": self.gating.reason,
             "notes": list(self.notes),
             "bounds": {"gating": self.gating.to_dict()},
         }
+        if mixture:
+            data["rungs"] = [rung.to_dict(self.names) for rung in self.rungs]
         if self.method == Method.LC:
             generic, structured = self.generic, self.structured
             data["generic_epsilon_pld"] = generic.epsilon_pld if generic else None

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpmerge.accounting.bounds import PrivacyReport, finite_or_none
+from dpmerge.accounting.bounds import MixtureRung, PrivacyReport, finite_or_none
 from dpmerge.errors import InfeasibleTargetError
 from dpmerge.vocabulary import BoundKind, GatingBound, Method
 
@@ -25,40 +25,12 @@ safety margin) still meets the target exactly at the constraint."""
 
 
 @dataclass(frozen=True)
-class MergeMixture:
-    """Release one of two LC merges, drawn secretly (docs/design.md#calibration: RS between two
-    subset merges under the generic gate). ``weights[j]`` is drawn with ``probabilities[j]``."""
-
-    names: tuple[str, ...]
-    """The candidates' names, in the order of each weight vector."""
-    weights: tuple[tuple[float, ...], tuple[float, ...]]
-    probabilities: tuple[float, float]
-    utilities: tuple[float, float]
-
-    @property
-    def expected_utility(self) -> float:
-        return sum(p * u for p, u in zip(self.probabilities, self.utilities, strict=True))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "merges": [
-                {
-                    "probability": p,
-                    "weights": list(w),
-                    "members": [n for n, x in zip(self.names, w, strict=True) if x > 0],
-                    "utility": u,
-                }
-                for w, p, u in zip(self.weights, self.probabilities, self.utilities, strict=True)
-            ]
-        }
-
-
-@dataclass(frozen=True)
 class Calibration:
     """The chosen merge for a target, with its certified privacy report.
 
-    ``weights`` are the RS probabilities or LC weights; for a :class:`MergeMixture` (one of two
-    LC merges drawn secretly) they are ``None`` and ``mixture`` says which merges."""
+    ``weights`` are the RS probabilities or LC weights; for a mixture (one of two LC merges
+    drawn secretly) they are ``None`` and ``rungs`` holds each merge's odds, weights and
+    generic bound."""
 
     method: Method
     target_epsilon: float
@@ -69,11 +41,15 @@ class Calibration:
     utility: float | None
     utility_kind: str
     search: dict[str, Any] = field(default_factory=dict)
-    mixture: MergeMixture | None = None
 
     @property
     def epsilon(self) -> float:
         return self.report.epsilon
+
+    @property
+    def rungs(self) -> tuple[MixtureRung, ...]:
+        """A mixture's LC merges (empty for RS and LC)."""
+        return self.report.rungs
 
     def to_dict(self) -> dict[str, Any]:
         data = self.report.to_dict()
@@ -86,9 +62,6 @@ class Calibration:
             utility_kind=self.utility_kind,
             search=self.search,
         )
-        if self.mixture is not None:
-            data["weights"] = None
-            data["mixture"] = self.mixture.to_dict()
         return data
 
 
@@ -97,13 +70,15 @@ def infeasible_document(
 ) -> dict[str, Any]:
     """JSON for an infeasible target (the CLI prints it with ``--json``)."""
     low, high = error.reachable_epsilon_range
+    kinds = {Method.RS: BoundKind.SELECTION, Method.MIXTURE: BoundKind.MIXTURE}
     return {
         "method": str(method),
-        "bound": str(BoundKind.SELECTION if method == Method.RS else bound),
+        "bound": str(kinds.get(Method(method), bound)),
         "feasible": False,
         "target_epsilon": error.target_epsilon,
         "delta": error.delta,
         "reachable_epsilon_range": [finite_or_none(low), finite_or_none(high)],
+        "required_noise_multiplier": error.required_noise_multiplier,
         "reason": str(error),
         "weights": None,
         "epsilon_pld": None,

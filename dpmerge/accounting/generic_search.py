@@ -9,14 +9,10 @@ ranked by the data-independent noise proxy of their inverse-variance merge, stee
 coarse grid and certified at the fine one; the best certified rung is returned.
 
 Within the chosen rung the weights are free: every λ over the rung is post-processing of the
-rung's joint release, so with ``merge_utility`` (validation accuracy) the weights are tuned
-among a fixed family without changing the bound.
-
-With ``interpolate`` the calibrator may instead release one of two rungs, drawn secretly: RS
-between two subset merges, accounted by the RS bound over the two rungs' composed curves, lands
-between rungs. The two rungs and their probabilities come from the same data-independent
-proxy (the linear programme of docs/design.md#random-selection over rungs); each rung's weights
-may then be tuned within it.
+rung's joint release. By default they are inverse-variance (data-independent); with
+``merge_utility`` (validation accuracy, opt-in) they are tuned among a fixed family without
+changing the bound. A secret draw between two rungs, which lands between them, is the
+``mixture`` method (``dpmerge.accounting.mixture``).
 """
 
 from __future__ import annotations
@@ -30,22 +26,14 @@ from typing import Any
 from dpmerge.accounting import pld as pld_mod
 from dpmerge.accounting import profiles
 from dpmerge.accounting.account import account
-from dpmerge.accounting.bounds import PrivacyReport, unavailable
-from dpmerge.accounting.calibrated import (
-    COARSE_MARGIN,
-    LP_SLACK,
-    Calibration,
-    MergeMixture,
-    MergeUtility,
-)
-from dpmerge.accounting.generic import ReleaseUnit, composed_pld, composed_rdp, release_units
+from dpmerge.accounting.bounds import unavailable
+from dpmerge.accounting.calibrated import COARSE_MARGIN, Calibration, MergeUtility
+from dpmerge.accounting.generic import ReleaseUnit, composed_pld, release_units
 from dpmerge.accounting.records import Candidate, MechanismRecord
-from dpmerge.accounting.rs import mixture_bound
-from dpmerge.accounting.rs_calibration import best_two_point_mixture
 from dpmerge.accounting.weights import (
     initialisation_conflict,
     inverse_variance_weights,
-    merged_noise_proxy,
+    subset_utility,
 )
 from dpmerge.errors import RefusalError, UnsupportedError
 from dpmerge.vocabulary import BoundKind, Method
@@ -101,15 +89,39 @@ def _embed(k: int, members: Sequence[int], values: Sequence[float]) -> tuple[flo
     return tuple(weights)
 
 
-def candidate_subsets(k: int, epsilons: Sequence[float], target: float) -> list[tuple[int, ...]]:
-    """Subsets whose members each meet the target (necessary: composition never falls below a
-    member's ε). Exhaustive up to :data:`MAX_EXHAUSTIVE_SUBSETS` candidates."""
-    allowed = [i for i in range(k) if epsilons[i] <= target]
-    if len(allowed) <= MAX_EXHAUSTIVE_SUBSETS:
-        return [s for r in range(1, len(allowed) + 1) for s in itertools.combinations(allowed, r)]
-    # Greedy: nested prefixes of the candidates ordered from least to most noisy, plus singles.
-    order = sorted(allowed, key=lambda i: -epsilons[i])
-    return [(i,) for i in allowed] + [tuple(order[:r]) for r in range(2, len(order) + 1)]
+def candidate_subsets(
+    candidates: Sequence[Candidate], epsilons: Sequence[float], target: float
+) -> list[tuple[int, ...]]:
+    """The member sets of the ladder: subsets of *runs*, each run taken up to a common stop
+    (a step count), with every checkpoint of it up to that stop — an LC over checkpoints of
+    one run averages its iterates at the cost of the longest (docs/design.md#release-units).
+    Records without a shared ``run_id`` are runs of their own, so without checkpoints these
+    are the subsets of the candidates. Only sets whose members each meet the target
+    (composition never falls below a member's ε); exhaustive up to
+    :data:`MAX_EXHAUSTIVE_SUBSETS` runs, nested greedy prefixes beyond."""
+    allowed = [i for i in range(len(candidates)) if epsilons[i] <= target]
+    runs: dict[object, list[int]] = {}
+    for i in allowed:
+        run_id = getattr(candidates[i], "run_id", None)
+        runs.setdefault(i if run_id is None else run_id, []).append(i)
+    groups = list(runs.values())
+    if len(groups) <= MAX_EXHAUSTIVE_SUBSETS:
+        chosen = [c for r in range(1, len(groups) + 1) for c in itertools.combinations(groups, r)]
+    else:
+        order = sorted(groups, key=lambda g: -max(epsilons[i] for i in g))
+        chosen = [(g,) for g in groups] + [tuple(order[:r]) for r in range(2, len(order) + 1)]
+    stops = sorted({_steps(candidates[i]) for i in allowed})
+    found: dict[tuple[int, ...], None] = {}
+    for subset in chosen:
+        for stop in stops:
+            parts = [[i for i in group if _steps(candidates[i]) <= stop] for group in subset]
+            if all(parts):  # every run of the subset has a checkpoint within the stop
+                found.setdefault(tuple(sorted(i for part in parts for i in part)), None)
+    return list(found)
+
+
+def _steps(candidate: Candidate) -> int:
+    return candidate.steps if isinstance(candidate, MechanismRecord) else 0
 
 
 TUNED_REASON = (
@@ -136,7 +148,7 @@ def rungs(
         if i not in usable
     ]
     found = []
-    for members in candidate_subsets(k, epsilons, target):
+    for members in candidate_subsets(candidates, epsilons, target):
         if not set(members) <= usable:
             continue
         chosen = [candidates[i] for i in members]
@@ -151,10 +163,9 @@ def rungs(
             skipped.append(str(refusal))
             continue
         weights = subset_weights(chosen)
-        if all_labels:
-            proxy = max(epsilons[i] for i in members)
-        else:
-            proxy = -merged_noise_proxy(chosen, weights)  # type: ignore[arg-type]
+        proxy = (
+            max(epsilons[i] for i in members) if all_labels else subset_utility(chosen)  # type: ignore[arg-type]
+        )
         found.append(Rung(members, units, _embed(k, members, weights), proxy))
     found.sort(key=lambda r: (-r.proxy, len(r.members)))
     return found, skipped
@@ -182,8 +193,6 @@ def calibrate_lc_generic(
     delta: float,
     epsilons: Sequence[float],
     merge_utility: MergeUtility | None,
-    *,
-    interpolate: bool = False,
 ) -> Calibration:
     """See the module docstring."""
     ladder, skipped = rungs(candidates, target, epsilons)
@@ -199,9 +208,7 @@ def calibrate_lc_generic(
     if chosen is None:
         # Nothing usable certified (e.g. only a label-only candidate meets the target): the
         # most private candidate alone always does.
-        safest = min(range(len(candidates)), key=lambda i: epsilons[i])
-        weights = _embed(len(candidates), (safest,), (1.0,))
-        chosen = Rung((safest,), release_units([candidates[safest]]), weights, -math.inf)
+        chosen = single_rung(candidates, epsilons)
     search: dict[str, Any] = {
         "subsets_considered": len(ladder),
         "fine_certifications": certified,
@@ -209,30 +216,6 @@ def calibrate_lc_generic(
         "skipped": skipped,
     }
     reachable = reachable_range(candidates, Method.LC, delta, epsilons)
-    base = {
-        "method": Method.LC,
-        "target_epsilon": target,
-        "delta": delta,
-        "reachable_epsilon_range": reachable,
-        "search": search,
-    }
-    if interpolate:
-        # RS may mix in a share of a rung whose members exceed the target alone.
-        everything, _ = rungs(candidates, math.inf, epsilons)
-        mixed = _mixture(candidates, everything, chosen, target, delta, merge_utility)
-        if mixed is not None:
-            mixture, report = mixed
-            search["mixture_of_subsets"] = [
-                [candidates[i].name for i, w in enumerate(ws) if w > 0] for ws in mixture.weights
-            ]
-            return Calibration(
-                weights=None,
-                report=report,
-                utility=mixture.expected_utility,
-                utility_kind=_kind(merge_utility, candidates, expected=True),
-                mixture=mixture,
-                **base,
-            )
     weights, utility = chosen.weights, chosen.proxy
     report = account(candidates, Method.LC, weights, delta)
     if merge_utility is not None and len(chosen.members) > 1:
@@ -244,15 +227,27 @@ def calibrate_lc_generic(
     elif merge_utility is not None:
         utility = float(merge_utility(weights))
     return Calibration(
+        method=Method.LC,
+        target_epsilon=target,
+        delta=delta,
         weights=weights,
         report=report,
+        reachable_epsilon_range=reachable,
         utility=None if math.isinf(utility) else utility,
-        utility_kind=_kind(merge_utility, candidates),
-        **base,
+        utility_kind=utility_kind(merge_utility, candidates),
+        search=search,
     )
 
 
-def _kind(
+def single_rung(candidates: Sequence[Candidate], epsilons: Sequence[float]) -> Rung:
+    """The most private candidate alone: the rung every feasible target can afford (its
+    utility ``-inf``: it is the fallback, never preferred)."""
+    safest = min(range(len(candidates)), key=lambda i: epsilons[i])
+    weights = _embed(len(candidates), (safest,), (1.0,))
+    return Rung((safest,), release_units([candidates[safest]]), weights, -math.inf)
+
+
+def utility_kind(
     merge_utility: MergeUtility | None, candidates: Sequence[Candidate], *, expected: bool = False
 ) -> str:
     if merge_utility is not None:
@@ -264,82 +259,12 @@ def _kind(
     return f"expected {what}" if expected else what
 
 
-def _mixture(
-    candidates: Sequence[Candidate],
-    ladder: Sequence[Rung],
-    best: Rung,
-    target: float,
-    delta: float,
-    merge_utility: MergeUtility | None,
-) -> tuple[MergeMixture, PrivacyReport] | None:
-    """RS between two rungs when the proxy's linear programme prefers it to ``best``: coarse
-    costs steer, probabilities are recomputed from fine costs, then certified by the RS bound
-    over the two rungs' composed curves. Each rung's weights are then tuned within it."""
-    fine = pld_mod.FINE_DISCRETISATION
-    budget = delta * (1 - LP_SLACK)
-    try:
-        costs = [r.delta_at(target, pld_mod.COARSE_DISCRETISATION) for r in ladder]
-        pi = best_two_point_mixture([r.proxy for r in ladder], costs, budget)
-        if pi is None or max(pi) == 1.0:
-            return None
-        safe, risky = sorted((i for i, p in enumerate(pi) if p > 0), key=lambda i: costs[i])
-        a, b = ladder[safe], ladder[risky]
-        cost_a, cost_b = a.delta_at(target, fine), b.delta_at(target, fine)
-        if not cost_a < budget < cost_b:
-            return None
-        share = (budget - cost_a) / (cost_b - cost_a)
-        if (1 - share) * a.proxy + share * b.proxy <= best.proxy:
-            return None
-        bound = mixture_bound(
-            (1 - share, share),
-            [lambda r=r: composed_pld(r.units, fine) for r in (a, b)],
-            [lambda r=r: composed_rdp(r.units) for r in (a, b)],
-            delta,
-            fine,
-            tuple(
-                dict.fromkeys(u.describe() for r in (a, b) for u in r.units if len(u.members) > 1)
-            ),
-        )
-    except UnsupportedError:  # a rung without a PLD (RDP-only label): no interpolation
-        return None
-    if bound.epsilon > target:
-        return None
-    tuned = []
-    for rung in (a, b):
-        if merge_utility is None:
-            tuned.append((rung.weights, rung.proxy))
-        elif len(rung.members) > 1:
-            tuned.append(tune_within(candidates, rung, merge_utility))
-        else:
-            tuned.append((rung.weights, float(merge_utility(rung.weights))))
-    names = tuple("lc(" + ", ".join(candidates[i].name for i in r.members) + ")" for r in (a, b))
-    report = PrivacyReport(
-        Method.RS,
-        names,
-        (1 - share, share),
-        delta,
-        bound,
-        notes=(
-            "random selection between two LC merges (generic gate): each merge is "
-            "post-processing of its subset's joint release, whose curves are the composition "
-            "of its release units",
-        ),
-    )
-    mixture = MergeMixture(
-        tuple(c.name for c in candidates),
-        (tuned[0][0], tuned[1][0]),
-        (1 - share, share),
-        (tuned[0][1], tuned[1][1]),
-    )
-    return mixture, report
-
-
 def reachable_range(
     candidates: Sequence[Candidate], method: Method, delta: float, epsilons: Sequence[float]
 ) -> tuple[float, float]:
     """The ε a merge of ``candidates`` can have (``epsilons``: each candidate's own): from the
     most private candidate up to the least private one for RS, up to the joint release of every
-    candidate for LC (docs/design.md#calibration)."""
+    candidate for LC and the mixture (docs/design.md#calibration)."""
     if method == Method.RS:
         return (min(epsilons), max(epsilons))
     return (min(epsilons), _all_candidates_epsilon(candidates, delta, epsilons))

@@ -5,8 +5,9 @@ Releases derived from the same candidates are correlated, so composing the relea
 values is not a valid bound. The valid cumulative bound is the joint release of the union of
 candidates that went into any released model, grouped into release units
 (docs/design.md#release-units: runs that shared batches form one unit) and composed.
-For an RS release every candidate with π_i > 0 counts as used: the drawn index is secret, and a
-ledger that counted only the drawn candidate would publish it.
+For an RS release every candidate with π_i > 0 counts as used, and for a mixture every member
+of either rung: the drawn index is secret, and a ledger that counted only what was drawn would
+publish it.
 
 Where the ledger is kept, and how concurrent writers and damage are handled, is the
 release-state store's business (``dpmerge.state.serving``, docs/design.md#release-state); this
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dpmerge.accounting.bounds import PairBound
+from dpmerge.accounting.bounds import PairBound, PrivacyReport
 from dpmerge.accounting.generic import release_units, units_bound
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.errors import RecordError
@@ -60,6 +61,19 @@ def release_of(
     if not used:
         raise RecordError("a release uses at least one candidate")
     return Release(release_id, used[0].dataset, method, used)
+
+
+def release_for(release_id: str, candidates: Sequence[Candidate], report: PrivacyReport) -> Release:
+    """The ledger entry of any merge — RS, LC or mixture — from its privacy report: the
+    candidates ``report.used_candidates`` names (for a mixture, every member of either rung;
+    which rung was drawn stays secret)."""
+    used = set(report.used_candidates)
+    if [c.name for c in candidates] != list(report.names):
+        raise RecordError("the report was computed for other candidates")
+    chosen = [c for c in candidates if c.name in used]
+    if not chosen:
+        raise RecordError("a release uses at least one candidate")
+    return Release(release_id, chosen[0].dataset, str(report.method), tuple(chosen))
 
 
 def cumulative_bound(releases: Sequence[Release], delta: float) -> PairBound:

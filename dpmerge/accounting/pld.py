@@ -65,7 +65,16 @@ def subsampled_gaussian_pld(
     cached = _read_cached(key)
     if cached is not None:
         return cached
-    one_step = pld_lib.from_gaussian_mechanism(
+    result = self_compose(_one_step(*key[:2], discretisation), steps)
+    _write_cached(key, result)
+    return result
+
+
+@lru_cache(maxsize=64)
+def _one_step(noise_multiplier: float, sample_rate: float, discretisation: float) -> PLD:
+    """One Poisson-subsampled Gaussian step: the costly part of a candidate's PLD, shared by
+    its checkpoints and by step counts that differ (PLDs are never mutated)."""
+    return pld_lib.from_gaussian_mechanism(
         standard_deviation=noise_multiplier,
         sensitivity=1.0,
         sampling_prob=sample_rate,
@@ -73,9 +82,6 @@ def subsampled_gaussian_pld(
         pessimistic_estimate=True,
         use_connect_dots=True,
     )
-    result = self_compose(one_step, steps)
-    _write_cached(key, result)
-    return result
 
 
 # --- optional file cache of subsampled-Gaussian PLDs --------------------------------------

@@ -81,7 +81,10 @@ def delta_for_epsilon(pld: PLD, epsilons: np.ndarray | float) -> np.ndarray:
         # First loss strictly above ε (the library excludes losses ≤ ε).
         k = np.floor(eps / profile.discretisation + 1e-9).astype(np.int64) + 1
         idx = np.clip(k - profile.offset, 0, profile.upper.size - 1)
-        out = np.maximum(out, profile.upper[idx] - np.exp(eps) * profile.lower[idx])
+        lower = profile.lower[idx]
+        with np.errstate(over="ignore", invalid="ignore"):  # e^ε overflows only where it is ∞
+            scaled = np.where(lower > 0, np.exp(eps) * lower, 0.0)
+        out = np.maximum(out, profile.upper[idx] - scaled)
     return np.clip(out, 0.0, 1.0)
 
 

@@ -8,8 +8,8 @@ for candidates that share batches or a noise stream, and for label-only candidat
 * RDP: ε_RS(α) = (1/(α−1))·log Σ_i π_i·exp((α−1)·ε_i(α)), evaluated with logsumexp.
 
 The mixed items are usually candidates, but any mechanisms with a PLD and an RDP curve can be
-mixed: the generic calibration mixes LC merges of two subsets (their curves being the
-composition of their release units).
+mixed: the ``mixture`` method mixes LC merges of two subsets (their curves being the
+composition of their release units, ``dpmerge.accounting.mixture``).
 """
 
 from __future__ import annotations
@@ -49,13 +49,16 @@ def mixture_bound(
     delta: float,
     discretisation: float,
     assumptions: tuple[str, ...] = (),
+    *,
+    kind: BoundKind = BoundKind.SELECTION,
 ) -> PairBound:
-    """ε of releasing item I ~ π = ``weights`` (kind ``selection``); items given lazily by
-    their PLD and RDP curve, evaluated only where π_i > 0."""
+    """ε of releasing item I ~ π = ``weights`` (``kind``: ``selection`` for candidates,
+    ``mixture`` for LC merges); items given lazily by their PLD and RDP curve, evaluated only
+    where π_i > 0."""
     used = [i for i, w in enumerate(weights) if w > 0]
     pi = [weights[i] for i in used]
     return bound_from_curves(
-        BoundKind.SELECTION,
+        kind,
         delta,
         pld=lambda: profiles.mixture_epsilon([plds[i]() for i in used], pi, delta),
         rdp=lambda: rs_rdp_curve([curves[i]() for i in used], pi),

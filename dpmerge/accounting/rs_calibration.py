@@ -19,6 +19,7 @@ from dpmerge.errors import RefusalError, UnsupportedError
 from dpmerge.vocabulary import Method
 
 MAX_GUARD_STEPS = 20
+RS_PROXY_KIND = "noise proxy: −σ² (docs/design.md#calibration)"
 
 
 def best_two_point_mixture(
@@ -68,20 +69,21 @@ def rs_programme_rdp(
 
 
 def _utilities(
-    candidates: Sequence[Candidate], epsilons: Sequence[float], utilities: Sequence[float] | None
+    candidates: Sequence[Candidate], epsilons: Sequence[float]
 ) -> tuple[list[float], str]:
-    if utilities is not None:
-        return [float(u) for u in utilities], "expected validation accuracy"
+    """The programme's data-independent utilities, read off the records: −σ_i² (less noise is
+    better), or the ε spent for label-only candidates. Never accuracies: π steered by them
+    would depend on every candidate consulted (docs/design.md#calibration)."""
     if all(isinstance(c, MechanismRecord) for c in candidates):
         # −σ² (less noise is better); ties go to the candidate that spent more (more steps).
         proxy = [
             -(c.noise_multiplier**2) + 1e-9 * min(e, 1e3)  # type: ignore[union-attr]
             for c, e in zip(candidates, epsilons, strict=True)
         ]
-        return proxy, "noise proxy: −σ² (no utilities given)"
+        return proxy, RS_PROXY_KIND
     finite = [e for e in epsilons if math.isfinite(e)]
     ceiling = max(finite) if finite else 0.0
-    return [min(e, ceiling) for e in epsilons], "ε spent (label-only candidates, no utilities)"
+    return [min(e, ceiling) for e in epsilons], "ε spent (label-only candidates)"
 
 
 def calibrate_rs(
@@ -89,10 +91,9 @@ def calibrate_rs(
     target: float,
     delta: float,
     epsilons: Sequence[float],
-    utilities: Sequence[float] | None,
 ) -> Calibration:
     """The RS programme under PLD (every candidate has a PLD), else under RDP, certified."""
-    u, utility_kind = _utilities(candidates, epsilons, utilities)
+    u, utility_kind = _utilities(candidates, epsilons)
     try:
         plds = [pld_mod.candidate_pld(c, pld_mod.FINE_DISCRETISATION) for c in candidates]
         costs = [float(profiles.delta_for_epsilon(p, target)[0]) for p in plds]

@@ -59,6 +59,12 @@ def inverse_variance_weights(records: Sequence[MechanismRecord]) -> tuple[float,
     return tuple(v / total for v in raw)
 
 
+def subset_utility(records: Sequence[MechanismRecord]) -> float:
+    """The data-independent utility of merging ``records`` at inverse-variance weights:
+    −:func:`merged_noise_proxy` (higher is better; −σ² for one candidate)."""
+    return -merged_noise_proxy(records, inverse_variance_weights(records))
+
+
 def initialisation_conflict(members: Sequence[object]) -> str | None:
     """Why averaging these candidates' weights is not a sensible LC merge, or ``None``: records
     that start from different recorded initialisations. For a non-convex model two runs from

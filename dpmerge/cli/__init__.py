@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "study": ("dpmerge.cli.study", "reproduce an experiment of docs/design.md#studies"),
     "train": ("dpmerge.cli.train", "train one DP-SGD candidate"),
-    "merge": ("dpmerge.cli.models", "merge candidate directories (RS or LC)"),
+    "merge": ("dpmerge.cli.models", "merge candidate directories (RS, LC or mixture)"),
     "evaluate": ("dpmerge.cli.models", "evaluate a model directory on a split"),
     "candidates": ("dpmerge.cli.models", "print the candidates file of candidate directories"),
     "registry": ("dpmerge.cli.registry", "the MLflow model registry"),

@@ -25,13 +25,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "account",
         help="privacy of a merge (given weights) or the best merge for a target ε",
         description=(
-            "Evaluate RS/LC weights, or calibrate a merge to --target-epsilon. Every ε is "
+            "Evaluate RS/LC weights, or calibrate an RS, LC or mixture merge to "
+            "--target-epsilon. Every ε is "
             "derived from the candidates' mechanism records (or labels) by PLD and RDP "
             "accountants, add-or-remove-one adjacency (docs/design.md)."
         ),
     )
     parser.add_argument("--candidates", required=True, help="candidates JSON file")
-    parser.add_argument("--method", required=True, choices=[m.value for m in Method])
+    parser.add_argument(
+        "--method",
+        required=True,
+        choices=[m.value for m in Method],
+        help=(
+            "rs, lc, or mixture (a secret draw between two LC merges of subsets; calibrated to "
+            "--target-epsilon only). RS and mixture odds come from the records' noise proxy, "
+            "never from accuracies (docs/design.md#calibration)"
+        ),
+    )
     goal = parser.add_mutually_exclusive_group(required=True)
     goal.add_argument("--weights", type=float_list, help="RS probabilities or LC weights")
     goal.add_argument("--target-epsilon", type=positive_float, help="calibrate to this ε")
@@ -46,20 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument(
-        "--utilities", type=float_list, help="RS: per-candidate validation accuracies"
-    )
-    parser.add_argument(
         "--segments",
         action="store_true",
         help="structured LC calibration: also map every feasible segment of the chosen path",
-    )
-    parser.add_argument(
-        "--interpolate",
-        action="store_true",
-        help=(
-            "generic LC calibration: allow a secret draw between two subset merges when the "
-            "noise proxy prefers it (lands between the rungs of the subset ladder)"
-        ),
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
@@ -68,12 +67,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     candidates = load_candidates(args.candidates)
     check_candidates(candidates)
-    if args.method == Method.RS and args.bound == GatingBound.STRUCTURED:
-        raise InputError("--bound applies to LC only (RS is gated by the selection bound)")
-    if args.utilities is not None and args.method != Method.RS:
-        raise InputError("--utilities applies to RS only")
-    if args.interpolate and (args.weights is not None or args.method != Method.LC):
-        raise InputError("--interpolate applies to LC calibration (--target-epsilon) only")
+    if args.method != Method.LC and args.bound == GatingBound.STRUCTURED:
+        raise InputError(
+            f"--bound applies to LC only ({args.method} is gated by its mixture bound)"
+        )
+    structured_calibration = (
+        args.method == Method.LC
+        and args.bound == GatingBound.STRUCTURED
+        and args.target_epsilon is not None
+    )
+    if args.segments and not structured_calibration:
+        raise InputError(
+            "--segments maps the chosen path of a structured LC calibration: give --method lc "
+            "--bound structured --target-epsilon"
+        )
+    if args.method == Method.MIXTURE and args.weights is not None:
+        raise InputError(
+            "--method mixture is calibrated to --target-epsilon: its two LC merges and their "
+            "odds are not one weight vector"
+        )
     if args.weights is not None:
         report = account(candidates, args.method, args.weights, args.delta, gating_bound=args.bound)
         epsilons = [candidate_bound(c, args.delta).epsilon for c in candidates]
@@ -92,9 +104,7 @@ def run(args: argparse.Namespace) -> int:
             args.target_epsilon,
             args.delta,
             gating_bound=args.bound,
-            utilities=args.utilities,
             map_segments=args.segments,
-            interpolate=args.interpolate,
         )
     except InfeasibleTargetError as error:
         if args.json:
@@ -119,13 +129,17 @@ def _emit(
         print_json(document)
         return
     gating = report.gating
-    if result is not None and result.mixture is not None:
-        print("method lc: a secret draw between two subset merges")
-        for weights, p in zip(result.mixture.weights, result.mixture.probabilities, strict=True):
+    if report.method == Method.MIXTURE:
+        print(f"method mixture: a secret draw between {len(report.rungs)} LC merge(s)")
+        for rung in report.rungs:
             names = ", ".join(
-                f"{n}={w:.4f}" for n, w in zip(result.mixture.names, weights, strict=True) if w > 0
+                f"{n}={w:.4f}" for n, w in zip(report.names, rung.weights, strict=True) if w > 0
             )
-            print(f"  with probability {p:.4f}: {names}")
+            print(
+                f"  with probability {rung.probability:.4f}: {names} (generic bound: "
+                + _bound_line("", rung.bound.epsilon_pld, rung.bound.epsilon_rdp).removeprefix(": ")
+                + ")"
+            )
     else:
         names = ", ".join(f"{n}={w:.4f}" for n, w in zip(report.names, report.weights, strict=True))
         print(f"method {report.method}, weights: {names}")

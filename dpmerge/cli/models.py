@@ -1,9 +1,11 @@
 """``dpmerge merge``, ``dpmerge evaluate`` and ``dpmerge candidates``: model directories.
 
-``merge`` releases an RS or LC merge of candidate directories, with given weights or calibrated
-to a target ε (docs/design.md); ``evaluate`` scores a model directory on a dataset split;
-``candidates`` turns candidate directories into the candidates file ``dpmerge account`` reads.
-The drawn RS index is never printed: it goes only to ``--audit-file`` (mode 0600).
+``merge`` releases an RS, LC or mixture merge of candidate directories, with given weights or
+calibrated to a target ε (docs/design.md); ``evaluate`` scores a model directory on a dataset
+split; ``candidates`` turns candidate directories into the candidates file ``dpmerge account``
+reads. Calibration reads the records only; validation accuracy tunes LC weights within a subset
+only with ``--tune-weights``. The drawn index (RS, mixture) is never printed: it goes only to
+``--audit-file`` (mode 0600).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from dpmerge.accounting.records import candidates_from_dicts, candidates_to_docu
 from dpmerge.artifacts import ModelDir, ModelSpec, load_model_dir
 from dpmerge.cli.common import float_list, fmt, positive_float, print_json, probability
 from dpmerge.data import DATASET_NAMES, DatasetSplits, Split, load_dataset
-from dpmerge.errors import DatasetError
+from dpmerge.errors import DatasetError, InputError
 from dpmerge.evaluation import MergeAccuracy, evaluate, expected_accuracy
 from dpmerge.formatting import epsilon_text
 from dpmerge.merging import Metrics, merge_model_dirs, read_candidate_dir
+from dpmerge.vocabulary import Method, values
 
 
 def _add_data_options(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -40,12 +43,15 @@ def _add_data_options(parser: argparse.ArgumentParser, *, required: bool) -> Non
 def register(subparsers: argparse._SubParsersAction) -> None:
     merge = subparsers.add_parser(
         "merge",
-        help="release an RS or LC merge of candidate directories",
-        description="Merge candidate model directories by random selection (rs) or linear "
-        "combination (lc), with given weights or calibrated to --target-epsilon.",
+        help="release an RS, LC or mixture merge of candidate directories",
+        description="Merge candidate model directories by random selection (rs), linear "
+        "combination (lc), with given weights or calibrated to --target-epsilon, or by a "
+        "secret draw between two LC merges of subsets (mixture, calibrated only). RS and "
+        "mixture odds and every subset come from the records' noise proxy; LC weights within "
+        "a subset are inverse-variance unless --tune-weights (docs/design.md#calibration).",
     )
     merge.add_argument("--inputs", nargs="+", required=True, metavar="DIR")
-    merge.add_argument("--method", choices=("rs", "lc"), required=True)
+    merge.add_argument("--method", choices=values(Method), required=True)
     chosen = merge.add_mutually_exclusive_group(required=True)
     chosen.add_argument(
         "--weights", type=float_list, help="π (rs) or λ (lc), comma-separated, summing to 1"
@@ -68,8 +74,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "the paper's, opt-in)"
         ),
     )
+    merge.add_argument(
+        "--tune-weights",
+        action="store_true",
+        help=(
+            "lc and mixture, generic gate: tune the weights within each chosen subset on the "
+            "validation split of --dataset (opt-in; every weighting of a subset has its bound)"
+        ),
+    )
     merge.add_argument("--out", required=True, metavar="DIR", help="new model directory")
-    merge.add_argument("--audit-file", metavar="PATH", help="rs: private record of the draw")
+    merge.add_argument(
+        "--audit-file", metavar="PATH", help="rs, mixture: private record of the draw"
+    )
     merge.add_argument("--json", action="store_true", help="print JSON instead of a summary")
     _add_data_options(merge, required=False)
     merge.set_defaults(handler=_merge)
@@ -136,24 +152,23 @@ def _accuracies(dirs: Sequence[ModelDir], score: Metrics) -> list[float]:
 def _calibrate(
     args: argparse.Namespace, dirs: Sequence[ModelDir], data: DatasetSplits | None
 ) -> Calibration:
-    """Calibrate to ``--target-epsilon``; with a dataset, utility is validation accuracy (of
-    LC merges as they are released)."""
+    """Calibrate to ``--target-epsilon`` on the records alone; with ``--tune-weights``, the
+    weights within each chosen subset are tuned on validation accuracy."""
     candidates = [d.record for d in dirs if d.record is not None]  # all: read_candidate_dir
-    utilities, merge_utility = None, None
-    if data is not None:
+    merge_utility = None
+    if args.tune_weights:
+        if data is None:
+            raise InputError("--tune-weights needs --dataset (its validation split)")
         _require_trained_on({c.dataset for c in candidates}, data)
-        if args.method == "rs":
-            utilities = _accuracies(dirs, _scorer(args, data.validation))
-        else:
-            merges = MergeAccuracy(
-                dirs[0].spec,
-                [d.weights_file for d in dirs],
-                batch_size=args.batch_size,
-                device=args.device,
-            )
+        merges = MergeAccuracy(
+            dirs[0].spec,
+            [d.weights_file for d in dirs],
+            batch_size=args.batch_size,
+            device=args.device,
+        )
 
-            def merge_utility(weights: tuple[float, ...]) -> float:
-                return merges.accuracy(weights, data.validation)
+        def merge_utility(weights: tuple[float, ...]) -> float:
+            return merges.accuracy(weights, data.validation)
 
     return calibrate(
         candidates,
@@ -161,26 +176,32 @@ def _calibrate(
         args.target_epsilon,
         args.delta,
         gating_bound=args.bound,
-        utilities=utilities,
         merge_utility=merge_utility,
     )
 
 
 def _merge(args: argparse.Namespace) -> int:
+    if args.tune_weights and (args.method == Method.RS or args.target_epsilon is None):
+        raise InputError(
+            "--tune-weights tunes the LC weights of a calibration: give --method lc or mixture "
+            "and --target-epsilon"
+        )
+    if args.method == Method.MIXTURE and args.target_epsilon is None:
+        raise InputError("--method mixture is calibrated: give --target-epsilon, not --weights")
     dirs = [read_candidate_dir(p) for p in args.inputs]
     delta_check = delta_check_for([d.record for d in dirs], args.delta)
     data = _load_data(args) if args.dataset else None
     calibration = _calibrate(args, dirs, data) if args.target_epsilon is not None else None
-    weights = calibration.weights if calibration else args.weights
     metrics: Metrics | None = None
     audit_notes: dict[str, Any] | None = None
     if data is not None:
         score = _scorer(args, data.test)
         metrics = _test_metrics(data.name, score)
-        if args.method == "rs" and args.audit_file:
+        if args.method == Method.RS and args.audit_file:
             # Statistics of every candidate, released or not: audit record only
             # (docs/design.md#random-selection).
             accuracies = _accuracies(dirs, score)
+            weights = calibration.weights if calibration else args.weights
             audit_notes = {
                 "candidate_test_accuracies": accuracies,
                 "expected_test_accuracy": expected_accuracy(accuracies, weights),
@@ -188,7 +209,7 @@ def _merge(args: argparse.Namespace) -> int:
     result = merge_model_dirs(
         args.inputs,
         args.method,
-        calibration or weights,
+        calibration or args.weights,
         args.out,
         delta=args.delta,
         gating_bound=args.bound,
@@ -203,7 +224,7 @@ def _merge(args: argparse.Namespace) -> int:
         document = {
             "path": str(result.path),
             "method": result.method,
-            "weights": list(result.weights),
+            "weights": None if result.method == Method.MIXTURE else list(result.weights),
             "privacy": result.report.to_dict(),
             "metrics": dict(result.metrics),
             "calibration": calibration.to_dict() if calibration else None,
@@ -211,21 +232,32 @@ def _merge(args: argparse.Namespace) -> int:
         print_json(document)
         return 0
     report = result.report
-    names = ", ".join(f"{n}={w:g}" for n, w in zip(report.names, result.weights, strict=True))
     print(
         f"released {result.method.upper()} merge of {len(report.names)} candidates: {result.path}"
     )
-    print(f"  {'π' if result.method == 'rs' else 'λ'}: {names}")
+    if result.method == Method.MIXTURE:
+        for rung in report.rungs:
+            names = ", ".join(
+                f"{n}={w:g}" for n, w in zip(report.names, rung.weights, strict=True) if w > 0
+            )
+            print(f"  with probability {rung.probability:.4f}: λ: {names}")
+    else:
+        names = ", ".join(f"{n}={w:g}" for n, w in zip(report.names, result.weights, strict=True))
+        print(f"  {'π' if result.method == Method.RS else 'λ'}: {names}")
     print(
         f"  ε = {epsilon_text(report.epsilon)} ({report.gating.accountant}, "
         f"{report.gating.kind} bound) "
         f"at δ = {report.delta:g}"
     )
     if calibration is not None:
-        print(f"  calibrated to target ε = {calibration.target_epsilon:g}")
-    if result.method == "rs":
+        print(
+            f"  calibrated to target ε = {calibration.target_epsilon:g} "
+            f"(utility: {calibration.utility_kind})"
+        )
+    if result.method != Method.LC:
         where = f"recorded in {args.audit_file}" if args.audit_file else "not recorded"
-        print(f"  drawn candidate: secret ({where})")
+        drawn = "candidate" if result.method == Method.RS else "merge"
+        print(f"  drawn {drawn}: secret ({where})")
     if "test" in result.metrics:
         test = result.metrics["test"]
         print(

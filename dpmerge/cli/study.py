@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dpmerge.cli.common import float_list, fmt, positive_float, print_json, probability
 
+EXIT_INTERRUPTED = 130
+"""As a shell reports a command ended by SIGINT (128 + 2)."""
 DEFAULT_THREADS = 1
 """One intra-op thread: on a shared 2-core CPU two can be 10× slower (docs/training.md)."""
 
@@ -45,13 +48,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _pretrained(studies)
 
 
+def _interruptible(handler: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+    """Ctrl-C ends a study with one line (exit 130): finished units stay in the results
+    folder, and the same command resumes from them."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except KeyboardInterrupt:
+            where = args.results or Path("results") / args.study
+            print(
+                f"dpmerge: interrupted: finished units are kept in {where}; run the same command "
+                "to resume",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
+
+    return run
+
+
 def _common(parser: argparse.ArgumentParser, handler: Callable[[argparse.Namespace], int]) -> None:
     parser.add_argument("--results", type=Path, help="results folder (default results/<study>)")
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (see the command's help)")
     parser.add_argument("--no-mlflow", action="store_true", help="write files only")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.set_defaults(handler=handler)
+    parser.set_defaults(handler=_interruptible(handler))
 
 
 def _training(parser: argparse.ArgumentParser, *, epochs: int, batch: int) -> None:
@@ -97,8 +119,11 @@ def _frontier(studies: argparse._SubParsersAction) -> None:
         description=(
             "Logistic regression DP-SGD candidates (Fashion-MNIST; --quick: digits); at a grid "
             "of targets from the most to the least private candidate, RS (expected and drawn "
-            "accuracy), LC under the generic and the structured gate, a retrain at the target "
-            "and a compute-matched retrain; ε under PLD and RDP; mean ± std over seeds."
+            "accuracy), LC under the generic gate, the mixture of two subset merges, the "
+            "provable default (auto: one of those three, chosen from the records), LC under the "
+            "structured gate, a retrain at the target and retrains matched to each merge's "
+            "compute; ε under PLD and RDP; merge − retrain paired by seed with 95 % confidence "
+            "intervals."
         ),
     )
     front.add_argument("--quick", action="store_true", help="digits, 5 candidates, 5 targets")
@@ -106,9 +131,25 @@ def _frontier(studies: argparse._SubParsersAction) -> None:
     front.add_argument("--sigmas", type=float_tuple, help="candidates' noise multipliers")
     front.add_argument("--grid", type=positive_int, help="number of targets (default 8)")
     front.add_argument("--targets", type=float_tuple, help="explicit targets instead of a grid")
-    front.add_argument("--seeds", type=positive_int, default=3)
+    front.add_argument("--seeds", type=positive_int, default=5)
+    front.add_argument(
+        "--seed-base",
+        type=int,
+        default=0,
+        help="first seed (seeds seed-base … seed-base+seeds−1; another base: a held-out set)",
+    )
     front.add_argument("--no-structured", action="store_true", help="skip LC (structured)")
     front.add_argument("--no-compute-matched", action="store_true", help="skip that retrain")
+    front.add_argument(
+        "--checkpoints",
+        type=lambda text: tuple(positive_int(v) for v in text.split(",")),
+        default=(),
+        help=(
+            "epochs kept as candidates, the last included (checkpoints of one run: an LC over "
+            "them averages its iterates at the run's own ε); the retrain keeps the same and is "
+            "also reported averaged"
+        ),
+    )
     _training(front, epochs=10, batch=256)
     front.set_defaults(batch_size=None)
     _common(front, run_frontier)
@@ -201,8 +242,12 @@ def _finish(args: argparse.Namespace, result: Any) -> int:
 
 def _folder(args: argparse.Namespace, study: str) -> Any:
     from dpmerge.studies.output import StudyFolder
+    from dpmerge.studies.settings import StudyConfigError
 
-    return StudyFolder(args.results or Path("results") / study, progress=not args.no_progress)
+    root = args.results or Path("results") / study
+    if root.exists() and not root.is_dir():
+        raise StudyConfigError(f"--results {root} is a file, not a folder")
+    return StudyFolder(root, progress=not args.no_progress)
 
 
 def _threads(args: argparse.Namespace) -> None:
@@ -245,11 +290,13 @@ def run_frontier(args: argparse.Namespace) -> int:
         data_root=args.data_root,
         limit=args.limit,
         seeds=args.seeds,
+        seed_base=args.seed_base,
         epochs=args.epochs,
         learning_rate=args.learning_rate,
         delta=args.delta,
         structured=not args.no_structured,
         compute_matched=not args.no_compute_matched,
+        checkpoints=args.checkpoints,
     )
     _threads(args)
     return _finish(args, run_frontier_study(study, _folder(args, "frontier")))

@@ -7,11 +7,12 @@ independent-initialisation set of the non-convex one). Per target it gets the ro
 :class:`~dpmerge.studies.frontier.FrontierContext` (RS with its expected and one drawn accuracy,
 LC under each gate), and optionally
 
-* ``retrain``: DP-SGD at the target, σ calibrated for the candidates' q and T, every other
-  hyper-parameter the same;
-* ``retrain-matched``: the same with m times the batch and m times the epochs (so the same
-  number of steps T and q·n·T·m per-example gradients), m being the number of candidates the
-  LC merge under the generic gate uses: the compute that merge consumed.
+* ``retrain``: DP-SGD at the target, σ calibrated for the candidates' q and T so that it spends
+  the whole target (PLD, to 1e-4 in σ), every other hyper-parameter the same;
+* ``retrain-matched-m<m>``: the same with m times the batch and m times the epochs (so the same
+  number of steps T and q·n·T·m per-example gradients), one for every m that some merge at the
+  target uses (m = the candidates its release uses: the compute it consumed); each merge is
+  compared with the one of its own m (m = 1: the plain retrain).
 
 Every ε is derived by the accountants: merges by their calibration, models by
 ``candidate_bound`` of their record, each under PLD and RDP.
@@ -21,11 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import random
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -35,11 +40,15 @@ from dpmerge.accounting.pld import set_disk_cache
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelDir, load_model_dir
 from dpmerge.data import DatasetSplits
+from dpmerge.errors import InfeasibleTargetError
+from dpmerge.evaluation import MergeAccuracy
+from dpmerge.formatting import epsilon_text
 from dpmerge.studies.frontier import (
+    AUTO,
     COLUMNS,
     LC_GENERIC,
-    LC_GENERIC_INTERPOLATED,
     LC_STRUCTURED,
+    MIXTURE,
     RS,
     FrontierContext,
     MergeMethod,
@@ -49,8 +58,20 @@ from dpmerge.studies.output import StudyFolder, mean_std
 from dpmerge.studies.plots import figure, log_epsilon_axis
 from dpmerge.studies.settings import CandidateStudy, StudyConfigError
 from dpmerge.training import TrainConfig, save_candidate, train_candidate
+from dpmerge.training.plan import plan_mechanism
 
 RETRAIN, RETRAIN_MATCHED = "retrain", "retrain-matched"
+RETRAIN_AVERAGED = "retrain-averaged"
+"""With kept checkpoints: the retrain's checkpoints averaged (iterate averaging, no extra ε)."""
+CONFIDENCE = 0.95
+"""Level of the paired confidence intervals (Student t over seeds)."""
+
+
+def matched_kind(members: int) -> str:
+    """The retrain a merge using ``members`` candidates is compared with at equal compute."""
+    return RETRAIN if members <= 1 else f"{RETRAIN_MATCHED}-m{members}"
+
+
 PLD_CACHE = "pld-cache"
 STUDY_COLUMNS = ["group", "seed", *COLUMNS, "noise_multiplier", "batch_size", "seconds"]
 SUMMARY_VALUES = ("test_accuracy", "drawn_test_accuracy", "epsilon", "epsilon_pld", "epsilon_rdp")
@@ -70,6 +91,9 @@ class TrainingSetup:
     device: str = "cpu"
     init_checkpoint: str | None = None
     max_steps: int | None = None
+    checkpoints: tuple[int, ...] = ()
+    """Epochs whose end-of-epoch weights each model also keeps as candidates (checkpoints of
+    one run: an LC over them averages its iterates at the cost of the longest)."""
 
     def config(
         self,
@@ -115,6 +139,7 @@ def training_setup(study: CandidateStudy) -> TrainingSetup:
         delta=study.delta,
         device=study.device,
         max_steps=study.max_steps,
+        checkpoints=tuple(getattr(study, "checkpoints", ()) or ()),
     )
     check_setup(setup)
     return setup
@@ -178,6 +203,7 @@ def model_row(
         group=group.label,
         seed=group.seed,
         kind=kind,
+        method="retrain",
         target_epsilon=target,
         **bound_columns(candidate_bound(record, setup.delta)),
         test_accuracy=model.metrics["test_accuracy"],
@@ -191,22 +217,65 @@ def model_row(
     )
 
 
+def retrain_config(
+    setup: TrainingSetup, data: DatasetSplits, name: str, target: float, **config: Any
+) -> TrainConfig:
+    """A retrain at ``target``: σ calibrated for its own q and T to spend the target (the
+    fine PLD search of ``noise_multiplier_for_epsilon``), given explicitly so the unit's
+    identity names it."""
+    planned = setup.config(name, target_epsilon=target, **config)
+    sigma = plan_mechanism(planned, data.dataset_size).noise_multiplier
+    return setup.config(name, noise_multiplier=sigma, **config)
+
+
 def train_group(
     folder: StudyFolder, data: DatasetSplits, setup: TrainingSetup, group: Group
 ) -> list[ModelDir]:
-    return [
-        train_unit(
-            folder,
-            data,
-            setup.config(
-                f"{group.label}-s{group.seed}-c{i}-sigma{sigma:g}",
-                init_seed=init,
-                stream_seed=group.stream_seed(i),
-                noise_multiplier=sigma,
-            ),
+    """The group's candidates: one per σ, or with ``setup.checkpoints`` every kept checkpoint
+    of each run."""
+    models = []
+    for i, (sigma, init) in enumerate(zip(group.sigmas, group.init_seeds, strict=True)):
+        config = setup.config(
+            f"{group.label}-s{group.seed}-c{i}-sigma{sigma:g}",
+            init_seed=init,
+            stream_seed=group.stream_seed(i),
+            noise_multiplier=sigma,
         )
-        for i, (sigma, init) in enumerate(zip(group.sigmas, group.init_seeds, strict=True))
-    ]
+        if setup.checkpoints:
+            models += train_checkpoints(folder, data, config, setup.checkpoints)
+        else:
+            models.append(train_unit(folder, data, config))
+    return models
+
+
+def train_checkpoints(
+    folder: StudyFolder, data: DatasetSplits, config: TrainConfig, epochs: Sequence[int]
+) -> list[ModelDir]:
+    """One run of ``config``, kept at the end of each of ``epochs`` as a candidate named
+    ``<name>-e<epoch>`` (one ``run_id``: checkpoints of one run). The run resumes from its own
+    training checkpoint between epochs, so it is the same run as one uninterrupted; that
+    checkpoint (generator states) is deleted."""
+    identity = {**asdict(config), "data": data.fingerprint, "checkpoints": sorted(epochs)}
+    per_epoch = math.ceil(data.dataset_size / config.batch_size)
+
+    def build(path: Path) -> None:
+        staging = path.with_name(f".{path.name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        resume = staging / "training-state.pt"
+        for epoch in sorted(epochs):
+            stage = replace(
+                config,
+                checkpoint_path=str(resume),
+                max_steps=epoch * per_epoch,
+                name=f"{config.name}-e{epoch}",
+            )
+            save_candidate(train_candidate(stage, data), staging / f"e{epoch}", config.delta)
+        resume.unlink()
+        os.replace(staging, path)
+
+    root = folder.cached_dir(f"run-{config.name}", identity, build)
+    return [load_model_dir(root / f"e{epoch}") for epoch in sorted(epochs)]
 
 
 def _draw_seed(*parts: Any) -> int:
@@ -237,7 +306,7 @@ def group_rows(
         for row, c in zip(context.candidate_rows(), candidates, strict=True)
     ]
     identity = {
-        "candidates": [c.path.name for c in candidates],
+        "candidates": [str(c.path.relative_to(folder.root)) for c in candidates],
         "methods": [asdict(m) for m in methods],
         "delta": setup.delta,
     }
@@ -252,49 +321,81 @@ def group_rows(
 
         found = folder.cached("merges", {**identity, "target": target}, merges)["rows"]
         rows += [{**tag, **row} for row in found]
-        lc = next((r for r in found if r["kind"] == LC_GENERIC.kind), None)
-        for kind in retrains:
-            scale = 1 if kind == RETRAIN else (lc["members"] if lc is not None else 0)
-            if scale < 1:
+        # a retrain per compute some merge used (none where no merge is feasible)
+        scales = sorted({1, *(row["members"] for row in found)}) if retrains and found else []
+        for scale in scales:
+            if scale > 1 and RETRAIN_MATCHED not in retrains:
                 continue
-            # scale 1 is the plain retrain's configuration: one model serves both rows
-            name = RETRAIN if scale == 1 else RETRAIN_MATCHED
-            config = setup.config(
-                f"{name}-{group.label}-s{group.seed}-t{index}",
+            kind = matched_kind(scale)
+            config = retrain_config(
+                setup,
+                data,
+                f"{kind}-{group.label}-s{group.seed}-t{index}",
+                target,
                 init_seed=group.init_seeds[0],
-                stream_seed=group.stream_seed(1000 + 10 * index + (scale != 1)),
-                target_epsilon=target,
+                stream_seed=group.stream_seed(1000 + 100 * index + scale),
                 scale=scale,
             )
-            rows.append(model_row(kind, group, target, train_unit(folder, data, config), setup))
+            if scale == 1 and setup.checkpoints:
+                kept = train_checkpoints(folder, data, config, setup.checkpoints)
+                rows.append(model_row(kind, group, target, kept[-1], setup))
+                rows.append(averaged_row(group, target, kept, data, setup))
+                continue
+            model = train_unit(folder, data, config)
+            rows.append({**model_row(kind, group, target, model, setup), "members": scale})
     return rows
 
 
-def merge_methods(study: CandidateStudy) -> tuple[MergeMethod, ...]:
-    """RS; LC under the generic gate, alone and with RS between two subset merges; and LC
-    under the structured gate unless switched off."""
-    return (
-        RS,
-        LC_GENERIC,
-        LC_GENERIC_INTERPOLATED,
-        *((LC_STRUCTURED,) if study.structured else ()),
+def averaged_row(
+    group: Group,
+    target: float,
+    kept: Sequence[ModelDir],
+    data: DatasetSplits,
+    setup: TrainingSetup,
+) -> dict[str, Any]:
+    """``retrain-averaged``: the retrain's kept checkpoints averaged with equal weights (what
+    an LC over one run's checkpoints releases, at the retrain's own ε)."""
+    merges = MergeAccuracy(kept[0].spec, [m.weights_file for m in kept], device=setup.device)
+    equal = tuple(1 / len(kept) for _ in kept)
+    row = model_row(RETRAIN_AVERAGED, group, target, kept[-1], setup)
+    row.update(
+        test_accuracy=merges.accuracy(equal, data.test),
+        validation_accuracy=merges.accuracy(equal, data.validation),
+        candidates=json.dumps([m.record.name for m in kept]),  # type: ignore[union-attr]
     )
+    return row
+
+
+def merge_methods(study: CandidateStudy) -> tuple[MergeMethod, ...]:
+    """RS; LC under the generic gate; the mixture of two subset merges; the provable default
+    ``auto`` among those three; and LC under the structured gate unless switched off."""
+    return (RS, LC_GENERIC, MIXTURE, AUTO, *((LC_STRUCTURED,) if study.structured else ()))
 
 
 def study_targets(study: CandidateStudy, candidates: Sequence[ModelDir]) -> list[float]:
-    """The study's explicit targets, else its grid between the candidates' ε."""
+    """The study's explicit targets, else its grid between the candidates' ε (each run's end:
+    kept checkpoints do not move the grid)."""
     if study.targets:
         return list(study.targets)
-    epsilons = [candidate_bound(c.record, study.delta).epsilon for c in candidates]
+    ends: dict[str, MechanismRecord] = {}  # each run's end (its longest kept checkpoint)
+    for record in (c.record for c in candidates):
+        key = record.run_id or record.name  # type: ignore[union-attr]
+        if key not in ends or record.steps > ends[key].steps:  # type: ignore[union-attr]
+            ends[key] = record  # type: ignore[assignment]
+    epsilons = [candidate_bound(r, study.delta).epsilon for r in ends.values()]
     return target_grid(epsilons, study.grid)
 
 
 def target_grid(epsilons: Sequence[float], count: int) -> list[float]:
-    """``count`` targets, geometric from the most private candidate's ε to the least
-    private's (both ends included)."""
+    """``count`` ≥ 2 targets, geometric from the most private candidate's ε to the least
+    private's (both ends included). Refuses a grid that would collapse to one target."""
     low, high = min(epsilons), max(epsilons)
-    if count < 2 or high <= low:
-        return [low]
+    if count < 2 or not high > low:
+        raise StudyConfigError(
+            f"a grid of {count} target(s) between ε = {epsilon_text(low)} and "
+            f"{epsilon_text(high)} is degenerate: give at least two candidates with different "
+            "ε and --grid ≥ 2, or explicit --targets"
+        )
     return [float(low * (high / low) ** (i / (count - 1))) for i in range(count)]
 
 
@@ -320,6 +421,22 @@ def summarise(table: pd.DataFrame) -> pd.DataFrame:
             entry[column], entry[f"{column}_std"] = mean, std
         out.append(entry)
     return pd.DataFrame(out)
+
+
+def require_feasible(table: pd.DataFrame, targets: Sequence[float], delta: float) -> None:
+    """Refuse, in one line, a study where no merge meets any target (nothing to plot)."""
+    candidates = table[table.kind == "candidate"]
+    if len(table[table.target_epsilon.notna() & ~table.kind.str.startswith(RETRAIN)]):
+        return
+    low, high = float(candidates.epsilon.min()), float(candidates.epsilon.max())
+    raise InfeasibleTargetError(
+        f"every target ({', '.join(f'{t:g}' for t in targets)}) is below the most private "
+        f"candidate's ε = {epsilon_text(low)} at δ = {delta:g}: no merge reaches any of them "
+        "(the finished units are kept)",
+        target_epsilon=min(targets),
+        delta=delta,
+        reachable_epsilon_range=(low, high),
+    )
 
 
 def as_table(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
@@ -374,17 +491,25 @@ def epsilon_table(summary: pd.DataFrame, group: str) -> pd.DataFrame:
 
 
 def paired_gaps(table: pd.DataFrame, kinds: Sequence[str], reference: str) -> pd.DataFrame:
-    """Per (group, target, kind): test accuracy of ``kind`` minus ``reference`` in the same
-    seed, mean and std over seeds (the seed pairs the two)."""
-    merged = table[table.kind.isin(kinds)].merge(
-        table[table.kind == reference][["group", "seed", "target_epsilon", "test_accuracy"]],
-        on=["group", "seed", "target_epsilon"],
-        suffixes=("", "_reference"),
-    )
+    """Per (group, target, kind): test accuracy of ``kind`` minus its reference in the same
+    seed (the seed pairs the two): mean, standard deviation and a Student-t confidence interval
+    (:data:`CONFIDENCE`) over seeds. ``reference`` ``retrain`` pairs every merge with the
+    retrain at the target; ``retrain-matched`` with the retrain of its own compute
+    (:func:`matched_kind` of the candidates its release uses)."""
+    merges = table[table.kind.isin(kinds)].copy()
+    if reference == RETRAIN_MATCHED:
+        merges["reference_kind"] = merges.members.map(lambda m: matched_kind(int(m)))
+    else:
+        merges["reference_kind"] = reference
+    references = table[table.kind.str.startswith(RETRAIN)][
+        ["group", "seed", "target_epsilon", "kind", "test_accuracy"]
+    ].rename(columns={"kind": "reference_kind", "test_accuracy": "test_accuracy_reference"})
+    merged = merges.merge(references, on=["group", "seed", "target_epsilon", "reference_kind"])
     merged["gap"] = merged.test_accuracy - merged.test_accuracy_reference
     out = []
     for (group, kind, target), rows in merged.groupby(["group", "kind", "target_epsilon"]):
         mean, std = mean_std(rows.gap)
+        low, high = confidence_interval(mean, std, len(rows))
         out.append(
             dict(
                 group=group,
@@ -393,21 +518,58 @@ def paired_gaps(table: pd.DataFrame, kinds: Sequence[str], reference: str) -> pd
                 target_epsilon=target,
                 gap=mean,
                 gap_std=std,
+                ci_low=low,
+                ci_high=high,
                 seeds=len(rows),
             )
         )
     return pd.DataFrame(out)
 
 
+def gap_table(gaps: pd.DataFrame, kinds: Sequence[str]) -> pd.DataFrame:
+    """One row per target, one column per kind: the paired gap in pp with its confidence
+    interval, ``+0.20 [−0.24, +0.65]``."""
+    out = []
+    for target, rows in gaps.groupby("target_epsilon", sort=True):
+        entry: dict[str, Any] = {"target ε": f"{target:.3f}"}
+        by_kind = {r.kind: r for r in rows.itertuples()}
+        for kind in kinds:
+            row = by_kind.get(kind)
+            entry[kind] = "" if row is None else _gap_text(row.gap, row.ci_low, row.ci_high)
+        out.append(entry)
+    return pd.DataFrame(out)
+
+
+def _gap_text(gap: float, low: float | None, high: float | None) -> str:
+    text = f"{100 * gap:+.2f}"
+    if low is None or high is None or low != low:
+        return text
+    return f"{text} [{100 * low:+.2f}, {100 * high:+.2f}]"
+
+
+def confidence_interval(mean: float, std: float, n: int) -> tuple[float | None, float | None]:
+    """The two-sided Student-t interval of a mean over ``n`` paired differences (``None``
+    for a single seed)."""
+    if n < 2:
+        return None, None
+    from scipy.stats import t
+
+    half = float(t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * std / n**0.5
+    return mean - half, mean + half
+
+
 def plot_gaps(gaps: pd.DataFrame, path: Any, title: str) -> Any:
-    """Accuracy gap to a reference per target (percentage points), one line per kind."""
+    """Accuracy gap to a reference per target (percentage points) with its paired confidence
+    interval, one line per kind."""
     with figure(path, size=(7, 4.2)) as (axes,):
         for (kind, reference), rows in gaps.groupby(["kind", "reference"], sort=False):
             rows = rows.sort_values("target_epsilon")
+            low = (rows.gap - rows.ci_low.fillna(rows.gap)).clip(lower=0)
+            high = (rows.ci_high.fillna(rows.gap) - rows.gap).clip(lower=0)
             axes.errorbar(
                 rows.target_epsilon,
                 100 * rows.gap,
-                yerr=100 * rows.gap_std,
+                yerr=[100 * low, 100 * high],
                 fmt="-o",
                 markersize=3,
                 capsize=2,

@@ -1,17 +1,18 @@
 """The utility–privacy frontier of a set of candidates (docs/design.md#studies): for each
 target ε, the best merge of each method and its test accuracy, beside the candidates themselves.
 
-Calibration follows docs/design.md#calibration: every choice beyond the released subset (RS
-probabilities, the generic gate's subset, the structured path) is data-independent; the
-validation split (disjoint from training) only tunes the LC weights within the generic gate's
-subset. Reported accuracies are on the test split; for RS the expected accuracy Σ π_i·acc_i
-and, where asked, the accuracy of one simulated draw. Every ε is the certified gating bound of
-the calibration, reported under PLD and RDP beside it.
+Calibration follows docs/design.md#calibration: every choice (RS probabilities, the generic
+gate's subset, the mixture's rungs and odds, the structured path, which method ``auto``
+releases) is data-independent, and LC weights within a subset are the default
+inverse-variance ones (the studies report the default; tuning them on validation accuracy is
+opt-in and not used here). Reported accuracies are on the test split; for RS and the mixture
+the expected accuracy over the draw and, where asked, the accuracy of one simulated draw. Every
+ε is the certified gating bound of the calibration, reported under PLD and RDP beside it.
 
 A merge method is a :class:`MergeMethod`: adding one (say, a new option of ``calibrate``) is one
-more entry in :data:`METHODS` (or in the ``methods`` a caller passes). ``lc-generic-rs`` may
-calibrate to a secret draw between two subset merges; its accuracy is the expectation over the
-draw.
+more entry in :data:`METHODS` (or in the ``methods`` a caller passes). ``auto`` is the provable
+default: among RS, LC (generic gate) and the mixture, the release
+``dpmerge.accounting.choice.choose_method`` picks from the records.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from typing import Any
 import pandas as pd
 
 from dpmerge.accounting.bounds import PairBound
+from dpmerge.accounting.calibrated import Calibration
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.choice import choose_method
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelDir
 from dpmerge.data import DatasetSplits
@@ -50,25 +53,34 @@ def bound_columns(bound: PairBound) -> dict[str, Any]:
     )
 
 
+AUTO_METHOD = "auto"
+AUTO_CHOICES = (Method.RS, Method.LC, Method.MIXTURE)
+"""What ``auto`` chooses among (LC under the generic gate: the provable default)."""
+
+
 @dataclass(frozen=True)
 class MergeMethod:
     """One merge method of the frontier: ``calibrate(records, method, target, delta,
-    gating_bound=…, **options)``, reported under ``kind``."""
+    gating_bound=…)`` reported under ``kind``; ``method`` ``auto`` is the release
+    ``choose_method`` picks among :data:`AUTO_CHOICES`."""
 
     kind: str
-    method: Method
+    method: Method | str
     gating_bound: GatingBound = "generic"
-    options: tuple[tuple[str, Any], ...] = ()
 
 
-RS = MergeMethod("rs", "rs")
-LC_GENERIC = MergeMethod("lc-generic", "lc", "generic")
-LC_GENERIC_INTERPOLATED = MergeMethod("lc-generic-rs", "lc", "generic", (("interpolate", True),))
-"""LC under the generic gate that may release one of two subset merges, drawn secretly."""
-LC_STRUCTURED = MergeMethod("lc-structured", "lc", "structured")
-METHODS = (RS, LC_GENERIC, LC_GENERIC_INTERPOLATED, LC_STRUCTURED)
+RS = MergeMethod("rs", Method.RS)
+LC_GENERIC = MergeMethod("lc-generic", Method.LC, "generic")
+MIXTURE = MergeMethod("mixture", Method.MIXTURE)
+"""A secret draw between two LC merges of subsets (generic gates), certified by the mixture
+bound."""
+LC_STRUCTURED = MergeMethod("lc-structured", Method.LC, "structured")
+AUTO = MergeMethod(AUTO_METHOD, AUTO_METHOD)
+"""The provable default: RS, LC (generic) or the mixture, chosen from the records."""
+METHODS = (RS, LC_GENERIC, MIXTURE, AUTO, LC_STRUCTURED)
 COLUMNS = [
     "kind",
+    "method",
     "target_epsilon",
     "epsilon",
     "accountant",
@@ -103,9 +115,6 @@ class _Evaluator:
     def accuracy(self, weights: Sequence[float], split: str) -> float:
         return self.merges.accuracy(weights, getattr(self.data, split))
 
-    def merge_utility(self, weights: tuple[float, ...]) -> float:
-        return self.accuracy(weights, "validation")
-
 
 class FrontierContext:
     """The candidates of one frontier, their accuracies, and the rows of their merges."""
@@ -136,22 +145,30 @@ class FrontierContext:
         kind: str,
         target: float | None,
         bound: PairBound,
-        weights: Sequence[float],
+        used: Sequence[str],
         test: float,
         validation: float,
         drawn: float | None = None,
+        *,
+        method: str,
+        weights: Any,
     ) -> dict[str, Any]:
-        used = [r for r, w in zip(self.records, weights, strict=True) if w > 0]
+        runs: dict[str, MechanismRecord] = {}  # checkpoints of one run: its longest
+        for record in (r for r in self.records if r.name in set(used)):
+            key = record.run_id or record.name
+            if key not in runs or record.steps > runs[key].steps:
+                runs[key] = record
         return dict(
             kind=kind,
+            method=method,
             target_epsilon=target,
             **bound_columns(bound),
             test_accuracy=test,
             validation_accuracy=validation,
             drawn_test_accuracy=drawn,
-            members=len(used),
-            per_example_gradients=sum(r.expected_batch_size * r.steps for r in used),
-            weights=json.dumps([round(w, 6) for w in weights]),
+            members=len(runs),
+            per_example_gradients=sum(r.expected_batch_size * r.steps for r in runs.values()),
+            weights=json.dumps(weights),
             candidates=json.dumps(self.names),
         )
 
@@ -161,12 +178,50 @@ class FrontierContext:
                 "candidate",
                 None,
                 candidate_bound(record, self.delta),
-                self.one_hot[i],
+                [record.name],
                 self.test_acc[i],
                 self.val_acc[i],
+                method="candidate",
+                weights=[round(w, 6) for w in self.one_hot[i]],
             )
             for i, record in enumerate(self.records)
         ]
+
+    def release_row(
+        self, kind: str, target: float, result: Calibration, draw: random.Random | None
+    ) -> dict[str, Any]:
+        """The row of one calibrated release: its certified ε, its test and validation accuracy
+        (RS and mixture: expected over the draw; with ``draw``, also one simulated draw's)."""
+        report = result.report
+        if report.method == Method.LC:
+            choices, odds = [report.weights], [1.0]
+            weights: Any = [round(w, 6) for w in report.weights]
+        elif report.method == Method.RS:
+            choices, odds = self.one_hot, list(report.weights)
+            weights = [round(w, 6) for w in report.weights]
+        else:
+            choices, odds = [r.weights for r in report.rungs], [r.probability for r in report.rungs]
+            weights = [
+                {k: v for k, v in r.to_dict(report.names).items() if k != "bound"}
+                for r in report.rungs
+            ]
+        used = [i for i, p in enumerate(odds) if p > 0]
+        tests = {i: self.evaluator.accuracy(choices[i], "test") for i in used}
+        validations = {i: self.evaluator.accuracy(choices[i], "validation") for i in used}
+        drawn = None
+        if draw is not None and report.method != Method.LC:
+            drawn = tests[draw_index(odds, rng=draw)]
+        return self._row(
+            kind,
+            float(target),
+            report.gating,
+            report.used_candidates,
+            expected_accuracy([tests.get(i, 0.0) for i in range(len(odds))], odds),
+            expected_accuracy([validations.get(i, 0.0) for i in range(len(odds))], odds),
+            drawn,
+            method=str(report.method),
+            weights=weights,
+        )
 
     def rows_at(
         self,
@@ -175,50 +230,40 @@ class FrontierContext:
         draw: random.Random | None = None,
     ) -> list[dict[str, Any]]:
         """One row per method feasible at ``target``. With ``draw`` (a seeded generator: a
-        study's simulated release, not a secret draw), RS rows also hold the test accuracy
-        of one drawn candidate."""
-        rows = []
+        study's simulated release, not a secret draw), RS and mixture rows also hold the test
+        accuracy of one drawn release; ``auto`` repeats the row of the method it chose."""
+        calibrations: dict[tuple[str, str], Calibration | None] = {}
+        rows: dict[tuple[str, str], dict[str, Any]] = {}
+
+        def calibrated(method: str, gate: str) -> Calibration | None:
+            if (method, gate) not in calibrations:
+                try:
+                    calibrations[method, gate] = calibrate(
+                        self.records, method, float(target), self.delta, gating_bound=gate
+                    )
+                except InfeasibleTargetError:
+                    calibrations[method, gate] = None
+            return calibrations[method, gate]
+
+        def row(method: str, gate: str, kind: str) -> dict[str, Any] | None:
+            result = calibrated(method, gate)
+            if result is not None and (method, gate) not in rows:
+                rows[method, gate] = self.release_row(kind, target, result, draw)
+            return rows.get((method, gate))
+
+        out = []
         for spec in methods:
-            tunable = (spec.method, spec.gating_bound) == ("lc", "generic")
-            try:
-                result = calibrate(
-                    self.records,
-                    spec.method,
-                    float(target),
-                    self.delta,
-                    gating_bound=spec.gating_bound,
-                    merge_utility=self.evaluator.merge_utility if tunable else None,
-                    **dict(spec.options),
-                )
-            except InfeasibleTargetError:
-                continue
-            drawn = None
-            if result.mixture is not None:  # one of two LC merges, drawn with these odds
-                merges, odds = result.mixture.weights, result.mixture.probabilities
-                test = expected_accuracy([self.evaluator.accuracy(w, "test") for w in merges], odds)
-                validation = expected_accuracy(
-                    [self.evaluator.accuracy(w, "validation") for w in merges], odds
-                )
-                if draw is not None:
-                    drawn = self.evaluator.accuracy(merges[draw_index(odds, rng=draw)], "test")
-                weights = tuple(max(a, b) for a, b in zip(*merges, strict=True))  # members used
-            elif spec.method == "rs":
-                weights = tuple(result.weights)
-                test = expected_accuracy(self.test_acc, weights)
-                validation = expected_accuracy(self.val_acc, weights)
-                if draw is not None:
-                    drawn = self.test_acc[draw_index(weights, rng=draw)]
+            if spec.method == AUTO_METHOD:
+                offered = {m: calibrated(m, "generic") for m in AUTO_CHOICES}
+                if any(c is None for c in offered.values()):
+                    continue
+                choice = choose_method(offered, self.records)  # type: ignore[arg-type]
+                found = row(choice.method, "generic", str(choice.method))
             else:
-                weights = tuple(result.weights)
-                test = self.evaluator.accuracy(weights, "test")
-                validation = self.evaluator.accuracy(weights, "validation")
-            row = self._row(
-                spec.kind, float(target), result.report.gating, weights, test, validation, drawn
-            )
-            if result.mixture is not None:
-                row["weights"] = json.dumps(result.mixture.to_dict()["merges"])
-            rows.append(row)
-        return rows
+                found = row(spec.method, spec.gating_bound, spec.kind)
+            if found is not None:
+                out.append({**found, "kind": spec.kind})
+        return out
 
 
 def frontier(

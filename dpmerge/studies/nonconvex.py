@@ -117,6 +117,7 @@ def run_nonconvex_study(study: NonConvexStudy, folder: StudyFolder) -> StudyResu
                     folder, data, group, candidates, study.path_points, study.delta, study.device
                 )
     table, probe_table = engine.as_table(rows), pd.DataFrame(probes)
+    engine.require_feasible(table, targets, study.delta)
     summary = engine.summarise(table)
     title = f"{study.dataset} {study.model}: test accuracy vs ε (δ = {study.delta:g})"
     files = [

@@ -140,13 +140,16 @@ class StudyFolder:
 
 def markdown_table(table: pd.DataFrame, digits: int = 4) -> str:
     """A Markdown table of a DataFrame (floats to ``digits`` places, a column named ``epsilon``
-    or ``epsilon_*`` rounded up like every ε shown to people; missing values blank)."""
+    or ``epsilon_*`` rounded up like every ε shown to people, δ in full (``1e-05``, never
+    ``0.0000``); missing values blank)."""
 
     def cell(column: str, value: Any) -> str:
         if value is None or (isinstance(value, float) and value != value):
             return ""
         if str(column).startswith("epsilon") and isinstance(value, float):
             return epsilon_text(value)
+        if str(column) in ("delta", "δ") and isinstance(value, float):
+            return f"{value:g}"
         return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
     columns = list(table.columns)

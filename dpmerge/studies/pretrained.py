@@ -118,6 +118,7 @@ def run_pretrained_study(study: PretrainedStudy, folder: StudyFolder) -> StudyRe
             )
             rows.append(_public_row(spec, checkpoint, private, group, study.delta))
     table = engine.as_table(rows)
+    engine.require_feasible(table, targets, study.delta)
     summary = engine.summarise(table)
     verdict = _verdict(table, [m.kind for m in methods])
     title = f"{study.dataset} {study.model} from a public initialisation (δ = {study.delta:g})"

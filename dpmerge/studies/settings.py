@@ -54,6 +54,11 @@ class CandidateStudy:
                 raise StudyConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.targets is not None:
             check_targets(self.targets)
+        elif self.grid < 2:
+            raise StudyConfigError(
+                f"grid must be at least 2 (it runs from the most to the least private "
+                f"candidate's ε), got {self.grid}; give --targets for a single target"
+            )
 
     @property
     def model_name(self) -> str:

@@ -3,19 +3,29 @@ orderings, refusals."""
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import pytest
 from factories import make_record
 
+from dpmerge.accounting import account as account_mod
 from dpmerge.accounting import pld as pld_mod
 from dpmerge.accounting import profiles
 from dpmerge.accounting.account import account
+from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.accounting.records import PrivacyLabel
-from dpmerge.accounting.structured import structured_epsilon_pld, structured_segments
+from dpmerge.accounting.generic import generic_bound
+from dpmerge.accounting.records import PrivacyLabel, candidates_to_document
+from dpmerge.accounting.structured import (
+    ORDERING_SLACK,
+    structured_epsilon_pld,
+    structured_segments,
+)
 from dpmerge.accounting.weights import inverse_variance_weights, merged_noise_proxy
-from dpmerge.errors import RecordError, RefusalError
+from dpmerge.cli import main
+from dpmerge.errors import BoundContradictionError, RecordError, RefusalError
 
 DELTA = 1e-5
 
@@ -224,3 +234,42 @@ def test_report_json_names_accountant_delta_and_relation(ladder):
     assert document["bound"] == "generic"
     assert document["neighbouring"] == "add_or_remove_one"
     assert document["bounds"]["structured"]["description"].startswith("structured (the DP")
+
+
+def test_a_structured_bound_above_the_generic_one_is_raised_never_clamped(
+    short_ladder, monkeypatch, tmp_path, capsys
+):
+    """A structured value above the generic one over the same release units is a
+    contradiction: ``account`` raises it (and so every calibration and the CLI, in one line),
+    whatever the gate; within :data:`ORDERING_SLACK` it is discretisation noise."""
+    real = account_mod.structured_bound
+
+    def inflated_by(extra):
+        """The structured bound raised to ``extra`` above the generic one of the same merge."""
+
+        def bound(candidates, weights, delta, discretisation):
+            found = real(candidates, weights, delta, discretisation)
+            above = generic_bound(candidates, weights, delta, discretisation).epsilon_pld
+            return replace(found, epsilon_pld=above + extra)
+
+        return bound
+
+    pair = short_ladder[:2]
+    generic = account(pair, "lc", [0.5, 0.5], DELTA).generic
+    monkeypatch.setattr(account_mod, "structured_bound", inflated_by(ORDERING_SLACK / 2))
+    report = account(pair, "lc", [0.5, 0.5], DELTA)
+    assert report.structured.epsilon_pld < generic.epsilon_pld + ORDERING_SLACK
+    monkeypatch.setattr(account_mod, "structured_bound", inflated_by(1.0))
+    for gate in ("generic", "structured"):
+        with pytest.raises(BoundContradictionError, match="exceeds the generic bound"):
+            account(pair, "lc", [0.5, 0.5], DELTA, gating_bound=gate)
+    with pytest.raises(BoundContradictionError):
+        calibrate(short_ladder, "lc", 2 * generic.epsilon, DELTA)
+    path = tmp_path / "candidates.json"
+    path.write_text(json.dumps(candidates_to_document(pair)))
+    code = main(
+        ["account", "--candidates", str(path), "--method", "lc", "--weights", "0.5,0.5",
+         "--delta", "1e-5"]
+    )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and "exceeds the generic" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
@@ -12,7 +13,6 @@ from hypothesis import strategies as st
 from dpmerge.accounting.account import account
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.accounting.generic import composed_pld, release_units
 from dpmerge.accounting.generic_search import subset_weights
 from dpmerge.accounting.records import PrivacyLabel
 from dpmerge.accounting.weights import merged_noise_proxy
@@ -47,25 +47,20 @@ def test_rs_reproduces_the_linear_programme(ladder):
     assert result.report.gating.kind == "selection"
 
 
-def test_rs_uses_validation_utilities_and_spends_less_when_it_gains_nothing(ladder):
-    # The most private candidate is also the most accurate: nothing is gained by mixing.
-    utilities = [0.80, 0.81, 0.82, 0.83, 0.84]
-    result = calibrate(ladder, "rs", 1.0, DELTA, utilities=utilities)
-    assert result.weights == (0.0, 0.0, 0.0, 0.0, 1.0)
-    assert result.epsilon < 1.0
-    assert result.utility == pytest.approx(0.84)
-    assert result.utility_kind == "expected validation accuracy"
-
-
-@PROPERTY
-@given(data=st.data())
-def test_rs_calibrated_epsilon_never_exceeds_the_target(short_ladder, data):
-    low, high = min(epsilons(short_ladder)), max(epsilons(short_ladder))
-    target = data.draw(st.floats(low, high * 1.2))
-    utilities = data.draw(st.lists(st.floats(0, 1), min_size=4, max_size=4))
-    result = calibrate(short_ladder, "rs", target, DELTA, utilities=utilities)
-    assert result.epsilon <= target
-    assert sum(p > 0 for p in result.weights) <= 2  # the LP optimum mixes at most two
+def test_rs_probabilities_come_from_the_records_only(ladder):
+    """π is a function of the records: there is no way to pass accuracies (the audit found
+    validation accuracies steering π), and a validation utility is refused for RS."""
+    assert "utilities" not in inspect.signature(calibrate).parameters
+    with pytest.raises(TypeError):
+        calibrate(ladder, "rs", 1.0, DELTA, utilities=[0.8, 0.81, 0.82, 0.83, 0.84])
+    with pytest.raises(RecordError, match="generic bound only"):
+        calibrate(ladder, "rs", 1.0, DELTA, merge_utility=lambda weights: weights[-1])
+    result = calibrate(ladder, "rs", 1.0, DELTA)
+    assert result.utility_kind.startswith("noise proxy")
+    assert result.utility == pytest.approx(
+        -sum(p * c.noise_multiplier**2 for p, c in zip(result.weights, ladder, strict=True)),
+        abs=1e-6,
+    )
 
 
 @PROPERTY
@@ -190,24 +185,6 @@ def test_validation_utilities_cannot_steer_a_choice_beyond_the_released_subset(l
             calibrate(ladder, method, 1.5, DELTA, gating_bound=gate, merge_utility=len)
 
 
-def test_interpolation_draws_between_two_rungs_and_is_certified(ladder):
-    """RS between two subset merges spends the budget between rungs; its ε, recomputed from
-    the two rungs' composed PLDs mixed by the library, meets the target."""
-    single = calibrate(ladder, "lc", 2.0, DELTA)
-    mixed = calibrate(ladder, "lc", 2.0, DELTA, interpolate=True)
-    assert mixed.mixture is not None and mixed.weights is None
-    assert single.epsilon < mixed.epsilon <= 2.0
-    (a, b), (p_a, p_b) = mixed.mixture.weights, mixed.mixture.probabilities
-    assert p_a + p_b == pytest.approx(1.0) and 0 < p_b < 1
-    plds = []
-    for weights in (a, b):
-        used = [c for c, w in zip(ladder, weights, strict=True) if w > 0]
-        plds.append(composed_pld(release_units(used), 1e-4))
-    library = plds[0].compute_mixture(plds[1], p_a).get_epsilon_for_delta(DELTA)
-    assert library <= mixed.epsilon <= library + 1e-6
-    assert mixed.to_dict()["mixture"]["merges"][1]["probability"] == p_b
-
-
 def test_lc_above_the_reachable_range_returns_the_best_merge(short_ladder):
     result = calibrate(short_ladder, "lc", 1e3, DELTA)
     assert all(w > 0 for w in result.weights)  # everything, inverse-variance
@@ -249,3 +226,48 @@ def test_candidates_from_different_initialisations_are_never_averaged():
     assert any("different initialisations" in s for s in generic.search["skipped"])
     report = account(candidates, "lc", [0.4, 0.3, 0.3], DELTA)
     assert any("different initialisations" in n for n in report.notes)
+
+
+def checkpoints(sigma: float, steps=(100, 150, 200)):
+    """Three kept checkpoints of one run (one run id, one noise and batch stream)."""
+    return [
+        make_record(
+            f"run{sigma}-{t}",
+            sigma,
+            steps=t,
+            sample_rate=0.01,
+            batch=600.0,
+            run_id=f"run-{sigma}",
+            noise_lineage=f"noise-{sigma}",
+            batch_lineage=f"batches-{sigma}",
+        )
+        for t in steps
+    ]
+
+
+def test_checkpoints_of_one_run_are_averaged_at_the_cost_of_the_longest():
+    """A run's kept checkpoints join a rung together, up to a common stop: the LC averages its
+    iterates, and its generic ε is the longest checkpoint's (docs/design.md#release-units)."""
+    candidates = checkpoints(1.0) + checkpoints(2.0)
+    longest = candidate_bound(candidates[2], DELTA).epsilon
+    result = calibrate(candidates, "lc", longest, DELTA)
+    used = [c for c, w in zip(candidates, result.weights, strict=True) if w > 0]
+    assert {c.name for c in used} == {"run1.0-100", "run1.0-150", "run1.0-200"}
+    assert result.epsilon == pytest.approx(longest, abs=1e-9)
+    assert len({w for w in result.weights if w > 0}) == 1  # equal weights: a tail average
+    # Between two stops of the noisier run, the ladder stops that run early.
+    second = candidate_bound(candidates[4], DELTA).epsilon
+    early = calibrate(candidates[3:], "lc", second * 1.0001, DELTA)
+    assert [c.name for c, w in zip(candidates[3:], early.weights, strict=True) if w > 0] == [
+        "run2.0-100",
+        "run2.0-150",
+    ]
+    mixed = calibrate(candidates, "mixture", (longest + second) / 2, DELTA)
+    assert mixed.epsilon <= (longest + second) / 2
+    for rung in mixed.rungs:
+        steps = {c.run_id: [] for c in candidates}
+        for c, w in zip(candidates, rung.weights, strict=True):
+            if w > 0:
+                steps[c.run_id].append(c.steps)
+        for taken in steps.values():  # each run from its first kept checkpoint up to a stop
+            assert taken == sorted(taken) and (not taken or taken[0] == 100)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -201,6 +202,7 @@ def test_infeasible_target(capsys, candidates_file):
     )
     assert code == 3 and out == ""
     assert err.count("\n") == 1 and "below the most private" in err
+    assert "train σ ≥ " in err and "(PLD) to reach ε* = 0.01" in err
     code, out, _ = run(
         capsys,
         "account",
@@ -218,6 +220,42 @@ def test_infeasible_target(capsys, candidates_file):
     assert code == 3 and doc["feasible"] is False
     low, high = doc["reachable_epsilon_range"]
     assert 0.01 < low <= high
+    sigma = doc["required_noise_multiplier"]
+    assert sigma > 2.0 and f"train σ ≥ {math.ceil(sigma * 1000) / 1000:.3f}" in doc["reason"]
+
+
+def test_options_that_cannot_apply_are_refused_in_one_line(capsys, candidates_file):
+    """--utilities (RS odds never come from accuracies), --segments outside a structured LC
+    calibration, and --weights for a mixture: one line, exit 2, nothing on stdout."""
+    base = ("account", "--candidates", candidates_file, "--delta", "1e-5")
+    calls = [
+        ("--method", "rs", "--target-epsilon", "1", "--utilities", "0.80,0.90,0.70,0.60"),
+        ("--method", "mixture", "--target-epsilon", "1", "--utilities", "0.8,0.9,0.7,0.6"),
+        ("--method", "rs", "--target-epsilon", "1", "--segments"),
+        ("--method", "lc", "--target-epsilon", "1", "--segments"),
+        ("--method", "lc", "--bound", "structured", "--weights", "1,0,0,0", "--segments"),
+        ("--method", "mixture", "--weights", "0.5,0.5,0,0"),
+        ("--method", "mixture", "--target-epsilon", "1", "--bound", "structured"),
+    ]
+    for argv in calls:
+        code, out, err = run(capsys, *base, *argv)
+        assert code == 2 and out == "", argv
+        assert err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    code, out, _ = run(capsys, "account", "--help")
+    assert code == 0 and "--method" in out
+    assert "--utilities" not in out and "validation accurac" not in out
+
+
+def test_account_calibrates_a_mixture(capsys, candidates_file):
+    base = ("account", "--candidates", candidates_file, "--delta", "1e-5", "--method", "mixture")
+    code, out, _ = run(capsys, *base, "--target-epsilon", "1.0", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["method"] == "mixture" and doc["bound"] == "mixture"
+    assert doc["epsilon"] <= 1.0 and doc["weights"] is None and len(doc["rungs"]) == 2
+    assert set(doc["used_candidates"]) == {m for r in doc["rungs"] for m in r["members"]}
+    code, out, _ = run(capsys, *base, "--target-epsilon", "1.0")
+    assert code == 0 and out.count("  with probability ") == 2
+    assert "mixture bound (gates)" in out and "generic bound: PLD" in out
 
 
 def test_bad_candidates_file_names_the_field(capsys, tmp_path):
@@ -321,7 +359,7 @@ def test_help_imports_no_heavy_library():
 def test_reachable_range_is_the_methods_in_every_mode(capsys, tmp_path):
     """LC's range ends at the joint release of every candidate (a shared-batch pair is one
     unit), RS's at the least private candidate — the same whether weights are evaluated or a
-    target is calibrated; an interpolated release states each assumption once."""
+    target is calibrated (the mixture's is LC's); a mixture states each assumption once."""
     records = (
         make_record("a", 1.0, steps=100, sample_rate=0.01, batch_lineage="b1"),
         make_record("b", 1.5, steps=50, sample_rate=0.01, batch_lineage="b1"),
@@ -343,7 +381,8 @@ def test_reachable_range_is_the_methods_in_every_mode(capsys, tmp_path):
     assert high >= evaluated["epsilon"]  # the all-candidates merge lies inside its own range
     rs = reachable("--method", "rs", "--weights", "0.3,0.3,0.4")["reachable_epsilon_range"]
     assert rs[0] == low and rs[1] < high
-    mixed = reachable("--method", "lc", "--target-epsilon", "1.2", "--interpolate")
+    mixed = reachable("--method", "mixture", "--target-epsilon", "1.2")
+    assert mixed["reachable_epsilon_range"] == [low, high]
     assumptions = mixed["bounds"]["gating"]["assumptions"]
     assert len(assumptions) == len(set(assumptions))
 
