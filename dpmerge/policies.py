@@ -23,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictStr,
     ValidationError,
@@ -69,10 +70,17 @@ class Policy(BaseModel):
         min_length=1, max_length=256, description="model family of the candidates (e.g. logreg)"
     )
     method: PolicyMethod = Field(
-        default=PolicyMethod.AUTO, description="merge method (auto: RS or LC, chosen per target)"
+        default=PolicyMethod.AUTO,
+        description="merge method (auto: RS, LC or the mixture, chosen per target from the "
+        "records alone)",
     )
     gating_bound: GatingBound = Field(
         default=GatingBound.GENERIC, description="the LC bound that gates promotion"
+    )
+    tune_weights: StrictBool = Field(
+        default=False,
+        description="tune LC weights within the chosen subset on validation accuracy (generic "
+        "gate only); the card then states that the validation rows are not protected",
     )
     min_accuracy: StrictFloat = Field(
         default=0.0, ge=0, le=1, allow_inf_nan=False, description="test-accuracy floor"
@@ -116,11 +124,18 @@ class Policy(BaseModel):
                 f"alias {shorten(alias)} is not a valid registry alias (letters, digits, '-', '_'; "
                 "not 'latest' in any case, nor a version like 'v3')"
             )
-        if self.gating_bound == "structured" and self.method == "rs":
+        if self.gating_bound == "structured" and self.method in ("rs", "mixture"):
             raise ValueError(
-                "gating_bound 'structured' applies to LC; method 'rs' is gated by "
-                "the selection bound"
+                f"gating_bound 'structured' applies to LC; method {self.method.value!r} is "
+                "gated by its mixture bound"
             )
+        if self.tune_weights and self.gating_bound == "structured":
+            raise ValueError(
+                "tune_weights needs the generic gate: the structured bound assumes weights "
+                "chosen independently of the data"
+            )
+        if self.tune_weights and self.method == "rs":
+            raise ValueError("tune_weights applies to LC weights; method 'rs' has none")
         object.__setattr__(self, "alias", alias)
         return self
 

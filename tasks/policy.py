@@ -119,14 +119,14 @@ def _calibrate(
         return infeasible
     report = plan.calibration.report
     get_run_logger().info(
-        "calibrated %s: ε = %s (%s, %s bound) ≤ target %g at δ = %g; compared %s",
+        "calibrated %s: ε = %s (%s, %s bound) ≤ target %g at δ = %g; %s",
         plan.method,
         epsilon_text(report.epsilon),
         report.gating.accountant,
         report.gating.kind,
         policy.target_epsilon,
         policy.target_delta,
-        {m: c.get("noise_proxy") for m, c in plan.compared.items()},
+        plan.reason or "the policy's method",
     )
     return plan
 
@@ -154,10 +154,9 @@ def merge(
 ) -> pm.Release:
     release = pm.merge_release(workspace, request, candidates, plan, data, workdir)
     get_run_logger().info(
-        "merged by %s: test accuracy %s, validation accuracy %s",
+        "merged by %s: test accuracy %s",
         release.method,
         number_text(release.metrics["test_accuracy"]),
-        number_text(release.metrics["validation_accuracy"]),
     )
     return release
 

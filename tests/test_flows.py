@@ -6,6 +6,7 @@ runs, exit codes), the deployment file, and ``dpmerge demo`` end to end."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -561,17 +562,22 @@ def test_dry_run_reports_the_release_and_changes_nothing(env, trained, capsys) -
 
     before = snapshot()
     base = ["policy", "set", "--name", "what-if", "--delta", "1e-5", "--dataset", "digits"]
-    code = main([*base, "--target-epsilon", f"{_eps(trained)[1] * 1.2:.4f}", "--dry-run", "--json"])
+    target = f"{_eps(trained)[1] * 1.2:.4f}"  # between two rungs of the ladder
+    code = main([*base, "--target-epsilon", target, "--method", "auto", "--dry-run", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["dry_run"] and report["verdict"] == "would_promote"
-    assert report["epsilon"] <= _eps(trained)[1] * 1.2 and report["method"] in ("rs", "lc")
-    assert 0 < report["test_accuracy"] <= 1 and 0 < report["validation_accuracy"] <= 1
+    # auto releases a secret draw between two LC merges: both rungs and their odds shown
+    assert report["epsilon"] <= float(target) and report["method"] == "mixture", report
+    assert report["weights"] is None and len(report["rungs"]) == 2
+    assert math.isclose(sum(r["probability"] for r in report["rungs"]), 1.0)
+    assert all(0 < r["probability"] < 1 and r["members"] for r in report["rungs"])
+    assert report["accuracy_is_expected"] and 0 < report["test_accuracy"] <= 1
     assert {g["name"] for g in report["gates"]} == {"epsilon", "delta", "accuracy", "ledger"}
     assert report["registry"]["uri"] == env["uri"] and report["registry"]["kind"] == "embedded"
-    code = main([*base, "--target-epsilon", f"{_eps(trained)[1] * 1.2:.4f}", "--dry-run"])
+    code = main([*base, "--target-epsilon", target, "--dry-run"])
     out = capsys.readouterr().out
     assert code == 0 and "policy what-if: new" in out
-    assert "policy what-if (dry run): would promote — " in out
+    assert "policy what-if (dry run): would promote — MIXTURE of merge 1 with probability" in out
     # an infeasible what-if revokes nothing and exits as the real one would
     code = main([*base, "--target-epsilon", f"{_eps(trained)[0] / 2:.4f}", "--dry-run"])
     assert code == 3 and "infeasible" in capsys.readouterr().out

@@ -15,12 +15,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import pytest
 import torch
 from factories import train_digits
 from mlflow import MlflowClient
 
 from dpmerge import policy_merge as pm
+from dpmerge.accounting.calibration import calibrate
 from dpmerge.data import load_dataset
 from dpmerge.errors import DatasetError
 from dpmerge.evaluation import MergeAccuracy
@@ -29,6 +31,7 @@ from dpmerge.policy_merge.evaluation_data import _limits_for
 from dpmerge.registry import Registry, RegistryError
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion, set_policy
+from dpmerge.state.releases import read_release
 
 DELTA = 1e-5
 SIGMAS = (1.0, 1.6, 3.0)
@@ -201,36 +204,44 @@ def test_evaluation_data_found_by_fingerprint_and_cached(tmp_path: Path) -> None
         pm.load_evaluation_data("digits-sha256:" + "0" * 32, data.dataset_size)
 
 
-def test_auto_keeps_the_smaller_noise_proxy_and_never_steers_by_accuracy(
+def test_auto_keeps_the_best_expected_noise_proxy_and_never_steers_by_accuracy(
     workspace: pm.Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The choice between RS and LC, the subset and π are data-independent: the same plan
-    whatever the candidates' accuracies (docs/design.md#calibration)."""
+    """The choice among RS, LC and the mixture, the subsets and the odds are data-independent:
+    the same plan whatever the candidates' accuracies; by default the weights are too, and
+    ``tune_weights`` changes only the weights within the chosen subset
+    (docs/design.md#calibration)."""
     registry = workspace.registry()
     pool = pm.find_candidates(registry, "digits", "logreg")
     candidates = registry.load_candidates(pool.registered_model, pool.versions, dest=tmp_path)
     record = candidates[0].model_dir.record
     data = pm.load_evaluation_data(record.dataset, record.dataset_size)
     plan = pm.calibrate_policy(_policy(target_epsilon=3.0), candidates, data)
-    assert set(plan.compared) == {"rs", "lc"}
-    best = min(plan.compared.values(), key=lambda c: c["noise_proxy"])
-    assert plan.compared[plan.method] == best
-    assert plan.calibration.epsilon <= 3.0
-    # A validation set that rewards the noisiest candidate changes only the LC weights within
-    # the chosen subset, never the method or the subset.
+    assert set(plan.compared) == {"rs", "lc", "mixture"}
+    utilities = {m: c["expected_utility"] for m, c in plan.compared.items()}
+    assert utilities[plan.method] == max(utilities.values())
+    assert plan.calibration.epsilon <= 3.0 and plan.reason.startswith(plan.method)
     noisiest = max(
         range(len(candidates)), key=lambda i: candidates[i].model_dir.record.noise_multiplier
     )
     monkeypatch.setattr(MergeAccuracy, "accuracy", lambda self, w, split: w[noisiest])
-    steered = pm.calibrate_policy(_policy(target_epsilon=3.0), candidates, data)
-    assert steered.method == plan.method
-    assert [w > 0 for w in steered.calibration.weights] == [w > 0 for w in plan.calibration.weights]
+    same = pm.calibrate_policy(_policy(target_epsilon=3.0), candidates, data)
+    assert same.method == plan.method and same.calibration.report == plan.calibration.report
+    # opted in: a validation set that rewards the noisiest candidate changes only the weights
+    # within the chosen subset, never the method or the subset
+    lc = _policy(target_epsilon=3.0, method="lc")
+    untuned = pm.calibrate_policy(lc, candidates, data)
+    tuned = pm.calibrate_policy(lc.model_copy(update={"tune_weights": True}), candidates, data)
+    assert tuned.method == "lc" and tuned.calibration.epsilon <= 3.0
+    used = [w > 0 for w in untuned.calibration.weights]
+    assert [w > 0 for w in tuned.calibration.weights] == used
     only_rs = pm.calibrate_policy(_policy(target_epsilon=3.0, method="rs"), candidates, data)
     assert only_rs.method == "rs" and set(only_rs.compared) == {"rs"}
     structured = _policy(target_epsilon=3.0, method="auto", gating_bound="structured")
     plan = pm.calibrate_policy(structured, candidates, data)
     assert plan.compared["lc"]["bound"] == "structured"
     assert plan.compared["rs"]["bound"] == "selection"  # RS has its own bound
+    assert plan.compared["mixture"]["bound"] == "mixture"
     assert plan.calibration.epsilon <= 3.0
 
 
@@ -358,7 +369,9 @@ def test_a_redraw_after_a_failed_gate_is_counted_and_on_the_card(
     assert not retry.reused
     card = _client(workspace).get_model_version(retry.merged_model, retry.version).description
     assert "Earlier attempts for this policy:** 1 release(s)" in card
-    assert failed_hash[:12] in card
+    assert failed_hash[:12] not in card  # the public card counts them; the internal one names
+    internal = read_release(workspace.state(), _tags(workspace, retry)["dp.content_hash"])
+    assert internal is not None and failed_hash[:12] in internal["card"]
 
 
 def test_a_tightened_policy_revokes_or_flags_its_noncompliant_release(
@@ -493,3 +506,76 @@ def test_workspace_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert ws.tracking_uri == "http://127.0.0.1:2" and ws.s3 is not None
     scratch = ws.scratch()
     assert stat.S_IMODE(os.stat(scratch).st_mode) == 0o700
+
+
+def _published(workspace: pm.Workspace, outcome: pm.PolicyOutcome, scratch: Path) -> str:
+    """Everything MLflow holds of a release, as one text: the version's tags and description,
+    its run's params, metrics and tags, and every file of its logged model and run."""
+    client = _client(workspace)
+    version = client.get_model_version(outcome.merged_model, outcome.version)
+    run = client.get_run(version.run_id)
+    parts = [json.dumps(version.tags), version.description or ""]
+    parts += [json.dumps(run.data.params), json.dumps(run.data.metrics), json.dumps(run.data.tags)]
+    model_files = Path(
+        mlflow.artifacts.download_artifacts(version.source, dst_path=str(scratch / "m"))
+    )
+    run_files = Path(client.download_artifacts(version.run_id, "", str(scratch)))
+    for root in (model_files, run_files):
+        for path in root.rglob("*"):
+            if path.is_file() and path.suffix in (".json", ".md", ".txt", ".yaml", ""):
+                parts.append(path.read_text(errors="replace"))
+    names = {p.name for root in (model_files, run_files) for p in root.rglob("*")}
+    assert "privacy.json" not in names  # the full report names the candidates
+    return "\n".join(parts)
+
+
+def test_a_mixture_release_draws_once_counts_both_merges_and_publishes_no_candidate(
+    workspace: pm.Workspace, registry_home, tmp_path: Path
+) -> None:
+    """The mixture as a policy method: one stored draw (never drawn again), the ledger counts
+    every member of either merge, and what MLflow publishes names no candidate — no name,
+    version, record, lineage or metric; the internal record in the state store holds them."""
+    registry = workspace.registry()
+    pool = pm.find_candidates(registry, "digits", "logreg")
+    candidates = registry.load_candidates(pool.registered_model, pool.versions, dest=tmp_path)
+    records = [c.model_dir.record for c in candidates]
+    low, high = registry_home["epsilons"][0], registry_home["epsilons"][-1]
+    for target in (low + (high - low) * f for f in (0.3, 0.5, 0.7, 0.2, 0.8)):
+        rungs = calibrate(records, "mixture", target, DELTA).report.rungs
+        if len(rungs) == 2 and 0 < rungs[0].probability < 1:
+            break
+    else:
+        pytest.fail("no target between two rungs")
+    outcome = _apply(workspace, _policy(name="mix", target_epsilon=target, method="mixture"))
+    assert outcome.status == pm.Status.PROMOTED and outcome.method == "mixture"
+    assert outcome.weights is None and len(outcome.rungs) == 2
+    assert outcome.epsilon <= target
+    release = _tags(workspace, outcome)["dp.content_hash"]
+    draw_file = workspace.private_dir("audit") / f"{release}.json"
+    draw = json.loads(draw_file.read_text())
+    assert draw["drawn_index"] in (0, 1) and len(draw["probabilities"]) == 2
+    assert draw["candidates"][0].startswith("merge 1: ")
+    # a rerun of the same release reuses it: no second draw, no second version
+    again = _apply(workspace, _policy(name="mix", target_epsilon=target, method="mixture"))
+    assert again.status == pm.Status.UNCHANGED and again.version == outcome.version
+    assert json.loads(draw_file.read_text()) == draw
+    members = {m for r in outcome.rungs for m in r["members"]}
+    assert set(_ledger(workspace, outcome).entry(release).names) == members
+    internal = read_release(workspace.state(), release)
+    assert internal is not None and len(internal["merge"]["rungs"]) == 2
+    assert internal["parents"] == [c.version for c in candidates]
+    text = _published(workspace, outcome, tmp_path / "published")
+    secrets_of_candidates = {pool.registered_model}
+    for c in candidates:
+        published = c.published
+        secrets_of_candidates |= {published.name, published.noise_lineage, published.batch_lineage}
+        for key in ("test_accuracy", "validation_accuracy"):
+            value = c.model_dir.metrics.get(key)
+            # a release that is one candidate (an RS draw, a one-member merge) has its
+            # accuracy: that is a function of the released model
+            if value is not None and float(value) != outcome.test_accuracy:
+                secrets_of_candidates.add(repr(float(value)))
+    assert all(c.published.name in internal["card"] for c in candidates)  # the scan can fail
+    found = sorted(s for s in secrets_of_candidates if s and s in text)
+    assert not found, f"published release mentions its candidates: {found}"
+    assert "Which rows the guarantee protects" in text and "**not protected**" in text

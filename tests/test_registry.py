@@ -37,6 +37,7 @@ from dpmerge.registry import (
     CARD_MARKDOWN,
     STATUS_FAILED,
     GateError,
+    RegisteredVersion,
     Registry,
     RegistryError,
     RegistryFailureError,
@@ -176,14 +177,17 @@ def test_merged_version_card_gates_and_alias(
 ) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server_registry.tracking_uri)
     merged = _merge(candidate_dirs, "lc", [0.2, 0.3, 0.5], tmp_path / "lc", metrics=_accuracy(0.8))
-    result = server_registry.register_merged(merged, parents=registered, policy=POLICY)
+    result = _register(server_registry, merged, registered, POLICY)
     client = MlflowClient(server_registry.tracking_uri)
     version = client.get_model_version(MERGED, result.version)
     report = json.loads((merged / "privacy.json").read_text())
     tags = version.tags
     assert tags["dp.role"] == "merged" and tags["dp.method"] == "lc"
-    assert json.loads(tags["dp.weights"]) == [0.2, 0.3, 0.5]
-    assert tags["dp.parents"] == ",".join(registered)
+    # the candidates and weights are internal: on the release's internal record only
+    assert not {"dp.weights", "dp.parents", "dp.parent_model"} & set(tags)
+    internal = server_registry.prepare_merged(merged, parents=registered, policy=POLICY).internal()
+    assert internal["merge"]["weights"] == [0.2, 0.3, 0.5]
+    assert internal["parents"] == registered and internal["release"] == result.content_hash
     assert tags["dp.gating_bound"] == "generic"
     assert float(tags["dp.epsilon"]) == report["epsilon"]
     assert float(tags["dp.generic_epsilon"]) == report["bounds"]["generic"]["epsilon"]
@@ -195,7 +199,7 @@ def test_merged_version_card_gates_and_alias(
     assert "structured (the DP model merging paper's analysis)" in markdown
 
     # idempotent: the same request reuses the version
-    again = server_registry.register_merged(merged, parents=registered, policy=POLICY)
+    again = _register(server_registry, merged, registered, POLICY)
     assert again.reused and again.version == result.version
 
     # the gates read the version's signed facts and change nothing
@@ -223,18 +227,16 @@ def test_merged_version_card_gates_and_alias(
         candidate_dirs, "lc", [0.3, 0.3, 0.4], tmp_path / "lc2", metrics=_accuracy(0.8)
     )
     with pytest.raises(RegistryError, match="injected"):
-        FailingVerify(server_registry.tracking_uri).register_merged(
-            another, parents=registered, policy=other_policy
-        )
+        _register(FailingVerify(server_registry.tracking_uri), another, registered, other_policy)
     failed = max(client.search_model_versions(f"name = '{MERGED}'"), key=lambda v: int(v.version))
     assert failed.tags["dp.status"] == STATUS_FAILED
     with pytest.raises(GateError, match=r"dp\.status is 'failed'"):
         server_registry.check_gates(MERGED, failed.version, **_gates())
     assert client.get_registered_model(MERGED).aliases["production"] == result.version
-    rerun = server_registry.register_merged(another, parents=registered, policy=other_policy)
+    rerun = _register(server_registry, another, registered, other_policy)
     assert not rerun.reused and int(rerun.version) > int(failed.version)
     # another policy asking for the same merge gets the same release (the key is the release)
-    shared = server_registry.register_merged(merged, parents=registered, policy=other_policy)
+    shared = _register(server_registry, merged, registered, other_policy)
     assert shared.reused and shared.version == result.version
 
     # removing the alias (a revoked serving pointer's projection); again is a no-op
@@ -249,11 +251,18 @@ def test_parents_must_be_the_merges_candidates(
 ) -> None:
     merged = _merge(candidate_dirs[:2], "lc", [0.5, 0.5], tmp_path / "two")
     with pytest.raises(RegistryError, match="the merge used"):
-        server_registry.register_merged(merged, parents=registered, policy=POLICY)
+        _register(server_registry, merged, registered, POLICY)
     with pytest.raises(RegistryError, match="target_epsilon"):
-        server_registry.register_merged(merged, parents=registered[:2], policy={"id": "x"})
+        _register(server_registry, merged, registered[:2], {"id": "x"})
     with pytest.raises(RegistryError, match="v999 does not exist"):
-        server_registry.register_merged(merged, parents=["999", registered[1]], policy=POLICY)
+        _register(server_registry, merged, ["999", registered[1]], POLICY)
+
+
+def _register(
+    registry: Registry, merged: Path, parents: list[str], policy: Any
+) -> RegisteredVersion:
+    """Register a merged directory as a policy merge does (prepared, then registered)."""
+    return registry.register_merged(registry.prepare_merged(merged, parents=parents, policy=policy))
 
 
 def _released_text(registry: Registry, name: str, version: str, dest: Path) -> dict[str, str]:
@@ -306,7 +315,7 @@ def test_rs_draw_appears_nowhere(
     for drawn, out in draws.items():  # each release in a registry of its own, one name
         registry = Registry(f"sqlite:///{tmp_path / f'registry-{drawn}' / 'mlflow.db'}")
         versions = [registry.register_candidate(d).version for d in candidate_dirs]
-        result = registry.register_merged(out, parents=versions, policy=POLICY)
+        result = _register(registry, out, versions, POLICY)
         texts = _released_text(registry, MERGED, result.version, tmp_path / f"dl-{drawn}")
         audit_keys = ("drawn_index", "drawn_candidate", "drawn_at", "weights_sha256")
         assert not [k for k, v in texts.items() if any(w in v for w in audit_keys)]
@@ -323,7 +332,6 @@ def test_rs_draw_appears_nowhere(
         released.append(_normalise(texts))
     assert released[0] == released[1]
     for key in (
-        "tag:dp.weights",
         "tag:dp.card_digest",
         "manifest",
         "description",
@@ -346,7 +354,7 @@ def test_embedded_registry_and_ls_cli(
     policy = Policy(
         name="toy-eps5", target_epsilon=5.0, target_delta=DELTA, dataset="toy", model="logreg"
     )
-    result = registry.register_merged(merged, parents=versions, policy=policy)
+    result = _register(registry, merged, versions, policy)
     version = MlflowClient(mlflow_embedded, mlflow_embedded).get_model_version(MERGED, "1")
     assert "policy `toy-eps5`" in version.description and version.tags["dp.policy"] == "toy-eps5"
     registry.set_alias(MERGED, "production", result.version)
@@ -424,7 +432,7 @@ def test_a_card_or_tag_changed_after_registration_fails_the_gates(
     registry = Registry(mlflow_embedded)
     parents = [registry.register_candidate(d).version for d in candidate_dirs]
     merged = _merge(candidate_dirs, "lc", [0.2, 0.3, 0.5], tmp_path / "lc", metrics=_accuracy(0.8))
-    version = registry.register_merged(merged, parents=parents, policy=POLICY).version
+    version = _register(registry, merged, parents, POLICY).version
     client = MlflowClient(mlflow_embedded, mlflow_embedded)
     mv = client.get_model_version(MERGED, version)
     epsilon = mv.tags["dp.epsilon"]

@@ -67,13 +67,12 @@ def release_for(release_id: str, candidates: Sequence[Candidate], report: Privac
     """The ledger entry of any merge — RS, LC or mixture — from its privacy report: the
     candidates ``report.used_candidates`` names (for a mixture, every member of either rung;
     which rung was drawn stays secret)."""
-    used = set(report.used_candidates)
     if [c.name for c in candidates] != list(report.names):
         raise RecordError("the report was computed for other candidates")
-    chosen = [c for c in candidates if c.name in used]
-    if not chosen:
-        raise RecordError("a release uses at least one candidate")
-    return Release(release_id, chosen[0].dataset, str(report.method), tuple(chosen))
+    used = set(report.used_candidates)
+    return release_of(
+        release_id, str(report.method), candidates, [float(c.name in used) for c in candidates]
+    )
 
 
 def cumulative_bound(releases: Sequence[Release], delta: float) -> PairBound:

@@ -1,8 +1,9 @@
 """``dpmerge registry ls|show``: candidates and merged releases with their privacy, policy,
-target, aliases and what each alias serves now; one version's privacy card, or what a revoked
-alias was revoked by. ``quarantine``: take a version out of use (recorded in the release-state
-store, docs/design.md#release-state). ``verify``: compare MLflow with the release-state store
-and the signatures, and with ``--repair`` repair what is safe to repair.
+target, aliases and what each alias serves now; one version's privacy card (a release's public
+card, or with ``--internal`` its internal card from the release-state store), or what a
+revoked alias was revoked by. ``quarantine``: take a version out of use (recorded in the
+release-state store, docs/design.md#release-state). ``verify``: compare MLflow with the
+release-state store and the signatures, and with ``--repair`` repair what is safe to repair.
 
 Read-only and quick: the registry is found as every command finds it (:mod:`dpmerge.locate`:
 ``--tracking-uri`` or ``--home``, ``$MLFLOW_TRACKING_URI``, the local stack, the embedded
@@ -19,11 +20,13 @@ import json
 import re
 from typing import Any
 
-from dpmerge.errors import InputError
+from dpmerge.errors import InputError, RefusalError
 from dpmerge.formatting import cut, epsilon_text, number_text, printable
 from dpmerge.locate import Located, locate_registry
 from dpmerge.registry.catalog import open_catalog
+from dpmerge.registry.tags import ROLE_MERGED
 from dpmerge.registry.versions import VersionSummary
+from dpmerge.state.releases import read_release
 
 TRACKING_HELP = (
     "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the local stack, else "
@@ -68,6 +71,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     show.add_argument("reference", metavar="NAME[@ALIAS|/VERSION] | @ALIAS")
+    show.add_argument(
+        "--internal",
+        action="store_true",
+        help="a release's internal card from the release-state store: its candidates, their "
+        "records, weights and every note (workflow and operators only)",
+    )
     show.set_defaults(handler=_show)
     for sub in (ls, show):
         sub.add_argument("--json", action="store_true", help="machine-readable output")
@@ -237,9 +246,12 @@ def _show(args: argparse.Namespace) -> int:
     if pointer is not None and pointer.serving is None:
         return _not_serving(pointer, located, args.json)
     detail = open_catalog(located.tracking_uri).detail(match["name"], match["version"], alias)
+    internal = _internal(args, located, detail) if args.internal else None
     if args.json:
         document = {"registry": located.to_dict(), **detail.to_dict()}
         document["serving_pointer"] = pointer.to_dict() if pointer else None
+        if internal is not None:
+            document["internal"] = internal
         print(json.dumps(document, indent=2, ensure_ascii=False))
         return 0
     tags = detail.stored.tags
@@ -262,9 +274,24 @@ def _show(args: argparse.Namespace) -> int:
                 f"pointer says v{pointer.serving}: `dpmerge registry verify --repair` moves it back"
             )
     print()
-    card = detail.description or "(no description)"
-    print("\n".join(printable(line) for line in card.splitlines()))
+    card = internal["card"] if internal is not None else detail.description
+    print("\n".join(printable(line) for line in (card or "(no description)").splitlines()))
     return 0
+
+
+def _internal(args: argparse.Namespace, located: Located, detail: Any) -> dict[str, Any]:
+    """The internal record of the release ``detail`` shows (:mod:`dpmerge.state.releases`)."""
+    stored = detail.stored
+    if stored.tags.get("dp.role") != ROLE_MERGED:
+        raise InputError(f"{stored.name} v{stored.version} is not a release: no internal card")
+    state = _workspace(args, located).state()
+    record = read_release(state, stored.tags.get("dp.content_hash", ""))
+    if record is None:
+        raise RefusalError(
+            f"{stored.name} v{stored.version} has no internal record in the release-state "
+            f"store {state.where}"
+        )
+    return record
 
 
 def _not_serving(pointer: Any, located: Located, as_json: bool) -> int:

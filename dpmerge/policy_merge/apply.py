@@ -59,6 +59,7 @@ from dpmerge.policy_merge.workspace import Workspace, remove_tree
 from dpmerge.registry import RegisteredCandidate
 from dpmerge.state import CountedRelease, SupersededError
 from dpmerge.state.policies import PolicyVersion
+from dpmerge.vocabulary import Method
 
 Candidates = Sequence[RegisteredCandidate]
 
@@ -175,7 +176,11 @@ class _Run:
         facts: dict[str, Any] = dict(
             merged_model=pool.merged_model,
             method=plan.method,
-            weights=tuple(report.weights),
+            weights=None if plan.method == Method.MIXTURE else tuple(report.weights),
+            rungs=tuple(
+                {k: r[k] for k in ("probability", "members", "weights")}
+                for r in report.to_dict().get("rungs") or ()
+            ),
             epsilon=report.epsilon,
             accountant=report.gating.accountant,
             bound=report.gating.kind,
@@ -190,7 +195,7 @@ class _Run:
         registered, metrics = planned.existing, {}
         if registered is None:
             merged = steps.merge(self.workspace, request, candidates, plan, data, self.workdir)
-            merged = replace(merged, notes=(*prepared.notes, *merged.notes))  # δ on the card
+            merged = replace(merged, internal_notes=prepared.notes)  # δ on the internal card
             metrics = merged.metrics
             try:
                 counted = steps.count(self.workspace, entry, self.policy.cumulative_epsilon_cap)

@@ -15,14 +15,12 @@ The ledger itself lives in the release-state store, in the dataset's signed docu
 
 from __future__ import annotations
 
-import json
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from dpmerge.accounting.ledger import release_of
+from dpmerge.accounting.ledger import release_for, release_of
+from dpmerge.accounting.records import candidate_from_dict
 from dpmerge.errors import IntegrityError
 from dpmerge.formatting import epsilon_text
 from dpmerge.manifests import ReleaseSignatureError
@@ -33,6 +31,7 @@ from dpmerge.registry import RegisteredCandidate, Registry
 from dpmerge.state import CountedRelease, DatasetState
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
+from dpmerge.state.releases import read_release
 
 
 class LedgerIntegrityError(IntegrityError):
@@ -49,11 +48,8 @@ def ledger_entry(
     """The ledger entry of the release ``request`` names: its candidates with non-zero weight
     as published (keyed dataset identifier and lineages, signed with each candidate: every
     number the accountants use, never a fingerprint), asked for by ``version`` of its policy."""
-    release = release_of(
-        request.content_hash,
-        plan.calibration.method,
-        [c.published for c in candidates],
-        plan.calibration.weights,
+    release = release_for(
+        request.content_hash, [c.published for c in candidates], plan.calibration.report
     )
     versions = {
         c.model_dir.record.name: f"{c.name} v{c.version}"
@@ -165,40 +161,47 @@ def count_release(workspace: Workspace, entry: CountedRelease, cap: float | None
 
 def rebuild_ledger(workspace: Workspace) -> list[str]:
     """Add back every signed merged version the ledger lacks (the repair for a ledger that was
-    rolled back or replaced), its candidates read from their verified records; returns the
-    release ids added. Needs the workflow's key."""
+    rolled back or replaced), its candidates read from the release's signed internal record
+    (:mod:`dpmerge.state.releases`); returns the release ids added. Needs the workflow's key.
+    A signed release without an internal record is not guessed at: :class:`LedgerIntegrityError`
+    names it."""
     registry = workspace.registry()
     store = workspace.state()
-    added = []
-    with tempfile.TemporaryDirectory(prefix="dpmerge-rebuild-") as scratch:
-        for stored in registry.merged_versions():
-            try:
-                facts = registry.release_facts(stored)
-            except ReleaseSignatureError:
-                continue
-            state = state_serving.read_state(store, facts.dataset)
-            if state.entry(facts.content_hash) is not None:
-                continue
-            tags = stored.tags
-            parents = tags["dp.parents"].split(",")
-            loaded = registry.load_candidates(
-                tags["dp.parent_model"], parents, dest=Path(scratch) / stored.version
-            )
-            by_version = {c.version: c for c in loaded}
-            ordered = [by_version[p] for p in parents]
-            release = release_of(
-                facts.content_hash,
-                tags["dp.method"],
-                [c.published for c in ordered],
-                json.loads(tags["dp.weights"]),
-            )
-            entry = CountedRelease.of(
-                release,
-                versions={c.model_dir.record.name: f"{c.name} v{c.version}" for c in ordered},  # type: ignore[union-attr]
-                delta=facts.delta,
-                policy=tags.get("dp.policy", ""),
-                policy_version=0,
-            )
-            state_serving.count(store, entry, None)
-            added.append(facts.content_hash)
+    added, unknown = [], []
+    for stored in registry.merged_versions():
+        try:
+            facts = registry.release_facts(stored)
+        except ReleaseSignatureError:
+            continue
+        state = state_serving.read_state(store, facts.dataset)
+        if state.entry(facts.content_hash) is not None:
+            continue
+        record = read_release(store, facts.content_hash)
+        if record is None:
+            unknown.append(f"{stored.name} v{stored.version}")
+            continue
+        records = [candidate_from_dict(c["record"]) for c in record["merge"]["candidates"]]
+        used = set(record["used_candidates"])
+        release = release_of(
+            facts.content_hash, record["method"], records, [float(r.name in used) for r in records]
+        )
+        entry = CountedRelease.of(
+            release,
+            versions={
+                name: f"{record['parent_model']} v{version}"
+                for name, version in zip(record["candidates"], record["parents"], strict=True)
+            },
+            delta=facts.delta,
+            policy=stored.tags.get("dp.policy", ""),
+            policy_version=0,
+        )
+        state_serving.count(store, entry, None)
+        added.append(facts.content_hash)
+    if unknown:
+        raise LedgerIntegrityError(
+            f"{len(unknown)} signed release(s) have no internal record in the state store "
+            f"(e.g. {unknown[0]}), so their candidates are unknown; restore the state store's "
+            f"`releases/` objects from their versions (`dpmerge state restore`); added "
+            f"{len(added)} other release(s)"
+        )
     return added

@@ -11,6 +11,9 @@ from dpmerge.formatting import number_text, within_text
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.vocabulary import ServingState
 
+SEQUENCES = ("weights", "rungs", "candidates", "reachable_epsilon_range", "reasons")
+"""The outcome's tuple fields (lists in JSON)."""
+
 
 class Status(StrEnum):
     """How applying a policy ended (docs/design.md#policies)."""
@@ -39,7 +42,8 @@ class PolicyOutcome:
     previous_version: str | None = None
     reused: bool = False
     method: str | None = None
-    weights: tuple[float, ...] | None = None
+    weights: tuple[float, ...] | None = None  # RS: π; LC: λ; the mixture: see rungs
+    rungs: tuple[dict[str, Any], ...] = ()  # the mixture's merges: probability, members, λ
     epsilon: float | None = None
     accountant: str | None = None
     bound: str | None = None
@@ -77,7 +81,7 @@ class PolicyOutcome:
     def from_dict(cls, data: Mapping[str, Any]) -> PolicyOutcome:
         """The inverse of :meth:`to_dict` (e.g. read back from a run's artifact)."""
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        for key in ("weights", "candidates", "reachable_epsilon_range", "reasons"):
+        for key in SEQUENCES:
             if fields.get(key) is not None:
                 fields[key] = tuple(fields[key])
         return cls(**{**fields, "status": Status(fields["status"])})
@@ -109,7 +113,7 @@ class PolicyOutcome:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["status"] = self.status.value
-        for key in ("weights", "candidates", "reachable_epsilon_range", "reasons", "notes"):
+        for key in (*SEQUENCES, "notes"):
             if data[key] is not None:
                 data[key] = list(data[key])
         return data

@@ -32,6 +32,7 @@ from dpmerge.state import AliasState, CountedRelease, Guarantee, SupersededError
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.quarantine import quarantined
+from dpmerge.state.releases import keep_release
 from dpmerge.vocabulary import GatingBound, OnNoncompliant, ServingState
 
 
@@ -67,10 +68,11 @@ def find_release(workspace: Workspace, request: MergeRequest) -> Registered | No
 def register_release(
     workspace: Workspace, request: MergeRequest, release: Release, ledger: LedgerSummary
 ) -> Registered:
-    """Register ``release`` (already counted) as the request's merged version, its card
-    showing ``ledger``."""
+    """Register ``release`` (already counted) as the request's merged version, its cards
+    showing ``ledger``: its internal record is kept in the state store first, then the version
+    is registered with its public card (docs/design.md#release-state)."""
     registry = workspace.registry()
-    registered = registry.register_merged(
+    prepared = registry.prepare_merged(
         release.path,
         parents=request.parents,
         policy=request.policy,
@@ -78,19 +80,20 @@ def register_release(
         name=request.pool.merged_model,
         ledger=ledger.card(),
         notes=release.notes,
-        started_ms=release.started_ms,
-        ended_ms=release.ended_ms,
+        internal_notes=release.internal_notes,
     )
-    if registered.content_hash != request.content_hash:  # the two hashes must agree
-        raise RegistryError(
-            f"{registered.name} v{registered.version}: content hash differs from the request's"
-        )
+    if prepared.content_hash != request.content_hash:  # the two hashes must agree
+        raise RegistryError(f"{prepared.name}: the release's hash differs from the request's")
+    keep_release(workspace.state(), prepared.internal())
+    registered = registry.register_merged(
+        prepared, started_ms=release.started_ms, ended_ms=release.ended_ms
+    )
     stored = registry.get_version(registered.name, registered.version)
     return Registered.of(registry.release_facts(stored), reused=registered.reused)
 
 
 def read_card(workspace: Workspace, name: str, version: str) -> str:
-    """The privacy card (Markdown) of a registered merged version."""
+    """The public privacy card (Markdown) of a registered merged version."""
     return workspace.registry().card_text(name, version)
 
 

@@ -31,7 +31,7 @@ from dpmerge.registry.errors import (
     RegistryError,
     registry_error,
 )
-from dpmerge.registry.merged import MergedDir
+from dpmerge.registry.merged import MergedDir, MergedRelease
 from dpmerge.registry.names import (
     candidate_content_hash,
     candidate_model_name,
@@ -234,7 +234,7 @@ class Registry(RegistryQueries):
             card=None,
         )
 
-    def register_merged(
+    def prepare_merged(
         self,
         model_dir: str | Path,
         *,
@@ -244,45 +244,62 @@ class Registry(RegistryQueries):
         name: str | None = None,
         ledger: Mapping[str, Any] | None = None,
         notes: Sequence[str] = (),
-        started_ms: int | None = None,
-        ended_ms: int | None = None,
-    ) -> RegisteredVersion:
-        """Register a merged directory with its privacy card (idempotent on the release hash:
-        candidates, method, weights, δ and bound, never the target).
+        internal_notes: Sequence[str] = (),
+    ) -> MergedRelease:
+        """Check a merged directory for registration and describe it: its identity (the
+        release hash: candidates, method, weights, δ and bound, never the target), its public
+        card and its internal record (:mod:`dpmerge.registry.merged`). Registers nothing.
 
         ``parents`` are the candidate versions (of ``parent_model``, default the candidates'
         registered model) the merge used, one per report candidate. ``policy`` (a
         ``dpmerge.policies.Policy`` or a mapping) needs ``target_epsilon`` and ``target_delta``;
-        its ``name`` (or ``id``) is shown on the card as the policy that asked for the release.
+        its ``name`` (or ``id``) is shown on the cards as the policy that asked for the release.
         ``ledger`` is the cumulative release bound to show (see :func:`build_privacy_card`),
-        ``notes`` go on the card; the run spans ``started_ms``..``ended_ms`` (the merge).
-        """
+        ``notes`` go on both cards, ``internal_notes`` on the internal one only."""
         if isinstance(policy, BaseModel):
             policy = policy.model_dump(mode="json")
         merged = MergedDir.read(model_dir, policy, self.keys)
         dataset, model = merged.dataset, merged.loaded.spec.name
         parent_model = parent_model or candidate_model_name(dataset, model)
         versions = self._parent_versions(parent_model, [str(p) for p in parents], merged.names)
-        content_hash = merged.request_hash(parent_model, versions)
         name = name or merged_model_name(dataset, model)
-        card = merged.card(name, versions, ledger, notes)
-        tags = merged.tags(parent_model, versions, self._accuracy_tags(merged.loaded.metrics))
+        return MergedRelease(
+            merged,
+            name,
+            parent_model,
+            versions,
+            merged.request_hash(parent_model, versions),
+            merged.public_card(name, ledger, notes),
+            merged.internal_card(name, versions, ledger, (*internal_notes, *notes)),
+        )
+
+    def register_merged(
+        self,
+        release: MergedRelease,
+        *,
+        started_ms: int | None = None,
+        ended_ms: int | None = None,
+    ) -> RegisteredVersion:
+        """Register ``release`` (from :meth:`prepare_merged`) with its public card, idempotent
+        on its release hash; the run spans ``started_ms``..``ended_ms`` (the merge)."""
+        merged, card = release.merged, release.public
+        tags = merged.tags(self._accuracy_tags(merged.loaded.metrics))
         tags["dp.card_digest"] = card_digest(card.description(), card.data)
         requester = f"policy-{merged.policy_id}" if merged.policy_id else "merge"
         run = RunInfo(
             name=f"{requester} ε*={merged.target_epsilon:g}",
             metrics=scalar_metrics(merged.loaded.metrics) | _privacy_metrics(tags),
-            dataset=dataset,
+            dataset=merged.dataset,
             started_ms=started_ms,
             ended_ms=ended_ms,
         )
         return self._register(
-            name,
+            release.name,
             merged.loaded,
-            content_hash=content_hash,
+            content_hash=release.content_hash,
             run=run,
             tags=tags,
-            params=merged.params(parent_model, tags),
+            params=merged.params(),
             record_bytes=merged.public_record(),
             description=card.description(),
             card=card,

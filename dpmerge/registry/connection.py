@@ -8,7 +8,8 @@ API, so no global tracking URI is read or changed).
 A version holds an MLflow ``pytorch`` model in the ``pt2`` format (``torch.export``: no pickle,
 loadable without dpmerge, dynamic batch dimension from a batch-4 input example) and, in its
 ``extra_files/``, the dpmerge model directory (``weights.safetensors``, ``model.json``,
-``record.json``, ``metrics.json``, ``privacy.json``; merges also their privacy card).
+``record.json``, ``metrics.json``; merges their public privacy card and a public merge record,
+never the full privacy report, which names the candidates).
 """
 
 from __future__ import annotations
@@ -41,12 +42,11 @@ from torch import nn
 from dpmerge.artifacts import (
     METRICS_FILE,
     MODEL_FILE,
-    PRIVACY_FILE,
     RECORD_FILE,
     WEIGHTS_FILE,
     ModelDir,
 )
-from dpmerge.data.datasets import preprocessing
+from dpmerge.data.datasets import DATASET_NAMES, preprocessing
 from dpmerge.environment import probe
 from dpmerge.formatting import cut
 from dpmerge.locate import command
@@ -256,8 +256,10 @@ class MlflowConnection:
             inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *loaded.spec.input_shape))]),
             outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, loaded.spec.num_classes))]),
         )
-        metadata = {
-            "input": preprocessing(dataset_name(dataset)),
+        name = dataset_name(dataset)
+        shape = ", ".join(str(d) for d in loaded.spec.input_shape)
+        metadata = {  # a dataset without a loader (a test's) has only its shape to say
+            "input": preprocessing(name) if name in DATASET_NAMES else f"float32 (n, {shape})",
             "output": f"float32 logits (n, {loaded.spec.num_classes}): the predicted class is "
             "the argmax",
         }
@@ -328,10 +330,12 @@ class MlflowConnection:
 def _stage_files(
     staging: Path, loaded: ModelDir, record_bytes: bytes, card: PrivacyCard | None
 ) -> list[Path]:
-    """Copy a model directory's files to ``staging``, with ``record_bytes`` as its record."""
+    """Copy a model directory's files to ``staging``, with ``record_bytes`` as its record. A
+    merge's ``privacy.json`` (the full report: it names the candidates) is not published; its
+    public card is."""
     staging.mkdir(parents=True, exist_ok=True)
     files = []
-    for name in (WEIGHTS_FILE, MODEL_FILE, METRICS_FILE, PRIVACY_FILE):
+    for name in (WEIGHTS_FILE, MODEL_FILE, METRICS_FILE):
         source = loaded.path / name
         if source.is_file():
             (staging / name).write_bytes(source.read_bytes())

@@ -109,7 +109,6 @@ class VersionSummary:
     bound: str | None
     accuracy: float | None
     method: str | None
-    parents: str | None
     aliases: tuple[str, ...]
     policy: str | None = None
     target_epsilon: float | None = None
@@ -132,7 +131,6 @@ class VersionSummary:
             bound=mv.tags.get("dp.gating_bound"),
             accuracy=tag_float(mv.tags.get("dp.accuracy")) if public else None,
             method=mv.tags.get("dp.method"),
-            parents=mv.tags.get("dp.parents"),
             aliases=tuple(sorted(aliases)),
             policy=mv.tags.get("dp.policy"),
             target_epsilon=tag_float(mv.tags.get("dp.target_epsilon")),

@@ -7,10 +7,13 @@ Which store holds which fact:
   and every version of them (:mod:`~dpmerge.state.policies`), the outcome of each run and the
   flow run each version became; per dataset, one signed document holding the release ledger and
   every alias's owner and serving pointer (:mod:`~dpmerge.state.serving`); quarantined versions
-  (:mod:`~dpmerge.state.quarantine`); per-policy leases (:mod:`~dpmerge.state.leases`);
+  (:mod:`~dpmerge.state.quarantine`); per-policy leases (:mod:`~dpmerge.state.leases`); each
+  release's internal record: its candidates, weights and internal card
+  (:mod:`~dpmerge.state.releases`);
 * **the audit bucket**: the RS draw of each release (``dpmerge.policy_merge.draws``);
-* **MLflow**: models, their artifacts and privacy cards, and the aliases — a *projection* of the
-  serving pointers, moved after them and repaired from them (``dpmerge registry verify``).
+* **MLflow**: models, their artifacts and public privacy cards, and the aliases — a
+  *projection* of the serving pointers, moved after them and repaired from them (``dpmerge
+  registry verify``).
 
 Writes are create-once or compare-and-swap only (:mod:`~dpmerge.state.backend`).
 """

@@ -41,6 +41,13 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
+def _boolean(text: str) -> bool:
+    """``true`` or ``false`` (a given option can also switch a stored ``true`` off)."""
+    if text not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text == "true"
+
+
 def _option(name: str, field: FieldInfo) -> tuple[list[str], dict[str, Any]]:
     flags = [f"--{name.replace('_', '-')}", *ALIASES.get(name, ())]
     kind = _base_type(field.annotation)
@@ -50,6 +57,9 @@ def _option(name: str, field: FieldInfo) -> tuple[list[str], dict[str, Any]]:
     elif kind is float:
         options["type"] = float
         options["metavar"] = "X"
+    elif kind is bool:
+        options["type"] = _boolean
+        options["metavar"] = "true|false"
     options["default"] = None
     if name == "name":
         options["required"] = True
@@ -57,6 +67,7 @@ def _option(name: str, field: FieldInfo) -> tuple[list[str], dict[str, Any]]:
     default = None if field.is_required() else field.get_default()
     if default is not None:
         shown = default.value if isinstance(default, StrEnum) else default
+        shown = str(shown).lower() if isinstance(shown, bool) else shown
         options["help"] += f" (a new policy's default: {shown})"
     elif name in COMMAND_DEFAULTS:
         options["help"] += f" (a new policy's default: {COMMAND_DEFAULTS[name]()})"
