@@ -166,3 +166,24 @@ class KeyPurpose(StrEnum):
     """Published noise and batch lineages and run ids: keyed hashes, so no seed shows."""
     KEY_ID = "key-id/v1"
     """A short public identifier of the key itself (which key signed a record)."""
+
+
+class StackDatabase(StrEnum):
+    """The database behind the local stack's Prefect server and MLflow backend store
+    (docs/stack.md)."""
+
+    POSTGRES = "postgres"
+    SQLITE = "sqlite"
+
+
+class StackRole(StrEnum):
+    """Who uses the local stack, each with its own credentials
+    (docs/stack.md#roles-and-permissions)."""
+
+    WORKFLOW = "workflow"
+    """The workers, the flows and the deploying admin: manage the registry, the state and audit
+    buckets, the Prefect API."""
+    OPERATOR = "operator"
+    """Reads candidates and releases; writes policies and quarantine records only."""
+    CONSUMER = "consumer"
+    """Reads releases (registered models, runs, artifacts) and nothing else."""
