@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
 from mlflow import MlflowClient
@@ -61,6 +62,14 @@ def _deploy_sleepy(config: devstack.StackConfig, directory: Path) -> str:
         source.deploy(name="sleepy", work_pool_name="cpu", print_next_steps=False)
         run = run_deployment("sleepy/sleepy", timeout=0)
     return str(run.id)
+
+
+def _run_state(config: devstack.StackConfig, run_id: str) -> str:
+    from prefect.client.orchestration import get_client
+
+    with workflow_prefect(config), get_client(sync_client=True) as prefect_api:
+        state = prefect_api.read_flow_run(UUID(run_id)).state
+    return state.type.value if state else "NONE"
 
 
 def _by_name(capsys: Any, flags: list[str]) -> dict[str, dict[str, Any]]:
@@ -119,10 +128,13 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
         assert key not in env and "DPMERGE_SECRET_KEY" not in env
 
         run_id = _deploy_sleepy(config, tmp_path / "flow")
+        capsys.readouterr()  # Prefect's advice on deploying to a process pool
         deadline = time.monotonic() + 180
-        while len(set(processes.marked(state, "worker-cpu"))) < 3:  # client, warm server, run
+        while _run_state(config, run_id) != "RUNNING":
             assert time.monotonic() < deadline, "the flow run did not start on the cpu worker"
             time.sleep(1)
+        # the worker, the warm client it started, the warm server and the run forked from it
+        assert len(processes.marked(state, "worker-cpu")) >= 4
 
         for name in ("worker-cpu", "worker-gpu", "mlflow", "prefect", "postgres", "s3"):
             before = _by_name(capsys, flags)[name]
@@ -145,7 +157,6 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
         assert code == 0, out
         log = (state / "logs" / "worker-cpu.log").read_text()
         assert "ended" in log and "leftover process(es) of worker-cpu" in log
-        assert run_id
         code, _ = _cli(capsys, "stack", "up", *flags)  # idempotent: nothing restarted
         pids = {s.name: s.pid for s in devstack.status(config)}
         assert code == 0 and {s.name: s.pid for s in devstack.status(config)} == pids
