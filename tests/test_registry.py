@@ -18,7 +18,7 @@ import mlflow
 import pytest
 import requests
 import torch
-from factories import make_record
+from factories import make_record, synthetic_candidates
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
@@ -66,26 +66,7 @@ def _record(name: str, sigma: float) -> MechanismRecord:
 
 @pytest.fixture(scope="module")
 def candidate_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("candidates")
-    dirs = []
-    for i, (name, sigma) in enumerate(SIGMAS.items()):
-        generator = torch.Generator().manual_seed(i)
-        weights = {
-            "linear.weight": torch.randn(3, 16, generator=generator),
-            "linear.bias": torch.randn(3, generator=generator),
-        }
-        record = _record(name, sigma)
-        dirs.append(
-            save_model_dir(
-                root / name,
-                weights,
-                SPEC,
-                record=record,
-                candidate_privacy=candidate_bound(record, DELTA).to_dict(),
-                metrics={"test_accuracy": 0.70 + i / 100, "validation_accuracy": 0.7},
-            )
-        )
-    return dirs
+    return synthetic_candidates(tmp_path_factory.mktemp("candidates"), SIGMAS, DATASET)
 
 
 def _merge(
