@@ -38,7 +38,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackC
     with deployed_stack(tmp_path_factory) as config:
         pids = [s.pid for s in stack_mod.status(config) if s.pid]
         yield config
-    assert len(pids) == 5
+    assert len(pids) == 6  # S3, PostgreSQL, MLflow, Prefect, two workers
     for pid in pids:  # workers first, then servers: and nothing left behind
         assert stack_mod.group_members(pid) == [], f"process group {pid} still running"
 

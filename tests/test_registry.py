@@ -126,7 +126,11 @@ def test_candidates_registered_with_tags_and_artifacts_in_s3(
         assert tags["dp.accuracy_metric"] == "test_accuracy"
     again = server_registry.register_candidate(candidate_dirs[0])
     assert again.reused and again.version == registered[0]
-    keys = s3_store.list_keys("mlartifacts/candidates/")  # the candidates' own prefix
+    experiment = MlflowClient(server_registry.tracking_uri).get_experiment_by_name(
+        "dpmerge-candidates"
+    )
+    assert experiment.artifact_location == f"mlflow-artifacts:/{experiment.experiment_id}"
+    keys = s3_store.list_keys(f"mlartifacts/{experiment.experiment_id}/")  # the candidates' own
     assert any(k.endswith("/extra_files/weights.safetensors") for k in keys)
     assert any(k.endswith("/data/model.pt2") for k in keys)
     loaded = server_registry.load_candidates(CANDIDATES, registered, dest=tmp_path / "dl")
