@@ -154,6 +154,9 @@ def test_no_credentials_no_access(local_stack: devstack.StackConfig) -> None:
     assert anonymous.post(f"{api}/flow_runs/filter", json={}).status_code == 401
     assert anonymous.post(f"{api}/block_documents/filter", json={}).status_code == 401
     assert anonymous.get(f"{api}/health").json() is True  # health answers everyone
+    # the UI asks for the auth string (its login page) before it calls the API
+    ui = api.removesuffix("/api")
+    assert anonymous.get(f"{ui}/ui-settings", timeout=30).json()["auth"] == "BASIC"
     wrong.headers["Authorization"] = "Basic d29ya2Zsb3c6bm8="  # workflow:no
     assert wrong.post(f"{api}/flow_runs/filter", json={}).status_code == 401
     s3 = _s3(local_stack, None)

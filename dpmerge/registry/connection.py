@@ -172,11 +172,13 @@ class MlflowConnection:
             raise registry_error(f"reading {name} v{version}: {error.message}", error) from None
 
     def _model_tags(self, name: str) -> dict[str, str] | None:
-        """The registered model's tags; ``None`` when there is no such model."""
+        """The registered model's tags; ``None`` when there is no such model this user can see
+        (MLflow's auth app answers PERMISSION_DENIED for a name the user has no grant on,
+        existing or not: docs/stack.md#roles-and-permissions)."""
         try:
             return dict(self._client.get_registered_model(name).tags)
         except MlflowException as error:
-            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            if error.error_code in ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED"):
                 return None
             message = f"reading registered model {name}: {error.message}"
             raise registry_error(message, error) from None
