@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -105,23 +107,34 @@ def url(config: StackConfig, role: str, password: str, database: str, driver: st
     return f"postgresql+{driver}://{role}:{password}@{LOOPBACK}:{config.postgres_port}/{database}"
 
 
-def _connect(config: StackConfig, password: str, database: str = SUPERUSER) -> psycopg.Connection:
-    return psycopg.connect(
-        host=LOOPBACK,
-        port=config.postgres_port,
-        user=SUPERUSER,
-        password=password,
-        dbname=database,
-        connect_timeout=CONNECT_TIMEOUT_S,
-        autocommit=True,
-    )
+@contextmanager
+def _connect(
+    config: StackConfig, password: str, database: str = SUPERUSER
+) -> Iterator[psycopg.Connection]:
+    """A superuser connection; PostgreSQL's errors become :class:`StackError` (one line)."""
+    try:
+        with psycopg.connect(
+            host=LOOPBACK,
+            port=config.postgres_port,
+            user=SUPERUSER,
+            password=password,
+            dbname=database,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            autocommit=True,
+        ) as connection:
+            yield connection
+    except psycopg.Error as error:
+        reason = " ".join(str(error).split())
+        raise StackError(
+            f"PostgreSQL at {LOOPBACK}:{config.postgres_port} ({database}): {reason}"
+        ) from None
 
 
 def ready(config: StackConfig, credentials: Credentials) -> bool:
     try:
         with _connect(config, credentials.postgres_superuser) as connection:
             connection.execute("SELECT 1")
-    except psycopg.Error:
+    except StackError:
         return False
     return True
 

@@ -22,30 +22,20 @@ def create_mlflow_users(config: StackConfig, creds: Credentials) -> None:
     """One MLflow user per role, created by the auth app's admin (an existing user gets its
     password set again, so the state directory's secrets stay the truth)."""
     admin = basic_auth(secrets_store.MLFLOW_ADMIN, creds.mlflow_admin)
+
+    def call(path: str, method: str, body: dict[str, str]) -> Any:
+        url = f"{config.mlflow_url}/api/2.0/mlflow/users/{path}"
+        return probe(url, method=method, body=body, headers=admin, timeout_s=API_TIMEOUT_S)
+
     for role in StackRole:
         body = {"username": role.value, "password": creds.mlflow_users[role.value]}
-        answer = probe(
-            f"{config.mlflow_url}/api/2.0/mlflow/users/create",
-            method="POST",
-            body=body,
-            headers=admin,
-            timeout_s=API_TIMEOUT_S,
-        )
-        if answer.ok:
-            continue
-        if _error_code(answer.body) == "RESOURCE_ALREADY_EXISTS":
-            answer = probe(
-                f"{config.mlflow_url}/api/2.0/mlflow/users/update-password",
-                method="PATCH",
-                body=body,
-                headers=admin,
-                timeout_s=API_TIMEOUT_S,
+        answer = call("create", "POST", body)
+        if not answer.ok and _error_code(answer.body) == "RESOURCE_ALREADY_EXISTS":
+            answer = call("update-password", "PATCH", body)
+        if not answer.ok:
+            raise StackError(
+                f"creating the MLflow user {role.value!r} failed: {answer.error} {answer.body}"
             )
-            if answer.ok:
-                continue
-        raise StackError(
-            f"creating the MLflow user {role.value!r} failed: {answer.error} {answer.body}"
-        )
 
 
 def _error_code(body: Any) -> str | None:

@@ -126,6 +126,12 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
         assert "export MLFLOW_DISABLE_TELEMETRY=true" in env
         key = (secrets_dir / "workflow.key").read_text().strip()
         assert key not in env and "DPMERGE_SECRET_KEY" not in env
+        rules = [
+            line.split()
+            for line in (state / "postgres" / "pg_hba.conf").read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
+        assert rules and all(rule[-1] == "scram-sha-256" for rule in rules)
 
         run_id = _deploy_sleepy(config, tmp_path / "flow")
         capsys.readouterr()  # Prefect's advice on deploying to a process pool
@@ -232,6 +238,16 @@ def test_s3_restarts_under_a_running_mlflow_and_keeps_every_object(tmp_path: Pat
         assert Path(notes).read_text() == "the model"
         devstack.up(config)  # the registry and the store are still in step
         assert store.check(config, s3).verdict is store.Verdict.IN_STEP
+        secrets_before = (config.state_dir / "secrets" / "credentials.json").read_text()
+        devstack.down(config)
+        devstack.up(config)  # down/up keeps the database, the objects and the credentials
+        assert client.get_run(run.info.run_id).info.experiment_id == run.info.experiment_id
+        (tmp_path / "again").mkdir()
+        again = client.download_artifacts(
+            run.info.run_id, "model/notes.txt", str(tmp_path / "again")
+        )
+        assert Path(again).read_text() == "the model"
+        assert (config.state_dir / "secrets" / "credentials.json").read_text() == secrets_before
         saved = (config.state_dir / devstack.CONFIG_FILE).read_text()
         with pytest.raises(devstack.StackError, match="runs with other settings"):
             devstack.up(replace(config, mlflow_port=devstack.free_ports(1)[0]))
