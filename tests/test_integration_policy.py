@@ -46,7 +46,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackC
 def _client(config: stack_mod.StackConfig) -> Any:
     from prefect.client.orchestration import SyncPrefectClient
 
-    return SyncPrefectClient(config.prefect_api_url)
+    auth = config.client_env()["PREFECT_API_AUTH_STRING"]
+    return SyncPrefectClient(config.prefect_api_url, auth_string=auth)
 
 
 def _wait_run(config: stack_mod.StackConfig, run_id: Any) -> Any:

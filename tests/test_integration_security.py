@@ -25,6 +25,7 @@ import torch
 from deployed import deployed_stack
 from factories import DELTA, train_digits
 from mlflow import MlflowClient
+from servers import workflow_prefect
 
 import devstack as stack_mod
 from dpmerge import policy_merge as pm
@@ -84,7 +85,8 @@ def _emit(stack: stack_mod.StackConfig, policy: Policy, occurred: datetime | Non
         async with PrefectEventsClient(api_url=stack.prefect_api_url, checkpoint_every=1) as client:
             await client.emit(event)
 
-    run_coro_as_sync(send())
+    with workflow_prefect(stack):  # the events client reads the auth string from settings
+        run_coro_as_sync(send())
     return str(event.id)
 
 

@@ -126,6 +126,18 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
         assert "export MLFLOW_DISABLE_TELEMETRY=true" in env
         key = (secrets_dir / "workflow.key").read_text().strip()
         assert key not in env and "DPMERGE_SECRET_KEY" not in env
+        creds = credentials.require(state)
+        every_secret = [
+            creds.postgres_superuser,
+            creds.mlflow_admin,
+            creds.prefect_auth.split(":", 1)[1],
+            *creds.database.values(),
+            *creds.mlflow_users.values(),
+            *(key.secret_access_key for key in creds.s3.values()),
+            key,
+        ]
+        logs = "".join(path.read_text(errors="replace") for path in (state / "logs").iterdir())
+        assert not [secret for secret in every_secret if secret in logs]
         rules = [
             line.split()
             for line in (state / "postgres" / "pg_hba.conf").read_text().splitlines()
