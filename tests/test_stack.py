@@ -77,11 +77,14 @@ def _by_name(capsys: Any, flags: list[str]) -> dict[str, dict[str, Any]]:
     return {s["name"]: s for s in json.loads(out)}
 
 
-def _stack_processes(config: devstack.StackConfig) -> set[int]:
-    """Every live process of the stack: marked ones and what descends from supervisord."""
+def _stack_processes(config: devstack.StackConfig) -> set[tuple[int, float | None]]:
+    """Every live process of the stack, marked ones and what descends from supervisord, as
+    (pid, start time): a pid reused later by another program is not the same process."""
     supervisord = Supervisor(config).pid()
     below = processes.descendants(supervisord) if supervisord else set()
-    return set(processes.marked(config.state_dir)) | below
+    return {
+        (pid, processes.started_at(pid)) for pid in set(processes.marked(config.state_dir)) | below
+    }
 
 
 @pytest.mark.integration
@@ -105,7 +108,7 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
         *("--prefect-port", ports[2], "--postgres-port", str(planned.postgres_port), "--json"),
     )
     assert code == 0
-    seen: set[int] = set()
+    seen: set[tuple[int, float | None]] = set()
     try:
         services = _by_name(capsys, flags)
         assert list(services) == ["s3", "postgres", "mlflow", "prefect", "worker-cpu", "worker-gpu"]
@@ -183,7 +186,8 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
         code, out = _cli(capsys, "stack", "down", *flags)
     assert code == 0
     assert out.strip() == "stopped: worker-gpu, worker-cpu, prefect, mlflow, postgres, s3"
-    assert not [p for p in seen if processes.alive(p)], "a process of the stack is still running"
+    left = [(p, t) for p, t in seen if processes.alive(p) and processes.started_at(p) == t]
+    assert not left, f"processes of the stack still running: {left}"
     assert not processes.marked(state)
     assert not Supervisor(config).running()
     assert all(devstack.port_free(p) for p in config.ports)
