@@ -504,3 +504,14 @@ def test_a_locked_database_is_transient(mlflow_embedded: str) -> None:
     finally:
         database.execute("ROLLBACK")
         database.close()
+
+
+def test_readers_configuration_is_strict() -> None:
+    from dpmerge.registry.readers import READERS_ENV, configured_readers, format_readers
+
+    readers = {"dpmerge-releases": ("operator", "consumer"), "dpmerge-candidates": ("operator",)}
+    assert configured_readers({READERS_ENV: format_readers(readers)}) == readers
+    assert configured_readers({}) == {} == configured_readers({READERS_ENV: " "})
+    for bad in ("dpmerge-releases", "=operator", "dpmerge-releases=operator,,consumer"):
+        with pytest.raises(RegistryError, match="EXPERIMENT=USER"):
+            configured_readers({READERS_ENV: bad})
