@@ -35,13 +35,20 @@ def mark(state_dir: str | Path, service: str) -> str:
     return f"{Path(state_dir).absolute()}::{service}"
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is a live (not zombie) process."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, …), or
+    None when the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _pids() -> list[int]:
@@ -73,22 +80,15 @@ def group_members(pgid: int) -> list[int]:
     """Live processes of process group ``pgid`` (supervisord makes each program a group)."""
     members = []
     for pid in _pids():
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
+        fields = _stat(pid)
+        if fields is not None and fields[0] != "Z" and int(fields[2]) == pgid:
             members.append(pid)
     return members
 
 
 def parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
+    fields = _stat(pid)
+    return int(fields[1]) if fields is not None else None
 
 
 def descendants(pid: int) -> set[int]:
@@ -109,8 +109,8 @@ def descendants(pid: int) -> set[int]:
 
 def started_at(pid: int) -> float | None:
     """When ``pid`` started (seconds since the epoch), or None when it is gone."""
+    fields = _stat(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
         boot = next(
             float(line.split()[1])
             for line in Path("/proc/stat").read_text().splitlines()
@@ -118,8 +118,9 @@ def started_at(pid: int) -> float | None:
         )
     except (OSError, StopIteration):
         return None
-    ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    if fields is None:
+        return None
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def listeners(ports: list[int] | tuple[int, ...]) -> dict[int, set[int]]:
