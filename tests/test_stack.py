@@ -351,6 +351,20 @@ def test_config_round_trip_and_role_env(tmp_path: Path) -> None:
         devstack.resolve_config(tmp_path)
 
 
+def test_postgres_as_root_without_unshare_is_one_clear_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from devstack import postgres
+
+    monkeypatch.setattr(postgres.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(postgres.shutil, "which", lambda name: None)
+    with pytest.raises(devstack.StackError, match="refuses to run as root") as refused:
+        postgres.as_server_user(["postgres"])
+    assert "\n" not in str(refused.value) and "--database sqlite" in str(refused.value)
+    monkeypatch.setattr(postgres.os, "geteuid", lambda: 1000)
+    assert postgres.as_server_user(["postgres", "-D", "x"]) == ["postgres", "-D", "x"]
+
+
 def test_stack_is_not_a_library_command(capsys: Any) -> None:
     with pytest.raises(SystemExit):
         library_main(["stack", "status"])

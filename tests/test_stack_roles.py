@@ -343,6 +343,11 @@ def test_operator_reads_candidates_and_writes_only_policies_and_quarantine(
 def test_workflow_holds_state_audit_and_the_ledger_but_not_the_artifact_store(
     local_stack: devstack.StackConfig, registered: Registered
 ) -> None:
+    from prefect.blocks.system import Secret
+
+    with workflow_prefect(local_stack):  # the key as the workers read it, and its backup
+        key = Secret.load(local_stack.client_env()["DPMERGE_SECRET_BLOCK"]).get()
+    assert key == credentials.workflow_key(local_stack.state_dir) and len(key) == 64
     s3 = _s3(local_stack, StackRole.WORKFLOW)
     for bucket in (local_stack.state_bucket, local_stack.audit_bucket):
         s3.upload_fileobj(io.BytesIO(b"{}"), bucket, "probe/workflow.json")
