@@ -1,12 +1,14 @@
 """The project's own objects in S3 (boto3): buckets, the release ledger, audit records.
 
-Two buckets. The **project bucket** (default ``dpmerge``) holds the MLflow artifact store
-(prefix ``mlartifacts/``, written by the MLflow server) and the release ledger. The **audit
-bucket** (default ``dpmerge-audit``) holds access-restricted records such as the secret RS draw
-(docs/design.md#random-selection): it is created with public access blocked, default encryption
-and versioning, and an audit record is written at most once (a conditional ``If-None-Match: *``
-put), so a release cannot be re-drawn by overwriting its record. Nothing from the audit bucket
-goes to MLflow tags or privacy cards.
+Three buckets. The **project bucket** (default ``dpmerge``) holds the MLflow artifact store
+(prefix ``mlartifacts/``, written by the MLflow server) and the release ledger. The **state
+bucket** (default ``dpmerge-state``, restricted and versioned like the audit bucket) is the
+release-state store: policies, ledger, serving pointers, quarantine, release records, leases.
+The **audit bucket** (default ``dpmerge-audit``) holds access-restricted records such as the
+secret RS draw (docs/design.md#random-selection): it is created with public access blocked,
+default encryption and versioning, and an audit record is written at most once (a conditional
+``If-None-Match: *`` put), so a release cannot be re-drawn by overwriting its record. Nothing
+from the audit bucket goes to MLflow tags or privacy cards.
 
 Configuration comes from the environment (:meth:`S3Config.from_env`); credentials follow the
 usual AWS chain unless given explicitly (the local stack passes its own). Transient

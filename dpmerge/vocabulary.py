@@ -243,3 +243,24 @@ class KeyPurpose(StrEnum):
     STATE_DOCUMENT = "state-document/v1"
     """HMAC over a release-state document a gate trusts (the ledger, owners, serving
     pointers): a change made outside the workflow fails closed (docs/design.md#release-state)."""
+
+
+class StackDatabase(StrEnum):
+    """The database behind the local stack's Prefect server and MLflow backend store
+    (docs/stack.md)."""
+
+    POSTGRES = "postgres"
+    SQLITE = "sqlite"
+
+
+class StackRole(StrEnum):
+    """Who uses the local stack, each with its own credentials
+    (docs/stack.md#roles-and-permissions)."""
+
+    WORKFLOW = "workflow"
+    """The workers, the flows and the deploying admin: manage the registry, the state and audit
+    buckets, the Prefect API."""
+    OPERATOR = "operator"
+    """Reads candidates and releases; writes policies and quarantine records only."""
+    CONSUMER = "consumer"
+    """Reads releases (registered models, runs, artifacts) and nothing else."""

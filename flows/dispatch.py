@@ -21,11 +21,13 @@ by which version): only the newest version of a policy runs.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dpmerge.errors import DPMergeError
@@ -33,6 +35,7 @@ from dpmerge.state import StateStore
 from dpmerge.state import policies as stored_policies
 
 EVENT = "dpmerge.policy.updated"
+
 POLL_S = 0.5
 DEPLOYMENT = "merge-on-policy/merge-on-policy"
 log = logging.getLogger("dpmerge.dispatch")
@@ -140,8 +143,10 @@ def _notify(item: Pending, run: str) -> None:
     )
 
 
-def main() -> int:
-    """Poll forever (the stack's ``dispatcher`` service); errors are logged and retried."""
+def main(argv: list[str] | None = None) -> int:
+    """Poll forever (the stack's ``dispatcher`` service); errors are logged and retried.
+    ``--heartbeat FILE``: touch FILE after every poll that reached the store and Prefect (the
+    stack's health check of the service)."""
     import httpx
     from prefect.client.orchestration import get_client
     from prefect.exceptions import PrefectException
@@ -150,6 +155,9 @@ def main() -> int:
     from flows.runtime import load_workflow_secret
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    parser = argparse.ArgumentParser(prog="python -m flows.dispatch", description=__doc__)
+    parser.add_argument("--heartbeat", type=Path, default=None, help="file touched per poll")
+    heartbeat = parser.parse_args(argv).heartbeat
     load_workflow_secret()
     store = Workspace.from_env().state()
     log.info("dispatching policy versions from %s", store.where)
@@ -158,6 +166,8 @@ def main() -> int:
         while True:
             try:
                 dispatcher.once()
+                if heartbeat is not None and prefect_api.api_healthcheck() is None:
+                    heartbeat.touch()
             except (DPMergeError, OSError, PrefectException, httpx.HTTPError) as error:
                 # S3 or the Prefect API answered badly (a 503, no deployment yet): the
                 # idempotency key makes the next poll's attempt safe

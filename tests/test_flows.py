@@ -19,6 +19,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
+from devstack.provision import locked_template
 from dpmerge import policy_merge as pm
 from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.state import policies as stored_policies
@@ -120,8 +121,10 @@ def test_prefect_yaml_pools_schedule_and_concurrency() -> None:
     )
     # serialised per policy inside the flow, not per deployment: policies run side by side
     assert "concurrency_limit" not in found["merge_on_policy"]
-    command = found["merge_on_policy"]["work_pool"]["job_variables"]["command"]
-    assert command.endswith("/flows/warm.py")  # runs start from a warm process
+    # the pools' templates fix the command (cpu runs start from a warm process); no deployment
+    # brings job variables, which those templates refuse
+    assert not any("job_variables" in d["work_pool"] for d in found.values())
+    assert locked_template("cpu")["job_configuration"]["command"].endswith("/flows/warm.py")
     assert found["pareto_report"]["schedules"][0]["cron"] == "0 2 * * *"
     (pull,) = document["pull"]
     assert "set_working_directory" in next(iter(pull))

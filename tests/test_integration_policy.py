@@ -19,6 +19,7 @@ import pytest
 from deployed import deployed_stack
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
+from servers import workflow_prefect
 
 import devstack as stack_mod
 from dpmerge.policies import policy_from_dict
@@ -38,7 +39,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackC
     with deployed_stack(tmp_path_factory) as config:
         pids = [s.pid for s in stack_mod.status(config) if s.pid]
         yield config
-    assert len(pids) == 5
+    assert len(pids) == 6  # S3, PostgreSQL, MLflow, Prefect, two workers
     for pid in pids:  # workers first, then servers: and nothing left behind
         assert stack_mod.group_members(pid) == [], f"process group {pid} still running"
 
@@ -46,7 +47,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackC
 def _client(config: stack_mod.StackConfig) -> Any:
     from prefect.client.orchestration import SyncPrefectClient
 
-    return SyncPrefectClient(config.prefect_api_url)
+    auth = config.client_env()["PREFECT_API_AUTH_STRING"]
+    return SyncPrefectClient(config.prefect_api_url, auth_string=auth)
 
 
 def _wait_run(config: stack_mod.StackConfig, run_id: Any) -> Any:
@@ -98,9 +100,10 @@ def _policy(**fields: Any) -> Any:
 
 
 def _emit(stack: stack_mod.StackConfig, payload: dict[str, Any], name: str = "int") -> str:
-    return runtime.emit_policy_event(
-        payload, f"dpmerge.policy.{name}", name, url=stack.prefect_api_url
-    )
+    with workflow_prefect(stack):  # the events client reads the auth string from settings
+        return runtime.emit_policy_event(
+            payload, f"dpmerge.policy.{name}", name, url=stack.prefect_api_url
+        )
 
 
 def _wait_event(stack: stack_mod.StackConfig, event_id: str, timeout_s: float = 180) -> Any:
@@ -117,12 +120,13 @@ def _alias(client: MlflowClient, model: str, alias: str) -> str | None:
 
 
 def _served(client: MlflowClient, model: str, alias: str) -> str | None:
-    """The version ``alias`` names; ``None`` also while ``model`` is not registered yet (any
-    other failure is raised)."""
+    """The version ``alias`` names; ``None`` also while ``model`` is not registered yet (MLflow's
+    auth app answers PERMISSION_DENIED for a model nobody granted yet; any other failure is
+    raised)."""
     try:
         return _alias(client, model, alias)
     except MlflowException as error:
-        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+        if error.error_code not in ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED"):
             raise
         return None
 

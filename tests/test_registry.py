@@ -17,7 +17,7 @@ import mlflow
 import pytest
 import requests
 import torch
-from factories import make_record
+from factories import make_record, synthetic_candidates
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
@@ -70,26 +70,7 @@ def _record(name: str, sigma: float) -> MechanismRecord:
 
 @pytest.fixture(scope="module")
 def candidate_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("candidates")
-    dirs = []
-    for i, (name, sigma) in enumerate(SIGMAS.items()):
-        generator = torch.Generator().manual_seed(i)
-        weights = {
-            "linear.weight": torch.randn(3, 16, generator=generator),
-            "linear.bias": torch.randn(3, generator=generator),
-        }
-        record = _record(name, sigma)
-        dirs.append(
-            save_model_dir(
-                root / name,
-                weights,
-                SPEC,
-                record=record,
-                candidate_privacy=candidate_bound(record, DELTA).to_dict(),
-                metrics={"test_accuracy": 0.70 + i / 100, "validation_accuracy": 0.7},
-            )
-        )
-    return dirs
+    return synthetic_candidates(tmp_path_factory.mktemp("candidates"), SIGMAS, DATASET)
 
 
 def _merge(
@@ -149,7 +130,11 @@ def test_candidates_registered_with_tags_and_artifacts_in_s3(
         assert tags["dp.accuracy_metric"] == "test_accuracy"
     again = server_registry.register_candidate(candidate_dirs[0])
     assert again.reused and again.version == registered[0]
-    keys = s3_store.list_keys("mlartifacts/candidates/")  # the candidates' own prefix
+    experiment = MlflowClient(server_registry.tracking_uri).get_experiment_by_name(
+        "dpmerge-candidates"
+    )
+    assert experiment.artifact_location == f"mlflow-artifacts:/{experiment.experiment_id}"
+    keys = s3_store.list_keys(f"mlartifacts/{experiment.experiment_id}/")  # the candidates' own
     assert any(k.endswith("/extra_files/weights.safetensors") for k in keys)
     assert any(k.endswith("/data/model.pt2") for k in keys)
     loaded = server_registry.load_candidates(CANDIDATES, registered, dest=tmp_path / "dl")
@@ -572,3 +557,14 @@ def test_a_cancellation_during_registration_is_not_a_registry_error(
         f"name = '{CANDIDATES}'"
     )
     assert version.tags["dp.status"] == STATUS_FAILED
+
+
+def test_readers_configuration_is_strict() -> None:
+    from dpmerge.registry.readers import READERS_ENV, configured_readers, format_readers
+
+    readers = {"dpmerge-releases": ("operator", "consumer"), "dpmerge-candidates": ("operator",)}
+    assert configured_readers({READERS_ENV: format_readers(readers)}) == readers
+    assert configured_readers({}) == {} == configured_readers({READERS_ENV: " "})
+    for bad in ("dpmerge-releases", "=operator", "dpmerge-releases=operator,,consumer"):
+        with pytest.raises(RegistryError, match="EXPERIMENT=USER"):
+            configured_readers({READERS_ENV: bad})

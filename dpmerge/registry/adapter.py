@@ -25,7 +25,12 @@ from dpmerge.formatting import epsilon_text
 from dpmerge.keys import WorkflowKey
 from dpmerge.privacy_card import PrivacyCard
 from dpmerge.publication import dataset_name, public_record
-from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
+from dpmerge.registry.connection import (
+    CANDIDATES_EXPERIMENT,
+    CARD_JSON,
+    CARD_MARKDOWN,
+    RELEASES_EXPERIMENT,
+)
 from dpmerge.registry.errors import (
     GateError,
     RegistryError,
@@ -63,7 +68,6 @@ from dpmerge.registry.versions import (
     StoredVersion,
 )
 
-CANDIDATES_EXPERIMENT, RELEASES_EXPERIMENT = "dpmerge-candidates", "dpmerge-releases"
 EXPERIMENTS = {
     ROLE_CANDIDATE: (CANDIDATES_EXPERIMENT, "candidates"),
     ROLE_MERGED: (RELEASES_EXPERIMENT, "releases"),

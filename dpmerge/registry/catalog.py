@@ -174,8 +174,13 @@ class RestCatalog(Catalog):
     """An MLflow server, through its REST API (authentication from ``MLFLOW_TRACKING_TOKEN``
     or ``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``, as MLflow's client reads them)."""
 
-    def _get(self, path: str, **query: str) -> dict[str, Any] | None:
-        """The JSON answer; ``None`` for RESOURCE_DOES_NOT_EXIST."""
+    def _get(
+        self, path: str, *, hidden_is_absent: bool = False, **query: str
+    ) -> dict[str, Any] | None:
+        """The JSON answer; ``None`` for RESOURCE_DOES_NOT_EXIST, and with
+        ``hidden_is_absent`` for 403 too: MLflow's auth app answers 403 for a registered model
+        the user has no grant on, existing or not (it judges the name before the store is
+        asked), so to that user both are "no such model" (docs/stack.md#roles-and-permissions)."""
         url = f"{self.tracking_uri.rstrip('/')}/api/2.0/mlflow/{path}"
         request = urllib.request.Request(f"{url}?{urllib.parse.urlencode(query)}")
         for header, value in _auth_headers().items():
@@ -186,6 +191,8 @@ class RestCatalog(Catalog):
         except urllib.error.HTTPError as error:
             body = error.read().decode(errors="replace")
             if error.code == 404 and _error_code(body) == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            if error.code == 403 and hidden_is_absent:
                 return None
             message = f"MLflow server {self.tracking_uri}: {path} answered HTTP {error.code}"
             if error.code in TEMPORARY_HTTP_STATUS:
@@ -215,7 +222,8 @@ class RestCatalog(Catalog):
                 return found
 
     def aliases(self, name: str) -> dict[str, str]:
-        model = (self._get("registered-models/get", name=name) or {}).get("registered_model", {})
+        answer = self._get("registered-models/get", hidden_is_absent=True, name=name)
+        model = (answer or {}).get("registered_model", {})
         return {a["alias"]: str(a["version"]) for a in model.get("aliases", [])}
 
     def description(self, name: str, version: str) -> str | None:

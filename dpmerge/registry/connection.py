@@ -54,6 +54,8 @@ from dpmerge.manifests import file_digests
 from dpmerge.privacy_card import PrivacyCard
 from dpmerge.publication import dataset_name
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
+from dpmerge.registry.grants import EXPERIMENT, REGISTERED_MODEL, grant_read
+from dpmerge.registry.readers import configured_readers
 from dpmerge.registry.tags import FAILURE_TAG, ROLE_CANDIDATE, STATUS_FAILED, tag_float
 from dpmerge.registry.versions import StoredVersion
 
@@ -61,6 +63,8 @@ MODEL_ARTIFACT = "model"
 EXTRA_DIR = "extra_files"  # where mlflow.pytorch.log_model puts extra_files
 CARD_MARKDOWN, CARD_JSON = "privacy_card.md", "privacy_card.json"
 INPUT_EXAMPLE_BATCH = 4  # > 1 so that pt2 export keeps the batch dimension dynamic
+SERVER_ARTIFACT_ROOT = "mlflow-artifacts:"  # a server's proxied artifact store
+CANDIDATES_EXPERIMENT, RELEASES_EXPERIMENT = "dpmerge-candidates", "dpmerge-releases"
 
 MESSAGE_LIMIT = 300
 """MLflow's messages are cut to this many characters: an error stays one readable line."""
@@ -125,41 +129,55 @@ class MlflowConnection:
             raise registry_error(message, error) from None
 
     def _experiment(self, name: str, prefix: str) -> str:
-        """The id of experiment ``name``, created on first use with its artifacts under
-        ``<artifact root>/<prefix>`` (candidates and releases apart, so that storage
-        permissions can differ: docs/design.md#rs-secrecy)."""
+        """The id of experiment ``name``, created on first use with its artifacts apart from
+        every other experiment's (candidates and releases apart, so that permissions can
+        differ: docs/design.md#rs-secrecy): under ``<artifact root>/<prefix>``, or on a server
+        under the experiment's id (``mlflow-artifacts:/<id>``), the path by which MLflow's auth
+        app judges a proxied artifact request (a path not led by an experiment id gets the
+        server's default permission, none, even for the experiment's owner). The configured
+        readers (:mod:`~dpmerge.registry.readers`) get READ on an experiment this creates."""
         if name not in self._experiment_ids:
-            location = f"{self.artifact_root.rstrip('/')}/{prefix}" if self.artifact_root else None
+            location = None
+            if self.artifact_root and self.artifact_root != SERVER_ARTIFACT_ROOT:
+                location = f"{self.artifact_root.rstrip('/')}/{prefix}"
             with self._errors(f"opening experiment {name!r}"):
                 found = self._client.get_experiment_by_name(name)
                 if found is None:
                     try:
-                        self._experiment_ids[name] = self._client.create_experiment(
-                            name, artifact_location=location
-                        )
+                        created = self._client.create_experiment(name, artifact_location=location)
                     except MlflowException as error:
                         if error.error_code != "RESOURCE_ALREADY_EXISTS":
                             raise
                         found = self._client.get_experiment_by_name(name)
+                    else:
+                        readers = configured_readers().get(name, ())
+                        grant_read(self.tracking_uri, EXPERIMENT, created, readers)
+                        self._experiment_ids[name] = created
                 if found is not None:
                     self._experiment_ids[name] = found.experiment_id
         return self._experiment_ids[name]
 
     def _ensure_registered_model(self, name: str, role: str) -> None:
-        try:
-            self._client.create_registered_model(
-                name,
-                tags={"dp.kind": "candidates" if role == ROLE_CANDIDATE else "releases"},
-                description=(
-                    "dpmerge candidates (internal)"
-                    if role == ROLE_CANDIDATE
-                    else "dpmerge merged releases; see each version's privacy card"
-                ),
-            )
-        except MlflowException as error:
-            if error.error_code != "RESOURCE_ALREADY_EXISTS":
-                message = f"creating registered model {name}: {error.message}"
-                raise registry_error(message, error) from None
+        """Create registered model ``name`` unless it exists; the readers of its versions'
+        experiment get READ on one this creates."""
+        with self._errors(f"creating registered model {name}"):
+            try:
+                self._client.create_registered_model(
+                    name,
+                    tags={"dp.kind": "candidates" if role == ROLE_CANDIDATE else "releases"},
+                    description=(
+                        "dpmerge candidates (internal)"
+                        if role == ROLE_CANDIDATE
+                        else "dpmerge merged releases; see each version's privacy card"
+                    ),
+                )
+            except MlflowException as error:
+                if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                return
+            experiment = CANDIDATES_EXPERIMENT if role == ROLE_CANDIDATE else RELEASES_EXPERIMENT
+            readers = configured_readers().get(experiment, ())
+            grant_read(self.tracking_uri, REGISTERED_MODEL, name, readers)
 
     def _version(self, name: str, version: str) -> ModelVersion:
         try:
@@ -170,11 +188,13 @@ class MlflowConnection:
             raise registry_error(f"reading {name} v{version}: {error.message}", error) from None
 
     def _model_tags(self, name: str) -> dict[str, str] | None:
-        """The registered model's tags; ``None`` when there is no such model."""
+        """The registered model's tags; ``None`` when there is no such model this user can see
+        (MLflow's auth app answers PERMISSION_DENIED for a name the user has no grant on,
+        existing or not: docs/stack.md#roles-and-permissions)."""
         try:
             return dict(self._client.get_registered_model(name).tags)
         except MlflowException as error:
-            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            if error.error_code in ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED"):
                 return None
             message = f"reading registered model {name}: {error.message}"
             raise registry_error(message, error) from None
@@ -351,7 +371,7 @@ def _stage_files(
 
 def _default_artifact_root(tracking_uri: str) -> str | None:
     if tracking_uri.startswith(("http://", "https://")):
-        return "mlflow-artifacts:"
+        return SERVER_ARTIFACT_ROOT
     if not tracking_uri.startswith("sqlite:///"):
         return None
     database = Path(tracking_uri.removeprefix("sqlite:///")).resolve()
