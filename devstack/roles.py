@@ -25,6 +25,8 @@ from devstack import credentials as secrets_store
 from devstack.config import StackConfig
 from devstack.credentials import Credentials
 from dpmerge.environment import TELEMETRY_OFF
+from dpmerge.keys import WorkflowKey
+from dpmerge.manifests import PUBLIC_KEY_ENV, public_key_hex
 from dpmerge.registry.readers import READERS_ENV, format_readers
 from dpmerge.storage import DEFAULT_REGION, MLFLOW_ARTIFACTS_PREFIX, S3Config
 from dpmerge.vocabulary import StackDatabase, StackRole
@@ -120,13 +122,17 @@ def mlflow_auth_ini(config: StackConfig, creds: Credentials) -> str:
 
 
 def role_env(config: StackConfig, role: StackRole) -> dict[str, str]:
-    """The environment of ``role``: MLflow with its own user; S3 with its own key (workflow,
-    operator); the Prefect API, its auth string and the Secret block's name (workflow)."""
+    """The environment of ``role``: MLflow with its own user and the releases' public
+    signing key; S3 with its own key (workflow, operator); the Prefect API, its auth string and
+    the Secret block's name (workflow)."""
     creds = secrets_store.require(config.state_dir)
+    key = WorkflowKey(bytes.fromhex(secrets_store.workflow_key(config.state_dir)), "stack")
     env = {
         "MLFLOW_TRACKING_URI": config.mlflow_url,
         "MLFLOW_TRACKING_USERNAME": role.value,
         "MLFLOW_TRACKING_PASSWORD": creds.mlflow_users[role.value],
+        # public: every role verifies a release's signature with it (dpmerge verify)
+        PUBLIC_KEY_ENV: public_key_hex(key),
         **TELEMETRY_OFF,
     }
     if role in (StackRole.WORKFLOW, StackRole.OPERATOR):
