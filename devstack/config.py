@@ -65,25 +65,35 @@ def port_free(port: int) -> bool:
     return True
 
 
+ADMIN_PORTS = (20000, 22700)
+"""Where SeaweedFS's admin port is picked: its gRPC partner (+ :data:`ADMIN_GRPC_OFFSET`) is
+then in 30000–32700, still below the ephemeral range and outside :data:`PICKED_PORTS`."""
+PICKED_PORTS = (22700, 30000)
+"""Where :func:`free_ports` picks: below the kernel's ephemeral range (32768–60999 by default),
+so no outgoing connection of this or another process takes a picked port before its server
+binds it (a port the kernel hands out as free is exactly one it may hand out again)."""
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on the loopback interface right now."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((LOOPBACK, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """``count`` distinct ports free on the loopback interface right now, picked at random in
+    :data:`PICKED_PORTS`."""
+    found: list[int] = []
+    for _ in range(200 * count):
+        port = random.randrange(*PICKED_PORTS)
+        if port not in found and port_free(port):
+            found.append(port)
+            if len(found) == count:
+                return found
+    raise StackError(f"no {count} free ports in {PICKED_PORTS[0]}–{PICKED_PORTS[1]}")
 
 
 def _free_admin_port() -> int:
     """A free port whose admin gRPC partner (+ :data:`ADMIN_GRPC_OFFSET`) is free too."""
     for _ in range(200):
-        port = random.randrange(20000, 30000)  # below the kernel's ephemeral range
+        port = random.randrange(*ADMIN_PORTS)
         if port_free(port) and port_free(port + ADMIN_GRPC_OFFSET):
             return port
-    raise StackError("no free port pair for SeaweedFS's admin server in 20000–40000")
+    raise StackError("no free port pair for SeaweedFS's admin server in 20000–32700")
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,11 @@ that meets this version — the *name* says how the run ended (Prefect emits
   Failed ``Rejected`` (2); refused (a record or state object fails verification, a fixed-seed
   candidate) → Failed ``Refused`` (2).
 
-A plain ``Failed`` or ``Crashed`` means a bug or an outage. Every outcome also becomes the
-Markdown artifact ``policy-<name>`` and an outcome object in the state store.
+An outage (MLflow or S3 down or not answering in time) ends ``Failed`` with its outcome
+``failed`` recorded where the store can still be reached, so ``policy set --wait`` reports it
+(exit 1); ``Crashed`` or a ``Failed`` run without an outcome means a bug or a lost process.
+Every outcome also becomes the Markdown artifact ``policy-<name>`` and an outcome object in
+the state store.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled, Completed, Failed
 
 from dpmerge import policy_merge as pm
-from dpmerge.errors import InputError, IntegrityError, RefusalError
+from dpmerge.errors import InputError, IntegrityError, OutageError, RefusalError
 from dpmerge.policies import PolicyError, check_registered
 from dpmerge.policy_merge import PolicyOutcome, Status
 from dpmerge.policy_merge.verify import verify
@@ -57,7 +60,7 @@ from tasks import policy as steps
 
 FLOW_NAME = "merge-on-policy"
 DEPLOYMENT = f"{FLOW_NAME}/{FLOW_NAME}"
-REJECTED, REFUSED = "Rejected", "Refused"
+REJECTED, REFUSED, FAILED = "Rejected", "Refused", "Failed"
 LEASE_WAIT_S = 900.0
 NAMES = {
     Status.PROMOTED: "Completed",
@@ -70,6 +73,7 @@ STATUS_OF_STATE = {
     **{name: status.value for status, name in NAMES.items()},
     REJECTED: "rejected",
     REFUSED: "refused",
+    FAILED: "failed",
 }
 """The outcome a final state's name stands for (a run without its outcome document)."""
 OUTCOME_JSON = re.compile(r"```json\n(.*?)\n```", re.DOTALL)
@@ -127,15 +131,19 @@ def _finish(store: StateStore, outcome: PolicyOutcome, card: str = "") -> State:
 
 
 def _stopped(store: StateStore, name: str, version: int, state: str, error: Exception) -> State:
-    """A run that stopped before applying anything: ``Rejected`` (bad input) or ``Refused``
-    (failed verification)."""
+    """A run that stopped before applying anything: ``Rejected`` (bad input), ``Refused``
+    (failed verification) or ``Failed`` (an outage: its outcome is recorded if the store
+    answers)."""
     status = STATUS_OF_STATE[state]
     message = f"policy {name} v{version} {status}: {error}"
     document = {"status": status, "state": state, "policy": name, "policy_version": version}
     document["reasons"] = [str(error)]
     _artifact(name, f"dpmerge policy {name}: {status}", [message], document)
-    if store.read(stored_policies.version_key(name, version)) is not None:
-        _record(store, name, version, document)  # its history shows how it ended
+    try:
+        if store.read(stored_policies.version_key(name, version)) is not None:
+            _record(store, name, version, document)  # its history shows how it ended
+    except OutageError as unrecorded:  # the store itself is down: the run's state still says
+        get_run_logger().error("outcome not recorded: %s", unrecorded)
     get_run_logger().error(message)
     return Failed(name=state, message=message, data=document)
 
@@ -153,6 +161,8 @@ def merge_on_policy(policy: str, version: int) -> State:
         check_registered([stored.policy], open_catalog(workspace.tracking_uri).inventory())
     except InputError as error:
         return _stopped(store, policy, version, REJECTED, error)
+    except OutageError as error:
+        return _stopped(store, policy, version, FAILED, error)
     get_run_logger().info(
         "policy %s v%d: target (%g, %g), method %s, gate %s; registry %s, state %s",
         policy,
@@ -173,6 +183,8 @@ def merge_on_policy(policy: str, version: int) -> State:
         return _stopped(store, policy, version, REJECTED, error)
     except (IntegrityError, RefusalError) as error:
         return _stopped(store, policy, version, REFUSED, error)
+    except OutageError as error:
+        return _stopped(store, policy, version, FAILED, error)
     final = _finish(store, applied.outcome, applied.card)
     if applied.dataset is not None:  # drift of this dataset, reported (and repaired) now
         emit(verify(workspace, repair=True, dataset=applied.dataset))

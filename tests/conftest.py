@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 from servers import (
-    PolicyStack,
     credentials_env,
     environment,
-    policy_stack,
     running_stack,
     session_key,
 )
@@ -63,15 +61,6 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfi
         environment(config.client_env()),
     ):
         yield config
-
-
-@pytest.fixture(scope="session")
-def deployed_policy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyStack]:
-    """The whole stack with deployments/prefect.yaml applied and three digits candidates
-    trained by the workflow (``servers.policy_stack``), shared by the operator, consumer and
-    red-team tests; this process holds the workflow role's environment."""
-    with policy_stack(tmp_path_factory) as stack:
-        yield stack
 
 
 @pytest.fixture

@@ -153,9 +153,12 @@ def _exports(config: devstack.StackConfig, role: StackRole, base: dict[str, str]
     )
     found = {}
     for line in printed.stdout.splitlines():
-        export, assignment = shlex.split(line)
-        assert export == "export", line
-        key, value = assignment.split("=", 1)
+        verb, *words = shlex.split(line)
+        if verb == "unset":  # other roles' variables: this shell never had them
+            assert all(name not in base for name in words), line
+            continue
+        assert verb == "export" and len(words) == 1, line
+        key, value = words[0].split("=", 1)
         found[key] = value
     return found
 

@@ -111,6 +111,10 @@ def stack_workspace(
         "DPMERGE_S3_STATE_BUCKET": config.state_bucket,
         "DPMERGE_S3_AUDIT_BUCKET": config.audit_bucket,
         "DPMERGE_SECRET_KEY": os.environ["DPMERGE_SECRET_KEY"],
+        # this module's own buckets were made by the stack's S3 identity (the workflow's
+        # reaches only the stack's state and audit buckets): the crashing run uses it too
+        "AWS_ACCESS_KEY_ID": config.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": config.secret_access_key,
     }
     return {"workspace": workspace, "pool": pool, "epsilons": epsilons, "env": env}
 

@@ -1,304 +1,478 @@
-"""The workflow on the real local stack (S3, MLflow on S3, Prefect server, cpu/gpu
-workers polling every second): deploy deployments/prefect.yaml, train candidates through the
-``gpu`` pool, then drive ``merge-on-policy`` with ``dpmerge.policy.updated`` events: every event
-becomes a run (applied or rejected), one policy at a time, policies side by side, the same
-outcomes and exit codes as in-process."""
+"""The product on the real local stack, as its three roles meet it (docs/stack.md,
+docs/serving.md): deployments/prefect.yaml applied, digits candidates trained by the workflow's
+``train-candidates`` deployment, then
+
+* an **operator** — a shell holding only ``dpmerge stack env --role operator`` — stores policy
+  versions with ``dpmerge policy set --wait``; the stack's dispatcher turns each into a
+  ``merge-on-policy`` run on the ``cpu`` worker; exit codes are the embedded ones;
+* a **consumer** — only ``--role consumer`` — verifies the served release (``dpmerge verify``),
+  loads it and serves it with ``mlflow models serve``; its predictions are the card's accuracy;
+* an **attacker** holding the stack's S3 admin keys and the workflow's MLflow login but not the
+  workflow key forges a candidate's record and swaps served weights: both are refused.
+
+Last, MLflow hung and then killed: runs end ``Failed`` within a bounded time (the stack is torn
+down afterwards, and no process of it may survive)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import re
+import signal
+import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
+import numpy as np
 import pytest
-from deployed import deployed_stack
+import requests
 from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
-from servers import workflow_prefect
+from servers import (
+    BIN,
+    RUN_TIMEOUT_S,
+    PolicyStack,
+    Shell,
+    one_line,
+    policy_stack,
+    prefect_client,
+)
 
-import devstack as stack_mod
-from dpmerge.policies import policy_from_dict
-from flows import runtime
+import devstack
+from dpmerge import policy_merge as pm
+from dpmerge.data import load_dataset
+from dpmerge.policies import Policy, policy_from_dict
+from dpmerge.policy_merge import Workspace
+from dpmerge.registry import candidate_content_hash
+from dpmerge.state import policies as stored_policies
+from dpmerge.state.policies import PolicyVersion
+from dpmerge.state.store import stamp
+from dpmerge.vocabulary import StackRole
+from flows.commands.policy import wait_for_outcome
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[1]
 DELTA = 1e-5
-RUN_TIMEOUT_S = 240
+BASE = ("--delta", "1e-5", "--dataset", "digits", "--model", "logreg")
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackConfig]:
-    """The stack with the deployments applied; afterwards nothing of it may still run."""
-    pids: list[int] = []
-    with deployed_stack(tmp_path_factory) as config:
-        pids = [s.pid for s in stack_mod.status(config) if s.pid]
-        yield config
-    assert len(pids) == 6  # S3, PostgreSQL, MLflow, Prefect, two workers
-    for pid in pids:  # workers first, then servers: and nothing left behind
-        assert stack_mod.group_members(pid) == [], f"process group {pid} still running"
-
-
-def _client(config: stack_mod.StackConfig) -> Any:
-    from prefect.client.orchestration import SyncPrefectClient
-
-    auth = config.client_env()["PREFECT_API_AUTH_STRING"]
-    return SyncPrefectClient(config.prefect_api_url, auth_string=auth)
-
-
-def _wait_run(config: stack_mod.StackConfig, run_id: Any) -> Any:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    with _client(config) as client:
-        while time.monotonic() < deadline:
-            run = client.read_flow_run(run_id)
-            if run.state is not None and run.state.is_final():
-                return run
-            time.sleep(1)
-    raise AssertionError(f"flow run {run_id} not finished after {RUN_TIMEOUT_S} s")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyStack]:
+    with policy_stack(tmp_path_factory) as deployed:
+        yield deployed
 
 
 @pytest.fixture(scope="module")
-def candidates(stack: stack_mod.StackConfig) -> list[Any]:
-    """Three small digits candidates, trained by runs of train-candidate-gpu that the deployed
-    train-candidates fan-out creates."""
-    with _client(stack) as client:
-        deployment = client.read_deployment_by_name("train-candidates/train-candidates")
-        run = client.create_flow_run_from_deployment(
-            deployment.id,
-            parameters={
-                "dataset": "digits",
-                "noise_multipliers": [1.0, 1.6, 3.0],
-                "epochs": 3,
-                "batch_size": 64,
-                "learning_rate": 1.0,
-                "deployment": "train-candidate/train-candidate-gpu",
-            },
-        )
-    finished = _wait_run(stack, run.id)
-    assert finished.state.is_completed(), finished.state.message
-    client = MlflowClient(stack.mlflow_url)
-    found = client.search_model_versions("tags.`dp.role` = 'candidate'")
-    assert len(found) == 3 and {v.tags["dp.status"] for v in found} == {"ready"}
-    with _client(stack) as prefect:
-        gpu_runs = [
-            r
-            for r in prefect.read_flow_runs()
-            if r.name.startswith("train-digits-logreg") and r.work_pool_name == "gpu"
-        ]
-    assert len(gpu_runs) == 3 and all(r.state.is_completed() for r in gpu_runs)
-    return sorted(found, key=lambda v: float(v.tags["dp.epsilon"]))
+def operator(stack: PolicyStack, tmp_path_factory: pytest.TempPathFactory) -> Shell:
+    return stack.shell(StackRole.OPERATOR, tmp_path_factory.mktemp("operator"))
 
 
-def _policy(**fields: Any) -> Any:
-    base = {"name": "int", "target_delta": DELTA, "dataset": "digits", "model": "logreg"}
-    return policy_from_dict({**base, **fields})
+@pytest.fixture(scope="module")
+def consumer(stack: PolicyStack, tmp_path_factory: pytest.TempPathFactory) -> Shell:
+    return stack.shell(StackRole.CONSUMER, tmp_path_factory.mktemp("consumer"))
 
 
-def _emit(stack: stack_mod.StackConfig, payload: dict[str, Any], name: str = "int") -> str:
-    with workflow_prefect(stack):  # the events client reads the auth string from settings
-        return runtime.emit_policy_event(
-            payload, f"dpmerge.policy.{name}", name, url=stack.prefect_api_url
-        )
+def _set(operator: Shell, name: str, *fields: str) -> tuple[int, dict[str, Any]]:
+    """``dpmerge policy set`` as the operator, waiting for the run's outcome (JSON)."""
+    done = operator.dpmerge(
+        "policy", "set", "--name", name, *BASE, *fields, "--wait", str(RUN_TIMEOUT_S), "--json",
+        timeout=RUN_TIMEOUT_S + 120,
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stdout.strip(), done.stderr[-3000:]
+    return done.returncode, json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _wait_event(stack: stack_mod.StackConfig, event_id: str, timeout_s: float = 180) -> Any:
-    return runtime.wait_for_policy_run(event_id, timeout_s, url=stack.prefect_api_url)
+def _mlflow(stack: PolicyStack) -> MlflowClient:
+    """The workflow's MLflow client (this process holds the workflow's environment)."""
+    return MlflowClient(stack.config.mlflow_url)
 
 
-def _merged(client: MlflowClient, candidates: list[Any]) -> str:
-    return candidates[0].name.replace("-candidates", "-releases")
+def _aliases(stack: PolicyStack) -> dict[str, str]:
+    model = _mlflow(stack).get_registered_model(stack.releases_model)
+    return {k: str(v) for k, v in model.aliases.items()}
 
 
-def _alias(client: MlflowClient, model: str, alias: str) -> str | None:
-    aliases = client.get_registered_model(model).aliases
-    return str(aliases[alias]) if alias in aliases else None
+def _admin_s3(stack: PolicyStack) -> Any:
+    """The stack's own S3 identity: an attacker holding the artifact store's keys."""
+    config = stack.config.s3_config()
+    return boto3.client(
+        "s3",
+        endpoint_url=stack.config.s3_url,
+        aws_access_key_id=config.access_key_id,
+        aws_secret_access_key=config.secret_access_key,
+        region_name=config.region,
+    )
 
 
-def _served(client: MlflowClient, model: str, alias: str) -> str | None:
-    """The version ``alias`` names; ``None`` also while ``model`` is not registered yet (MLflow's
-    auth app answers PERMISSION_DENIED for a model nobody granted yet; any other failure is
-    raised)."""
-    try:
-        return _alias(client, model, alias)
-    except MlflowException as error:
-        if error.error_code not in ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED"):
-            raise
-        return None
+def _artifact_keys(stack: PolicyStack, model: str, version: str) -> dict[str, str]:
+    """File name -> S3 key of a model version's ``extra_files`` (its weights, record, card)."""
+    source = _mlflow(stack).get_model_version(model, version).source
+    model_id = source.split("/models/")[1].split("/")[0]
+    listed = _admin_s3(stack).list_objects_v2(Bucket=stack.config.bucket, Prefix="mlartifacts/")
+    return {
+        o["Key"].rsplit("/", 1)[1]: o["Key"]
+        for o in listed["Contents"]
+        if f"/models/{model_id}/artifacts/extra_files/" in o["Key"]
+    }
 
 
-def _completed(run: Any) -> bool:
-    return run.id is not None and run.state == "Completed"
+def _card(stack: PolicyStack, version: str) -> dict[str, Any]:
+    """The public privacy card a release carries in the artifact store."""
+    key = _artifact_keys(stack, stack.releases_model, version)["privacy_card.json"]
+    body = _admin_s3(stack).get_object(Bucket=stack.config.bucket, Key=key)["Body"].read()
+    return dict(json.loads(body))
 
 
-def test_deployments_and_automation_are_named_for_what_they_run(stack, candidates) -> None:
-    with _client(stack) as client:
+def test_deployments_are_named_for_what_they_run_and_only_the_dispatcher_starts_merges(
+    stack: PolicyStack,
+) -> None:
+    with prefect_client(stack.config) as client:
         names = {f"{client.read_flow(d.flow_id).name}/{d.name}" for d in client.read_deployments()}
-        automations = {a.name: a.description for a in client.read_automations()}
+        automations = client.read_automations()
     assert names == {
         "merge-on-policy/merge-on-policy",
+        "verify-state/verify-state",
         "train-candidates/train-candidates",
         "train-candidate/train-candidate-gpu",
         "pareto-report/pareto-report-nightly",
     }
-    assert "apply a policy when dpmerge.policy.updated is emitted" in automations
+    assert automations == []  # no event triggers a merge: stored versions do, via the dispatcher
+    assert len(stack.candidates) == 3 and stack.epsilons == sorted(stack.epsilons)
 
 
-def test_policy_event_promotes_a_carded_release_stored_in_s3(stack, candidates) -> None:
-    client = MlflowClient(stack.mlflow_url)
-    epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
-    policy = _policy(target_epsilon=epsilons[1] * 1.05, method="rs")
-    start = time.monotonic()
-    event_id = _emit(stack, policy.event_payload())
-    merged = _merged(client, candidates)
-    version = None
-    while time.monotonic() - start < 180 and version is None:
-        version = _served(client, merged, "policy-int")
-        time.sleep(0.2)
-    seconds = time.monotonic() - start
-    run = _wait_event(stack, event_id)
-    assert _completed(run), run
-    assert run.outcome["status"] == "promoted" and run.outcome["version"] == version
-    assert version is not None, "the alias never moved"
-    print(f"time to policy (emit → alias moved): {seconds:.1f} s")
-    mv = client.get_model_version(merged, version)
-    assert mv.tags["dp.status"] == "ready" and mv.tags["dp.policy"] == "int"
-    assert mv.tags["dp.method"] == "rs" and float(mv.tags["dp.epsilon"]) <= policy.target_epsilon
+def test_an_operator_sets_a_policy_and_the_release_is_served_counted_and_public(
+    stack: PolicyStack, operator: Shell
+) -> None:
+    """``policy set --wait`` from the operator's shell: stored, dispatched, merged on the
+    ``cpu`` worker, counted and served; MLflow holds the public card only; the RS draw is in the
+    audit bucket alone."""
+    target = stack.epsilons[1] * 1.05
+    started = time.monotonic()
+    code, outcome = _set(operator, "int", "--target-epsilon", f"{target:.6f}", "--method", "rs")
+    print(f"\noperator policy set → promoted: {time.monotonic() - started:.1f} s")
+    assert code == 0 and outcome["status"] == "promoted", outcome
+    assert outcome["policy_version"] == 1 and outcome["epsilon"] <= target
+    version = outcome["version"]
+    assert _aliases(stack)["policy-int"] == version
+    mv = _mlflow(stack).get_model_version(stack.releases_model, version)
+    assert float(mv.tags["dp.epsilon"]) == outcome["epsilon"] and mv.tags["dp.method"] == "rs"
     assert mv.description.startswith("# Privacy card")
-    card = json.loads(Path(client.download_artifacts(mv.run_id, "privacy_card.json")).read_text())
-    assert card["guarantee"]["epsilon"] == float(mv.tags["dp.epsilon"])
-    assert card["target"] == {"epsilon": policy.target_epsilon, "delta": DELTA, "met": True}
-    assert card["ledger"]["epsilon"] >= card["guarantee"]["epsilon"]
+    files = _artifact_keys(stack, stack.releases_model, version)
+    assert {"weights.safetensors", "privacy_card.json"} <= set(files)
+    card = _card(stack, version)
+    assert card["guarantee"]["epsilon"] == outcome["epsilon"]
+    assert card["accuracy"]["test_accuracy"] == pytest.approx(outcome["test_accuracy"])
+    public = json.dumps([mv.tags, mv.description, card])
+    for candidate in stack.candidates:  # nothing computed from the candidates is published
+        assert candidate.name not in public and candidate.run_id not in public
+    assert "drawn_index" not in public, "the RS draw is published"
+    internal = {"dp.weights", "dp.parents", "dp.parent_model", "dp.candidates"} & set(mv.tags)
+    assert not internal, f"internal facts as tags: {internal}"
+    audit = _admin_s3(stack).list_objects_v2(Bucket=stack.config.audit_bucket)["Contents"]
+    assert len(audit) == 1
+    shown = operator.dpmerge("policy", "show", "int", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["version"] == 1
 
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=stack.s3_url,
-        aws_access_key_id=stack.s3_config().access_key_id,
-        aws_secret_access_key=stack.s3_config().secret_access_key,
-        region_name="us-east-1",
+
+def test_the_same_policy_again_is_unchanged_and_bad_input_changes_nothing(
+    stack: PolicyStack, operator: Shell
+) -> None:
+    aliases = _aliases(stack)
+    target = stack.epsilons[1] * 1.05
+    again = operator.dpmerge("policy", "set", "--name", "int", "--target-epsilon", f"{target:.6f}")
+    assert again.returncode == 0 and "no change" in again.stdout, again.stdout + again.stderr
+    for bad, field in (
+        (("--target-epsilon", "true"), "target_epsilon"),
+        (("--dataset", "digitz"), "dataset"),
+        (("--min-accuracy", "1.5"), "min_accuracy"),
+    ):
+        done = operator.dpmerge("policy", "set", "--name", "int", *bad)
+        assert done.returncode == 2 and field in one_line(done), done.stderr
+    history = operator.dpmerge("policy", "history", "int", "--json")
+    assert history.returncode == 0 and len(json.loads(history.stdout)["versions"]) == 1
+    assert _aliases(stack) == aliases
+
+
+def _verified(consumer: Shell) -> dict[str, Any]:
+    """``dpmerge verify @policy-int`` in the consumer's shell (public key only)."""
+    done = consumer.dpmerge("verify", "@policy-int", "--json")
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+def _served_accuracy(stack: PolicyStack, consumer: Shell) -> float:
+    """Test-split accuracy of what ``mlflow models serve`` answers for
+    ``models:/<releases>@policy-int``, started in the consumer's shell and queried over HTTP
+    with the digits test images (docs/serving.md)."""
+    test = load_dataset("digits").test
+    rows = test.features.numpy()  # (n, 1, 8, 8) float32: pixels / 16 (docs/serving.md)
+    server, url = _serve(consumer, f"models:/{stack.releases_model}@policy-int")
+    try:
+        answer = requests.post(f"{url}/invocations", json={"inputs": rows.tolist()}, timeout=120)
+        assert answer.ok, answer.text[:2000]
+        predicted = np.asarray(answer.json()["predictions"]).argmax(axis=1)
+    finally:
+        _stop(server)
+    return float((predicted == test.labels.numpy()).mean())
+
+
+def test_a_consumer_verifies_and_serves_the_release_and_reaches_nothing_else(
+    stack: PolicyStack, consumer: Shell
+) -> None:
+    """With only the consumer's credentials: ``dpmerge verify @policy-int`` passes, the
+    candidates and the alias are out of reach, and the model served by ``mlflow models serve``
+    predicts the test split at exactly the accuracy its card states."""
+    document = _verified(consumer)
+    version = document["version"]
+    assert version == _aliases(stack)["policy-int"]
+    mv = _mlflow(stack).get_model_version(stack.releases_model, version)
+    assert document["epsilon"] == float(mv.tags["dp.epsilon"])
+    reach = consumer.python(
+        "import json, mlflow\n"
+        "from mlflow.exceptions import MlflowException\n"
+        "client = mlflow.MlflowClient()\n"
+        "try:\n"
+        f"    client.get_registered_model({stack.candidates_model!r}); candidates = 'read'\n"
+        "except MlflowException as e:\n"
+        "    candidates = e.error_code\n"
+        "try:\n"
+        f"    client.set_registered_model_alias({stack.releases_model!r}, 'mine', {version!r})\n"
+        "    alias = 'moved'\n"
+        "except MlflowException as e:\n"
+        "    alias = e.error_code\n"
+        "print(json.dumps({'candidates': candidates, 'alias': alias}))\n"
     )
-    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=stack.bucket)["Contents"]]
-    model_id = re.search(r"m-[0-9a-f]{32}", mv.source or "")
-    assert model_id is not None, mv.source
-    stored = [k for k in keys if f"/models/{model_id[0]}/artifacts/" in k]
-    assert any(k.endswith("extra_files/privacy_card.json") for k in stored)
-    assert any(k.endswith("extra_files/weights.safetensors") for k in stored)
-    assert any(k.endswith("data/model.pt2") for k in stored)
-    assert "ledger/releases.json" in keys
-    # the secret draw: only in the restricted audit bucket, never on the release
-    audit = s3.list_objects_v2(Bucket=stack.audit_bucket)["Contents"]
-    records = [
-        json.loads(s3.get_object(Bucket=stack.audit_bucket, Key=o["Key"])["Body"].read())
-        for o in audit
-    ]
-    assert [r["release"] for r in records] == [mv.tags["dp.content_hash"]]
-    assert "drawn_index" in records[0]
-    public = json.dumps([mv.tags, mv.description, client.get_run(mv.run_id).data.params])
-    assert "drawn_index" not in public and "drawn_candidate" not in public
-    # the run started from the warm flow-run process (flows/warm.py), not a fresh interpreter
-    assert list((Path(os.environ["DPMERGE_HOME"]) / "run").glob("engine-*.sock"))
+    assert reach == {"candidates": "PERMISSION_DENIED", "alias": "PERMISSION_DENIED"}
+    accuracy, stated = _served_accuracy(stack, consumer), _card(stack, version)["accuracy"]
+    print(f"\nserved v{version}: test accuracy {accuracy:.4f}, card {stated['test_accuracy']:.4f}")
+    assert abs(accuracy - stated["test_accuracy"]) <= 1 / len(load_dataset("digits").test)
 
 
-def _work_span(stack: stack_mod.StackConfig, run_id: Any) -> tuple[Any, Any] | None:
-    """First task start and last task end of a run: its work under the policy's lock."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+def test_outcomes_exit_as_documented_and_the_newest_version_wins(
+    stack: PolicyStack, operator: Shell
+) -> None:
+    """3 infeasible, 4 not promoted (each leaves the alias alone); then two versions of one
+    policy stored back to back: the later one's release ends up served."""
+    aliases = _aliases(stack)
+    code, outcome = _set(operator, "codes", "--target-epsilon", f"{stack.epsilons[0] / 2:.6f}")
+    assert code == 3 and outcome["status"] == "infeasible", outcome
+    strict = ("--target-epsilon", f"{stack.epsilons[2] * 1.3:.6f}", "--min-accuracy", "0.999")
+    code, outcome = _set(operator, "codes", *strict)
+    assert code == 4 and outcome["status"] == "not_promoted", outcome
+    assert _aliases(stack) == aliases
+    first = operator.dpmerge(
+        "policy", "set", "--name", "int", "--target-epsilon", f"{stack.epsilons[2] * 1.5:.6f}",
+        "--method", "lc",
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    code, outcome = _set(operator, "int", "--target-epsilon", f"{stack.epsilons[2] * 2:.6f}")
+    assert code == 0 and outcome["status"] == "promoted" and outcome["policy_version"] == 3
+    assert outcome["method"] == "lc" and _aliases(stack)["policy-int"] == outcome["version"]
+    store = Workspace.from_env().state()
+    earlier = stored_policies.outcomes(store, "int", 2)
+    assert earlier and earlier[-1]["status"] in ("promoted", "superseded"), earlier
 
-    with _client(stack) as client:
-        tasks = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+
+def test_after_the_alias_moves_a_restarted_server_serves_the_new_release(
+    stack: PolicyStack, consumer: Shell
+) -> None:
+    """The alias now names the later version's release: verified again and served again, the
+    consumer gets that release, at its card's accuracy."""
+    version = _verified(consumer)["version"]
+    assert version == _aliases(stack)["policy-int"]
+    assert _mlflow(stack).get_model_version(stack.releases_model, version).tags["dp.method"] == "lc"
+    accuracy, stated = _served_accuracy(stack, consumer), _card(stack, version)["accuracy"]
+    print(f"\nreloaded v{version}: accuracy {accuracy:.4f}, card {stated['test_accuracy']:.4f}")
+    assert abs(accuracy - stated["test_accuracy"]) <= 1 / len(load_dataset("digits").test)
+
+
+class _Planned(Exception):
+    """Raised by the capturing step once the release's hash is known."""
+
+
+def _future_release_hash(policy: Policy) -> str:
+    """The release hash a run of ``policy`` will compute, found the way anyone who can read
+    the records can (here with the library's own steps, stopped before anything is written)."""
+    found: list[str] = []
+
+    def capture(workspace: Any, request: Any, entry: Any, policy: Any) -> Any:
+        found.append(request.content_hash)
+        raise _Planned
+
+    version = PolicyVersion(policy, 1, stamp(), "attacker", "test")
+    steps = dataclasses.replace(pm.LIBRARY_STEPS, plan_release=capture)
+    with pytest.raises(_Planned):
+        pm.apply_policy(version, Workspace.from_env(), run="attacker", steps=steps)
+    return found[0]
+
+
+def test_a_release_planted_under_a_future_hash_is_not_reused(
+    stack: PolicyStack, operator: Shell
+) -> None:
+    """An insider with the workflow's MLflow login but not its key registers a version under
+    the hash a policy's next release will have (its files and tags copied from a served release,
+    status ``ready``): the run merges and serves its own signed release instead."""
+    target = stack.epsilons[2] * 1.6
+    policy = policy_from_dict(
+        {"name": "planted", "target_epsilon": target, "target_delta": DELTA,
+         "dataset": "digits", "model": "logreg", "method": "lc"}
+    )  # fmt: skip
+    future = _future_release_hash(policy)
+    client = _mlflow(stack)
+    genuine = client.get_model_version(stack.releases_model, _aliases(stack)["policy-int"])
+    planted = client.create_model_version(
+        stack.releases_model,
+        genuine.source,
+        run_id=genuine.run_id,
+        tags={**genuine.tags, "dp.content_hash": future, "dp.status": "ready"},
+        description=genuine.description,
+    )
+    code, outcome = _set(operator, "planted", "--target-epsilon", f"{target!r}", "--method", "lc")
+    assert code == 0 and outcome["status"] == "promoted", outcome
+    assert outcome["version"] != str(planted.version) and not outcome["reused"]
+    served = client.get_model_version(stack.releases_model, outcome["version"])
+    assert served.tags["dp.content_hash"] == future  # the same release, merged and signed anew
+    assert _aliases(stack)["policy-planted"] == outcome["version"]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _serve(consumer: Shell, uri: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``mlflow models serve`` of ``uri`` in the consumer's shell, once it answers /ping."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [str(BIN / "mlflow"), "models", "serve", "-m", uri, "--env-manager", "local",
+         "--host", "127.0.0.1", "--port", str(port)],
+        env=consumer.env, cwd=consumer.cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert server.poll() is None, server.stderr.read().decode()[-3000:] if server.stderr else ""
+        try:
+            if requests.get(f"{url}/ping", timeout=5).ok:
+                return server, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+    os.killpg(server.pid, signal.SIGKILL)
+    raise AssertionError("mlflow models serve did not answer within 300 s")
+
+
+def _stop(server: subprocess.Popen[bytes]) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def test_a_forged_candidate_is_refused_until_the_operator_quarantines_it(
+    stack: PolicyStack, operator: Shell, tmp_path: Path
+) -> None:
+    """σ × 10 written into a candidate's record in S3 and its content-hash tag rewritten to
+    match, by someone holding the store's keys and the workflow's MLflow login but not its key:
+    the run is refused naming the repair; nothing is served; there is no ``registry sign`` to
+    launder it; the operator's quarantine lets the policy run without it."""
+    forged = stack.candidates[0]
+    s3, client = _admin_s3(stack), _mlflow(stack)
+    keys = _artifact_keys(stack, forged.model, forged.version)
+    for file, key in keys.items():
+        (tmp_path / file).write_bytes(
+            s3.get_object(Bucket=stack.config.bucket, Key=key)["Body"].read()
         )
-    times = [(t.start_time, t.end_time) for t in tasks if t.start_time and t.end_time]
-    return (min(a for a, _ in times), max(b for _, b in times)) if times else None
-
-
-def test_one_policy_at_a_time_the_later_event_wins(stack, candidates) -> None:
-    client = MlflowClient(stack.mlflow_url)
-    epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
-    first = _policy(target_epsilon=epsilons[2] * 1.5, method="lc")
-    later = _policy(target_epsilon=epsilons[2] * 2.0, method="rs")  # another release
-    ids = [_emit(stack, first.event_payload()), _emit(stack, later.event_payload())]
-    runs = [_wait_event(stack, event_id) for event_id in ids]
-    assert runs[1].state == "Completed" and runs[0].state in ("Completed", "Superseded")
-    spans = [_work_span(stack, r.id) for r in runs]
-    if all(spans):  # both did work: never at the same time
-        (a0, a1), (b0, b1) = spans
-        assert a1 <= b0 or b1 <= a0, "two runs of one policy overlapped"
-    merged = _merged(client, candidates)
-    version = _alias(client, merged, "policy-int")
-    tags = client.get_model_version(merged, version).tags
-    assert tags["dp.method"] == "rs"  # the later policy's release
-
-
-def test_different_policies_run_side_by_side(stack, candidates) -> None:
-    """The lock is per policy: while policy side-a's lock is held (here, by the test), an event
-    for side-b is applied and one for side-a waits; released, side-a's run completes."""
-    from flows.policy_runs import policy_lock
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
-    side_a, side_b = (
-        _policy(name=name, target_epsilon=epsilons[2] * factor, method="lc")
-        for name, factor in (("side-a", 1.7), ("side-b", 1.9))
+    document = json.loads((tmp_path / "record.json").read_text())
+    document["record"]["noise_multiplier"] *= 10
+    (tmp_path / "record.json").write_text(json.dumps(document))
+    s3.put_object(
+        Bucket=stack.config.bucket,
+        Key=keys["record.json"],
+        Body=(tmp_path / "record.json").read_bytes(),
     )
-    # this process's Prefect settings may predate the stack (another module's test server)
-    with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}), policy_lock("side-a"):
-        id_a = _emit(stack, side_a.event_payload(), "side-a")
-        id_b = _emit(stack, side_b.event_payload(), "side-b")
-        assert _wait_event(stack, id_b).state == "Completed"
-        waiting = _wait_event(stack, id_a, timeout_s=3)
-        assert waiting.state not in ("Completed", "Superseded"), waiting
-    assert _wait_event(stack, id_a).state == "Completed"
+    client.set_model_version_tag(
+        forged.model, forged.version, "dp.content_hash", candidate_content_hash(tmp_path)
+    )
+    aliases = _aliases(stack)
+    code, outcome = _set(operator, "forged", "--target-epsilon", f"{stack.epsilons[2] * 1.7:.6f}")
+    reasons = " ".join(outcome.get("reasons", []))
+    print(f"\nforged record: exit {code}: {reasons[:200]}")
+    assert code == 2 and outcome["status"] in ("refused", "rejected"), outcome
+    assert "fails verification" in reasons and "registry sign" not in reasons
+    assert _aliases(stack) == aliases
+    no_sign = operator.dpmerge("registry", "sign", forged.model, forged.version)
+    assert no_sign.returncode == 2 and "invalid choice: 'sign'" in no_sign.stderr
+    quarantined = operator.dpmerge("registry", "quarantine", forged.model, forged.version)
+    assert quarantined.returncode == 0, quarantined.stderr
+    code, outcome = _set(operator, "forged", "--rerun")
+    assert code == 0 and outcome["status"] == "promoted", outcome
+    assert f"{forged.model}/{forged.version}" not in json.dumps(outcome["candidates"])
 
 
-MALFORMED = {
-    "missing target": lambda p: {k: v for k, v in p.items() if k != "target_epsilon"},
-    "string for a number": lambda p: p | {"target_epsilon": "2.0"},
-    "boolean for a number": lambda p: p | {"min_accuracy": True},
-    "null for a number": lambda p: p | {"target_delta": None},
-    "extra field": lambda p: p | {"gpu": "yes"},
-    "negative target": lambda p: p | {"target_epsilon": -1.0},
-    "typo'd dataset": lambda p: p | {"dataset": "digitz"},
-}
+def test_swapped_served_weights_are_refused_by_the_consumer(
+    stack: PolicyStack, consumer: Shell
+) -> None:
+    """The served release's weights replaced in S3 by a candidate's: the consumer's ``dpmerge
+    verify`` (public key only) refuses it in one line, and passes again once restored."""
+    version = _aliases(stack)["policy-int"]
+    served = _artifact_keys(stack, stack.releases_model, version)["weights.safetensors"]
+    candidate = stack.candidates[1]
+    other = _artifact_keys(stack, candidate.model, candidate.version)["weights.safetensors"]
+    s3, bucket = _admin_s3(stack), stack.config.bucket
+    genuine = s3.get_object(Bucket=bucket, Key=served)["Body"].read()
+    s3.put_object(
+        Bucket=bucket, Key=served, Body=s3.get_object(Bucket=bucket, Key=other)["Body"].read()
+    )
+    try:
+        refused = consumer.dpmerge("verify", "@policy-int")
+    finally:
+        s3.put_object(Bucket=bucket, Key=served, Body=genuine)
+    assert refused.returncode == 2 and "weights.safetensors" in one_line(refused)
+    assert refused.stdout == ""
+    assert consumer.dpmerge("verify", "@policy-int").returncode == 0
 
 
-def test_every_malformed_event_is_a_rejected_run(stack, candidates) -> None:
-    """The red team's silently dropped events: each now ends as a visible ``Rejected`` run
-    with one line naming the field, and nothing changes."""
-    client = MlflowClient(stack.mlflow_url)
-    merged = _merged(client, candidates)
-    alias_before = _alias(client, merged, "policy-int")
-    versions_before = len(client.search_model_versions(f"name = '{merged}'"))
-    payload = _policy(target_epsilon=1.0).event_payload()
-    ids = {case: _emit(stack, change(payload)) for case, change in MALFORMED.items()}
-    runs = {case: _wait_event(stack, event_id) for case, event_id in ids.items()}
-    rejected = [case for case, run in runs.items() if run.state == "Rejected"]
-    assert sorted(rejected) == sorted(MALFORMED), {c: (r.state, r.message) for c, r in runs.items()}
-    for run in runs.values():
-        assert run.outcome["status"] == "rejected" and "\n" not in run.message
-    assert "target_epsilon" in runs["missing target"].message
-    assert "unknown field 'gpu'" in runs["extra field"].message
-    assert "field 'dataset'" in runs["typo'd dataset"].message
-    assert len(client.search_model_versions(f"name = '{merged}'")) == versions_before
-    assert _alias(client, merged, "policy-int") == alias_before
+def _stored_run(stack: PolicyStack, name: str, target: float) -> tuple[dict[str, Any], float]:
+    """A policy version stored as the workflow (the operator's command needs MLflow to check
+    it), its outcome and the seconds to it."""
+    store = Workspace.from_env().state()
+    payload = {"name": name, "target_epsilon": target, "target_delta": DELTA, "dataset": "digits"}
+    change = stored_policies.set_policy(store, name, payload, source="test")
+    started = time.monotonic()
+    outcome = wait_for_outcome(store, change.version, RUN_TIMEOUT_S)
+    assert outcome is not None, f"no outcome for {name} within {RUN_TIMEOUT_S} s"
+    return outcome, time.monotonic() - started
 
 
-def test_outcome_exit_codes_are_the_embedded_ones(stack, candidates, capsys) -> None:
-    """``dpmerge policy set --wait`` on the stack exits as in-process (tests/test_flows.py):
-    3 infeasible, 4 not promoted; one line each, no traceback."""
-    from flows.cli import main
+def _mlflow_pid(stack: PolicyStack) -> int:
+    (mlflow,) = [s for s in devstack.status(stack.config) if s.name == "mlflow"]
+    assert mlflow.pid is not None
+    return mlflow.pid
 
-    epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
-    base = ["policy", "set", "--name", "codes", "--delta", "1e-5", "--dataset", "digits"]
-    infeasible = [*base, "--target-epsilon", f"{epsilons[0] / 2:.4f}", "--wait", "180"]
-    assert main(infeasible) == 3
-    out, err = capsys.readouterr()
-    assert out.startswith("policy codes: infeasible — ") and "Traceback" not in out + err
-    strict = [*base, "--target-epsilon", f"{epsilons[2] * 1.3:.4f}", "--min-accuracy", "0.999"]
-    assert main([*strict, "--wait", "180"]) == 4
-    assert capsys.readouterr().out.startswith("policy codes: not promoted — ")
-    typo = [*base[:-1], "digitz", "--target-epsilon", "2"]  # --dataset digitz, given once
-    assert main(typo) == 2  # before any event
+
+def test_a_hung_then_a_dead_mlflow_fails_runs_within_a_bounded_time(stack: PolicyStack) -> None:
+    """MLflow frozen (SIGSTOP: it accepts connections and never answers), then killed: each
+    run ends ``failed`` within two minutes, and the alias stays. Last: MLflow stays down."""
+    aliases = _aliases(stack)
+    os.killpg(_mlflow_pid(stack), signal.SIGSTOP)
+    try:
+        hung, seconds = _stored_run(stack, "outage", stack.epsilons[2] * 1.9)
+    finally:
+        os.killpg(_mlflow_pid(stack), signal.SIGCONT)
+    print(f"\nMLflow hung: {hung['status']} after {seconds:.0f} s: {hung.get('reasons')}")
+    assert hung["status"] == "failed" and seconds < 120, hung
+    assert _aliases(stack) == aliases
+    os.killpg(_mlflow_pid(stack), signal.SIGKILL)
+    dead, seconds = _stored_run(stack, "outage", stack.epsilons[2] * 1.8)
+    print(f"MLflow down: {dead['status']} after {seconds:.0f} s: {dead.get('reasons')}")
+    assert dead["status"] == "failed" and seconds < 120, dead
