@@ -127,7 +127,7 @@ def _overlaps(url: str, runs: list[Any]) -> tuple[int, int]:
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    with SyncPrefectClient(url) as client:
+    with SyncPrefectClient(url, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")) as client:
         tasks = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs])),
         )

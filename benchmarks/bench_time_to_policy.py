@@ -39,7 +39,7 @@ def task_breakdown(url: str, flow_run_id: Any) -> list[tuple[str, float]]:
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    with SyncPrefectClient(url) as client:
+    with SyncPrefectClient(url, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")) as client:
         runs = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
         )
@@ -109,7 +109,9 @@ def measure(
         start = time.perf_counter()
         event_id = runtime.emit_policy_event(policy.event_payload(), policy.resource_id, "bench")
         moved = None
-        with SyncPrefectClient(url) as prefect:
+        with SyncPrefectClient(
+            url, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")
+        ) as prefect:
             while time.perf_counter() - start < 300:
                 current = alias_version()
                 if current is not None and current != before:
@@ -177,7 +179,7 @@ def _phases(url: str, run_id: str | None, emitted: float) -> str:
         return ""
     from prefect.client.orchestration import SyncPrefectClient
 
-    with SyncPrefectClient(url) as prefect:
+    with SyncPrefectClient(url, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")) as prefect:
         run = prefect.read_flow_run(run_id)
     if run.start_time is None:
         return ""
@@ -206,7 +208,7 @@ def retrain(args: argparse.Namespace, url: str, dataset: str) -> tuple[float, fl
     start = time.perf_counter()
     train_candidate(config, data)
     here = time.perf_counter() - start
-    with SyncPrefectClient(url) as client:
+    with SyncPrefectClient(url, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")) as client:
         deployment = client.read_deployment_by_name(RETRAIN_DEPLOYMENT)
         start = time.perf_counter()
         run = client.create_flow_run_from_deployment(

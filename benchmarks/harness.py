@@ -126,7 +126,7 @@ def policy_runs(url: str, since: Any = None) -> list[Any]:
         else None
     )
     found: list[Any] = []
-    with SyncPrefectClient(url) as client:
+    with SyncPrefectClient(url, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")) as client:
         while True:
             page = client.read_flow_runs(
                 flow_filter=FlowFilter(name=FlowFilterName(any_=["merge-on-policy"])),

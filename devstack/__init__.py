@@ -16,8 +16,9 @@ from devstack.config import (
     port_free,
     resolve_config,
 )
+from devstack.processes import alive as pid_alive
+from devstack.processes import group_members
 from devstack.stack import ServiceStatus, down, export_lines, status, up
-from devstack.supervisor import group_members, pid_alive
 
 __all__ = [
     "CONFIG_FILE",

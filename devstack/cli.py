@@ -13,17 +13,18 @@ import devstack as stack
 from devstack import store
 from devstack.config import ADMIN_GRPC_OFFSET, DEFAULT_STORE_PORTS, STORE_PORT_NAMES
 from dpmerge.storage import S3Store, StorageError
+from dpmerge.vocabulary import StackDatabase, StackRole, values
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "stack",
-        help="start/stop the local stack (S3, MLflow, Prefect, workers) on 127.0.0.1",
+        help="start/stop the local stack (S3, PostgreSQL, MLflow, Prefect, workers) on 127.0.0.1",
         description=(
             "Run the local stack on loopback under supervisord. State (S3 objects, databases, "
-            "logs, supervisord's configuration and socket) lives in --state-dir (default "
-            "$DPMERGE_STACK_DIR or .stack/ in the repository); the ports given to 'up' are "
-            "saved there (stack.json) and reused by down, status and env."
+            "credentials, logs, supervisord's configuration and socket) lives in --state-dir "
+            "(default $DPMERGE_STACK_DIR or .stack/ in the repository); the ports and database "
+            "given to 'up' are saved there (stack.json) and reused by down, status and env."
         ),
     )
     actions = parser.add_subparsers(dest="stack_command", required=True)
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("up", "start every service not already running (idempotent)"),
         ("down", "stop workers, then servers, then supervisord"),
         ("status", "show what runs and whether the registry and the S3 store are in step"),
-        ("env", 'print the export lines a shell needs: eval "$(dpmerge stack env)"'),
+        ("env", 'print one role\'s export lines: eval "$(dpmerge stack env --role operator)"'),
     ):
         sub = actions.add_parser(name, help=text, description=text)
         sub.add_argument("--state-dir", default=None, help="state directory (pids, logs, data)")
@@ -48,6 +49,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 f"inside, and the last + {ADMIN_GRPC_OFFSET} (default {DEFAULT_STORE_PORTS[0]})",
             )
             sub.add_argument(
+                "--database",
+                choices=values(StackDatabase),
+                default=None,
+                help="what backs the Prefect server and MLflow's store (default postgres; "
+                "saved in stack.json)",
+            )
+            sub.add_argument(
                 "--no-prefect",
                 dest="prefect",
                 action="store_false",
@@ -56,6 +64,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             )
         if name in ("up", "status"):
             sub.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "env":
+            sub.add_argument(
+                "--role",
+                choices=values(StackRole),
+                default=StackRole.WORKFLOW.value,
+                help="whose credentials (default workflow; each role gets its own only)",
+            )
         sub.set_defaults(handler=_handle)
 
 
@@ -66,6 +81,8 @@ def _handle(args: argparse.Namespace) -> int:
             s3_port=args.s3_port,
             mlflow_port=args.mlflow_port,
             prefect_port=args.prefect_port,
+            postgres_port=args.postgres_port,
+            database=args.database,
             prefect=args.prefect,
             store_ports=None
             if args.store_port_base is None
@@ -80,7 +97,7 @@ def _handle(args: argparse.Namespace) -> int:
         print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
         return 0
     if args.stack_command == "env":
-        print("\n".join(stack.export_lines(config)))
+        print("\n".join(stack.export_lines(config, StackRole(args.role))))
         return 0
     statuses = stack.status(config)
     if any(s.name == "s3" and s.healthy for s in statuses):
@@ -89,7 +106,8 @@ def _handle(args: argparse.Namespace) -> int:
         in_step = False
         if not args.json:
             print("registry/store: unknown (S3 is not running)")
-    _print_status(statuses, args.json, f"state directory {config.state_dir}")
+    header = f"state directory {config.state_dir}; database {config.database.value}"
+    _print_status(statuses, args.json, header)
     return 0 if in_step and all(s.healthy for s in statuses) else 1
 
 
@@ -128,4 +146,8 @@ def _print_status(statuses: list[stack.ServiceStatus], as_json: bool, header: st
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, [*widths, 0], strict=True)))
+    for s in statuses:
+        if s.orphans:
+            pids = ", ".join(map(str, s.orphans))
+            print(f"  {s.name}: orphaned processes of an earlier instance: {pids}")
     return 0

@@ -3,7 +3,7 @@
 ``stack.json`` in the state directory holds the configuration ``up`` used; ``down``,
 ``status``, ``env`` and any client that wants the tracking URI read it
 (:meth:`StackConfig.load`). :meth:`StackConfig.client_env` is what a shell, a worker's flow run
-or a test needs to use the stack.
+or a test needs to use the stack as one role (docs/stack.md#roles-and-permissions).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dpmerge.environment import TELEMETRY_OFF
 from dpmerge.errors import DPMergeError
 from dpmerge.locate import STACK_FILE, stack_state_dir
-from dpmerge.storage import DEFAULT_AUDIT_BUCKET, DEFAULT_BUCKET, S3Config
+from dpmerge.storage import DEFAULT_AUDIT_BUCKET, DEFAULT_BUCKET, DEFAULT_STATE_BUCKET, S3Config
+from dpmerge.vocabulary import StackDatabase, StackRole, choose
 
 LOOPBACK = "127.0.0.1"
-DEFAULT_PORTS = {"s3": 5001, "mlflow": 5000, "prefect": 4200}
+DEFAULT_PORTS = {"s3": 5001, "mlflow": 5000, "prefect": 4200, "postgres": 5433}
 STORE_PORT_NAMES = (
     "master.port",
     "master.port.grpc",
@@ -39,12 +39,6 @@ ADMIN_GRPC_OFFSET = 10000
 DEFAULT_STORE_PORTS = tuple(range(5002, 5002 + len(STORE_PORT_NAMES)))
 POOLS = ("cpu", "gpu")
 CONFIG_FILE = STACK_FILE
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "devstack",
-    "AWS_SECRET_ACCESS_KEY": "devstack-local-only",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-"""The one identity the local S3 server accepts (it refuses anonymous and other requests)."""
 
 
 class StackError(DPMergeError):
@@ -94,16 +88,19 @@ def _free_admin_port() -> int:
 
 @dataclass(frozen=True)
 class StackConfig:
-    """Ports, buckets and the state directory of one local stack. ``prefect=False`` starts
-    only S3 and MLflow (what the registry tests need)."""
+    """Ports, buckets, the database and the state directory of one local stack.
+    ``prefect=False`` starts only S3, the database and MLflow (what the registry tests need)."""
 
     state_dir: Path = field(default_factory=default_state_dir)
     s3_port: int = DEFAULT_PORTS["s3"]
     mlflow_port: int = DEFAULT_PORTS["mlflow"]
     prefect_port: int = DEFAULT_PORTS["prefect"]
+    postgres_port: int = DEFAULT_PORTS["postgres"]
     store_ports: tuple[int, ...] = DEFAULT_STORE_PORTS
+    database: StackDatabase = StackDatabase.POSTGRES
     bucket: str = DEFAULT_BUCKET
     audit_bucket: str = DEFAULT_AUDIT_BUCKET
+    state_bucket: str = DEFAULT_STATE_BUCKET
     prefect: bool = True
     pools: tuple[str, ...] = POOLS
     worker_query_seconds: float = 1.0
@@ -112,12 +109,22 @@ class StackConfig:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
         object.__setattr__(self, "pools", tuple(self.pools))
         object.__setattr__(self, "store_ports", tuple(self.store_ports))
+        try:
+            object.__setattr__(self, "database", choose(StackDatabase, self.database, "database"))
+        except DPMergeError as error:
+            raise StackError(str(error)) from None
         if len(self.store_ports) != len(STORE_PORT_NAMES):
             raise StackError(
                 f"store_ports needs {len(STORE_PORT_NAMES)} ports "
                 f"({', '.join(STORE_PORT_NAMES)}), got {len(self.store_ports)}"
             )
-        raw = [self.s3_port, self.mlflow_port, self.prefect_port, *self.store_ports]
+        raw = [
+            self.s3_port,
+            self.mlflow_port,
+            self.prefect_port,
+            self.postgres_port,
+            *self.store_ports,
+        ]
         if not all(type(p) is int for p in raw):
             raise StackError(f"ports must be integers, got {raw}")
         ports = self.ports
@@ -127,12 +134,13 @@ class StackConfig:
     @classmethod
     def on_free_ports(cls, state_dir: str | Path, **fields: Any) -> StackConfig:
         """A configuration whose ports are all free on loopback right now (tests, benchmarks)."""
-        s3, mlflow, prefect, *store = free_ports(2 + len(STORE_PORT_NAMES))
+        s3, mlflow, prefect, postgres, *store = free_ports(3 + len(STORE_PORT_NAMES))
         return cls(
             state_dir=Path(state_dir),
             s3_port=s3,
             mlflow_port=mlflow,
             prefect_port=prefect,
+            postgres_port=postgres,
             store_ports=(*store, _free_admin_port()),
             **fields,
         )
@@ -147,6 +155,8 @@ class StackConfig:
     def ports(self) -> list[int]:
         """Every port this stack listens on."""
         servers = [self.s3_port, *self.store_flags.values(), self.mlflow_port]
+        if self.database is StackDatabase.POSTGRES:
+            servers.append(self.postgres_port)
         return servers + ([self.prefect_port] if self.prefect else [])
 
     @property
@@ -177,35 +187,29 @@ class StackConfig:
     def logs_dir(self) -> Path:
         return self.state_dir / "logs"
 
-    def s3_config(self) -> S3Config:
-        return S3Config(
-            endpoint_url=self.s3_url,
-            bucket=self.bucket,
-            audit_bucket=self.audit_bucket,
-            access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-            secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-            block_public_access=False,
-        )
+    @property
+    def postgres_dir(self) -> Path:
+        return self.state_dir / "postgres"
 
-    def client_env(self) -> dict[str, str]:
-        """What a shell (or a worker's flow run) needs to use this stack."""
-        env = {
-            "MLFLOW_TRACKING_URI": self.mlflow_url,
-            "DPMERGE_S3_ENDPOINT_URL": self.s3_url,
-            "DPMERGE_S3_BUCKET": self.bucket,
-            "DPMERGE_S3_AUDIT_BUCKET": self.audit_bucket,
-            **CREDENTIALS,
-            **TELEMETRY_OFF,
-        }
-        if self.prefect:
-            env["PREFECT_API_URL"] = self.prefect_api_url
-        return env
+    def s3_config(self) -> S3Config:
+        """The stack's own S3 identity (``admin``: buckets, the store generation)."""
+        from devstack.roles import admin_s3_config
+
+        return admin_s3_config(self)
+
+    def client_env(self, role: StackRole = StackRole.WORKFLOW) -> dict[str, str]:
+        """What a shell, a worker's flow run or a test needs to use this stack as ``role``
+        (its own credentials only; :func:`devstack.roles.role_env`)."""
+        from devstack.roles import role_env
+
+        return role_env(self, role)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["state_dir"] = str(self.state_dir)
         data["pools"] = list(self.pools)
         data["store_ports"] = list(self.store_ports)
+        data["database"] = self.database.value
         return data
 
     def save(self) -> None:
@@ -223,7 +227,7 @@ class StackConfig:
             return None
         try:
             return cls(**json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError) as error:
+        except (json.JSONDecodeError, TypeError, StackError) as error:
             raise StackError(f"{path} is not a stack configuration ({error})") from None
 
 

@@ -1,10 +1,17 @@
 """The processes of the local stack, in start order, and how to tell each one is healthy.
 
 Stage 0 is S3 (SeaweedFS ``weed mini``: master, volume, filer and S3 gateway in one process,
-objects on disk under ``STATE/s3``); stage 1 the MLflow server (sqlite registry, artifacts
-proxied to ``s3://<bucket>/mlartifacts``) and the Prefect server, which need only S3 and
-nothing of each other; stage 2 one Prefect worker per work pool. ``down`` stops the stages in
-reverse.
+objects on disk under ``STATE/s3``, the identities of ``STATE/secrets/s3.json``) and PostgreSQL
+(``STATE/postgres``; none with ``--database sqlite``); stage 1 the MLflow server (its auth app,
+backend store and auth database in PostgreSQL, artifacts proxied to
+``s3://<bucket>/mlartifacts``) and the Prefect server (PostgreSQL, an auth string), which need
+nothing of each other; stage 2 one Prefect worker per work pool and the policy dispatcher
+(``flows/dispatch.py``: stored policy versions become flow runs), with the workflow role's
+environment. ``down`` stops the stages in reverse.
+
+Healthy means answering *as itself*: every port of the service is listened on only by the
+process supervisord started or its descendants (:func:`devstack.processes.owns_ports`), and the
+service answers its health check; a worker's last heartbeat came after its process started.
 """
 
 from __future__ import annotations
@@ -13,16 +20,18 @@ import shutil
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
-from devstack.config import (
-    CREDENTIALS,
-    LOOPBACK,
-    StackConfig,
-    StackError,
-    repo_root,
-)
+from devstack import credentials as secrets_store
+from devstack import postgres
+from devstack.config import LOOPBACK, StackConfig, StackError, repo_root
+from devstack.credentials import Credentials
+from devstack.processes import owns_ports, started_at
+from devstack.roles import prefect_headers, role_env
 from dpmerge.environment import probe
+from dpmerge.storage import MLFLOW_ARTIFACTS_PREFIX
+from dpmerge.vocabulary import StackDatabase, StackRole
 
 HEALTH_TIMEOUT_S = 5.0
 """How long one health probe waits for an answer (a loaded 2-core machine answers slowly)."""
@@ -30,18 +39,23 @@ HEALTH_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class Service:
-    """One supervised program: its command, environment, ports and health check."""
+    """One supervised program: its command, environment, ports and health check (given the
+    supervised pid; :meth:`healthy` adds that the service owns its ports)."""
 
     name: str
     argv: tuple[str, ...]
     env: Mapping[str, str]
-    health: Callable[[], bool]
+    health: Callable[[int], bool]
     stage: int
     ports: tuple[int, ...] = ()
     url: str | None = None
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 15.0
+    stop_signal: str = "TERM"
     cwd: Path | None = None
+
+    def healthy(self, pid: int | None) -> bool:
+        return pid is not None and owns_ports(pid, self.ports) and self.health(pid)
 
 
 def executable(name: str) -> str:
@@ -57,13 +71,42 @@ def worker_name(pool: str) -> str:
     return f"dpmerge-{pool}"
 
 
-def worker_online(config: StackConfig, pool: str) -> bool:
+def worker_online(config: StackConfig, creds: Credentials, pool: str, pid: int) -> bool:
+    """The pool's worker is ``ONLINE`` and its last heartbeat came after process ``pid``
+    started (an earlier worker of the same name stays ``ONLINE`` for a while after it died)."""
     url = f"{config.prefect_api_url}/work_pools/{pool}/workers/filter"
-    workers = probe(url, method="POST", body={}, timeout_s=HEALTH_TIMEOUT_S).body
-    return isinstance(workers, list) and any(
-        isinstance(w, dict) and w.get("name") == worker_name(pool) and w.get("status") == "ONLINE"
-        for w in workers
+    answer = probe(
+        url, method="POST", body={}, headers=prefect_headers(creds), timeout_s=HEALTH_TIMEOUT_S
     )
+    started = started_at(pid)
+    if started is None or not isinstance(answer.body, list):
+        return False
+    for worker in answer.body:
+        if (
+            isinstance(worker, dict)
+            and worker.get("name") == worker_name(pool)
+            and worker.get("status") == "ONLINE"
+        ):
+            try:
+                beat = datetime.fromisoformat(str(worker.get("last_heartbeat_time")))
+            except ValueError:
+                return False
+            return beat.timestamp() >= started
+    return False
+
+
+def dispatch_heartbeat(config: StackConfig) -> Path:
+    return config.state_dir / "dispatcher.heartbeat"
+
+
+def beat_since_start(heartbeat: Path, pid: int) -> bool:
+    """The dispatcher touched its heartbeat file after process ``pid`` started: it reached the
+    state store and the Prefect API since."""
+    started = started_at(pid)
+    try:
+        return started is not None and heartbeat.stat().st_mtime >= started
+    except OSError:
+        return False
 
 
 def store_ready(config: StackConfig) -> bool:
@@ -90,8 +133,41 @@ def store_ready(config: StackConfig) -> bool:
         return False
 
 
+def s3_config_file(config: StackConfig) -> Path:
+    return secrets_store.secrets_dir(config.state_dir) / "s3.json"
+
+
+def mlflow_auth_file(config: StackConfig) -> Path:
+    return secrets_store.secrets_dir(config.state_dir) / "mlflow-auth.ini"
+
+
+def backend_store_uri(config: StackConfig, creds: Credentials) -> str:
+    if config.database is StackDatabase.POSTGRES:
+        return postgres.url(config, "mlflow", creds.database["mlflow"], "mlflow", "psycopg")
+    return f"sqlite:///{config.mlflow_dir / 'mlflow.db'}"
+
+
+def _database(config: StackConfig, creds: Credentials) -> list[Service]:
+    if config.database is not StackDatabase.POSTGRES:
+        return []
+    return [
+        Service(
+            name="postgres",
+            argv=tuple(postgres.server_argv(config)),
+            env={},
+            health=lambda _pid: postgres.ready(config, creds),
+            stage=0,
+            ports=(config.postgres_port,),
+            start_timeout_s=60.0,
+            stop_signal="INT",  # fast shutdown: roll back open transactions, then exit
+        )
+    ]
+
+
 def services(config: StackConfig) -> list[Service]:
-    """Every service of ``config`` in start order."""
+    """Every service of ``config`` in start order (the stack's credentials must exist)."""
+    creds = secrets_store.require(config.state_dir)
+    mlflow_key = creds.s3["mlflow"]
     store_flags = [f"-{name}={port}" for name, port in config.store_flags.items()]
     result = [
         Service(
@@ -109,38 +185,39 @@ def services(config: StackConfig) -> list[Service]:
                 "-webdav=false",
                 "-admin.ui=false",
                 "-master.telemetry=false",
+                f"-s3.config={s3_config_file(config)}",
                 f"-s3.localSocket={config.state_dir / 's3.sock'}",
             ),
-            # weed mini makes these credentials its one S3 identity: others are refused.
-            env={**CREDENTIALS},
-            health=lambda: store_ready(config),
+            # the identities are those of -s3.config only: none from the environment
+            env={"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""},
+            health=lambda _pid: store_ready(config),
             stage=0,
             ports=(config.s3_port, *config.store_flags.values()),
             url=config.s3_url,
             start_timeout_s=60.0,
         ),
+        *_database(config, creds),
         Service(
             name="mlflow",
             argv=(
                 executable("mlflow"),
                 "server",
-                "--backend-store-uri",
-                f"sqlite:///{config.mlflow_dir / 'mlflow.db'}",
-                "--artifacts-destination",
-                config.s3_config().mlflow_artifacts_uri,
-                "--host",
-                LOOPBACK,
-                "--port",
-                str(config.mlflow_port),
-                "--workers",
-                "1",
+                *("--app-name", "basic-auth"),
+                *("--artifacts-destination", f"s3://{config.bucket}/{MLFLOW_ARTIFACTS_PREFIX}"),
+                *("--host", LOOPBACK, "--port", str(config.mlflow_port), "--workers", "1"),
             ),
             env={
-                **CREDENTIALS,
+                "MLFLOW_BACKEND_STORE_URI": backend_store_uri(config, creds),
+                "MLFLOW_AUTH_CONFIG_PATH": str(mlflow_auth_file(config)),
+                "MLFLOW_AUTH_ADMIN_PASSWORD": creds.mlflow_admin,
+                "MLFLOW_FLASK_SERVER_SECRET_KEY": creds.mlflow_session,
+                "AWS_ACCESS_KEY_ID": mlflow_key.access_key_id,
+                "AWS_SECRET_ACCESS_KEY": mlflow_key.secret_access_key,
+                "AWS_DEFAULT_REGION": "us-east-1",
                 "MLFLOW_S3_ENDPOINT_URL": config.s3_url,
                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             },
-            health=lambda: probe(f"{config.mlflow_url}/health", timeout_s=HEALTH_TIMEOUT_S).ok,
+            health=lambda _pid: probe(f"{config.mlflow_url}/health", timeout_s=HEALTH_TIMEOUT_S).ok,
             stage=1,
             ports=(config.mlflow_port,),
             url=config.mlflow_url,
@@ -149,6 +226,11 @@ def services(config: StackConfig) -> list[Service]:
     if not config.prefect:
         return result
     prefect_env = {"PREFECT_HOME": str(config.prefect_home)}
+    database = {}
+    if config.database is StackDatabase.POSTGRES:
+        database["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = postgres.url(
+            config, "prefect", creds.database["prefect"], "prefect", "asyncpg"
+        )
     result.append(
         Service(
             name="prefect",
@@ -158,11 +240,14 @@ def services(config: StackConfig) -> list[Service]:
             ),
             env={
                 **prefect_env,
+                **database,
                 "PREFECT_API_URL": config.prefect_api_url,
+                "PREFECT_API_AUTH_STRING": creds.prefect_auth,
+                "PREFECT_SERVER_API_AUTH_STRING": creds.prefect_auth,
                 "PREFECT_SERVER_API_HOST": LOOPBACK,
                 "PREFECT_SERVER_API_PORT": str(config.prefect_port),
             },
-            health=lambda: (
+            health=lambda _pid: (
                 probe(f"{config.prefect_api_url}/health", timeout_s=HEALTH_TIMEOUT_S).body is True
             ),
             stage=1,
@@ -171,9 +256,22 @@ def services(config: StackConfig) -> list[Service]:
             stop_timeout_s=30.0,
         )
     )
+    result.append(
+        Service(
+            name="dispatcher",
+            argv=(
+                *(sys.executable, "-m", "flows.dispatch"),
+                *("--heartbeat", str(dispatch_heartbeat(config))),
+            ),
+            env={**role_env(config, StackRole.WORKFLOW), **prefect_env},
+            health=lambda pid: beat_since_start(dispatch_heartbeat(config), pid),
+            stage=2,
+            cwd=repo_root(),
+        )
+    )
     for pool in config.pools:
         worker_env = {
-            **config.client_env(),
+            **role_env(config, StackRole.WORKFLOW),
             **prefect_env,
             "PREFECT_WORKER_QUERY_SECONDS": str(config.worker_query_seconds),
         }
@@ -188,7 +286,7 @@ def services(config: StackConfig) -> list[Service]:
                     *("--name", worker_name(pool)),
                 ),
                 env=worker_env,
-                health=lambda pool=pool: worker_online(config, pool),
+                health=lambda pid, pool=pool: worker_online(config, creds, pool, pid),
                 stage=2,
                 # A worker under load can need more than 20 s to stop after SIGTERM.
                 stop_timeout_s=90.0,

@@ -1,14 +1,19 @@
 """``up``, ``down`` and ``status`` of the local stack, on supervisord (docs/stack.md).
 
-``up`` writes ``stack.json``, starts supervisord and then the services stage by stage
-(:mod:`devstack.services`), waiting for each stage to be healthy: S3, then the buckets and the
-registry/store check (:mod:`devstack.store`), then MLflow and the Prefect server, then the work
-pools, then the workers. ``down`` stops the stages in reverse (workers first) and then
-supervisord. supervisord restarts a service that crashes.
+``up`` generates the stack's credentials on its first run (:mod:`devstack.credentials`), writes
+``stack.json`` and the services' configuration files, starts supervisord and then the services
+stage by stage (:mod:`devstack.services`), waiting for each stage to be healthy: S3 and
+PostgreSQL, then the buckets, the database roles and the registry/store check
+(:mod:`devstack.store`), then MLflow and the Prefect server, then the MLflow users, the locked
+work pools and the workflow's Secret block (:mod:`devstack.provision`), then the workers.
+``down`` stops the stages in reverse (workers first), then supervisord, then ends any process
+of the stack still alive (an orphan of a service killed earlier). supervisord restarts a
+service that crashes; its launcher first ends what the crashed one left behind.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from dataclasses import asdict, dataclass
@@ -16,12 +21,15 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+from devstack import credentials as secrets_store
+from devstack import postgres, processes, provision, roles
 from devstack import store as registry_store
 from devstack.config import LOOPBACK, StackConfig, StackError, port_free
-from devstack.services import Service, services
+from devstack.services import Service, mlflow_auth_file, s3_config_file, services
 from devstack.supervisor import Supervisor, log_tail
-from dpmerge.environment import probe
+from dpmerge.keys import KEY_ENV, KEY_FILE_ENV
 from dpmerge.storage import S3Store
+from dpmerge.vocabulary import StackDatabase, StackRole
 
 POLL_S = 0.25
 KILL_GRACE_S = 15.0  # after SIGKILL, how long a stopping process may take to be reaped
@@ -36,6 +44,7 @@ class ServiceStatus:
     healthy: bool
     url: str | None
     log: Path
+    orphans: tuple[int, ...] = ()  # live processes of an earlier instance of this service
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "log": str(self.log)}
@@ -49,7 +58,7 @@ def _await_healthy(supervisor: Supervisor, service: Service) -> None:
     log = supervisor.log_of(service.name)
     deadline = time.monotonic() + service.start_timeout_s
     while time.monotonic() < deadline:
-        if service.health():
+        if service.healthy(supervisor.info(service.name).pid):
             return
         if supervisor.info(service.name).state == "FATAL":
             raise StackError(
@@ -62,37 +71,45 @@ def _await_healthy(supervisor: Supervisor, service: Service) -> None:
     )
 
 
-def _ensure_pools(config: StackConfig) -> None:
-    """Create the ``process`` work pools the workers poll (an existing pool is kept)."""
-    for pool in config.pools:
-        answer = probe(
-            f"{config.prefect_api_url}/work_pools/",
-            method="POST",
-            body={"name": pool, "type": "process"},
-            timeout_s=30.0,
-        )
-        if not (answer.ok or answer.status == 409):
-            raise StackError(f"creating work pool {pool!r} failed: {answer.error} {answer.body}")
-
-
 def _after_stage(config: StackConfig, stage: list[Service]) -> None:
     names = {service.name for service in stage}
+    creds = secrets_store.require(config.state_dir)
     if "s3" in names:
         s3 = S3Store(config.s3_config())
         s3.bootstrap()
+        if config.database is StackDatabase.POSTGRES:
+            postgres.bootstrap(config, creds)
         registry_store.reconcile(config, s3)
+    if "mlflow" in names:
+        provision.create_mlflow_users(config, creds)
     if "prefect" in names:
-        _ensure_pools(config)
+        provision.ensure_pools(config, creds)
+        provision.ensure_secret_block(config, creds)
+
+
+def _prepare(config: StackConfig) -> None:
+    """The credentials (first ``up``), the services' configuration files, the database."""
+    creds = secrets_store.ensure(config.state_dir)
+    secrets_store.workflow_key(config.state_dir)
+    secrets_store.write_private(
+        s3_config_file(config), json.dumps(roles.s3_identities(config, creds), indent=2)
+    )
+    secrets_store.write_private(mlflow_auth_file(config), roles.mlflow_auth_ini(config, creds))
+    config.mlflow_dir.mkdir(parents=True, exist_ok=True)
+    if config.database is StackDatabase.POSTGRES:
+        postgres.initdb(config, creds)
 
 
 def up(config: StackConfig) -> list[ServiceStatus]:
     """Start every service not already running, stage by stage; on a failure stop what this
     call started and raise :class:`StackError` naming the log."""
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    config.state_dir.chmod(0o700)
+    _prepare(config)
     stages = _stages(config)
     supervisor = Supervisor(config)
     started_supervisor = supervisor.ensure_running([s for stage in stages for s in stage])
     config.save()  # after the check that a running supervisord has these settings
-    config.mlflow_dir.mkdir(parents=True, exist_ok=True)
     started: list[Service] = []
     try:
         for stage in stages:
@@ -114,6 +131,7 @@ def up(config: StackConfig) -> list[ServiceStatus]:
         _stop(supervisor, list(reversed(started)))
         if started_supervisor:
             supervisor.shutdown()
+            processes.end(processes.marked(config.state_dir))
         raise
     return status(config)
 
@@ -143,15 +161,18 @@ def _stop(supervisor: Supervisor, stage: list[Service]) -> list[str]:
 
 
 def down(config: StackConfig) -> list[str]:
-    """Stop workers first, then the servers, then supervisord. Returns what it stopped, with
-    ``" (killed)"`` where SIGTERM was not enough."""
+    """Stop workers first, then the servers, then supervisord, then end any process of the
+    stack still alive. Returns what it stopped, with ``" (killed)"`` where the stop signal was
+    not enough, and ``orphans (pids)`` for processes no service owned any more."""
     supervisor = Supervisor(config)
-    if not supervisor.running():
-        return []
     stopped = []
-    for stage in reversed(_stages(config)):
-        stopped += _stop(supervisor, list(reversed(stage)))
-    supervisor.shutdown()
+    if supervisor.running():
+        for stage in reversed(_stages(config)):
+            stopped += _stop(supervisor, list(reversed(stage)))
+        supervisor.shutdown()
+    left = processes.end(processes.marked(config.state_dir))
+    if left:
+        stopped.append(f"orphans ({', '.join(map(str, left))})")
     return stopped
 
 
@@ -162,20 +183,32 @@ def status(config: StackConfig) -> list[ServiceStatus]:
         for service in stage:
             info = supervisor.info(service.name)
             running = info.state in ("RUNNING", "STARTING")
+            own = processes.descendants(info.pid) if info.pid else set()
             result.append(
                 ServiceStatus(
                     name=service.name,
                     state=info.state,
                     pid=info.pid,
                     running=running,
-                    healthy=running and service.health(),
+                    healthy=running and service.healthy(info.pid),
                     url=service.url,
                     log=supervisor.log_of(service.name),
+                    orphans=tuple(
+                        sorted(set(processes.marked(config.state_dir, service.name)) - own)
+                    ),
                 )
             )
     return result
 
 
-def export_lines(config: StackConfig) -> list[str]:
-    """``export NAME=value`` lines for a POSIX shell (``eval "$(dpmerge stack env)"``)."""
-    return [f"export {k}={shlex.quote(v)}" for k, v in config.client_env().items()]
+def export_lines(config: StackConfig, role: StackRole = StackRole.WORKFLOW) -> list[str]:
+    """``export NAME=value`` lines of ``role``'s environment for a POSIX shell
+    (``eval "$(dpmerge stack env --role operator)"``), then ``unset`` of every variable another
+    role sets and this one does not, so a shell that switches roles keeps no credential of the
+    role it leaves (the secret key, which no role's environment holds, included)."""
+    env = config.client_env(role)
+    others = {k for other in StackRole for k in config.client_env(other)} - set(env)
+    others |= {KEY_ENV, KEY_FILE_ENV}
+    return [f"export {k}={shlex.quote(v)}" for k, v in env.items()] + [
+        f"unset {k}" for k in sorted(others)
+    ]

@@ -1,7 +1,8 @@
 """Keep the MLflow registry and the S3 store in step (docs/stack.md#registry-and-store).
 
-The registry (``STATE/mlflow/mlflow.db``) points at artifacts, and the workflow keeps its
-ledger and audit records, in the store (``STATE/s3``). A registry is only usable with the store
+The registry (MLflow's database in ``STATE/postgres``, or ``STATE/mlflow/mlflow.db`` with
+``--database sqlite``) points at artifacts, and the workflow keeps its ledger and audit
+records, in the store (``STATE/s3``). A registry is only usable with the store
 it was written against. So the store carries a generation id, the object
 ``devstack/generation.json`` in the project bucket, written once when the store is new, and
 ``STATE/mlflow/store-generation`` records the generation the registry belongs to. ``up``
@@ -15,9 +16,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 
 from devstack.config import StackConfig, StackError
 from dpmerge.storage import ObjectNotFoundError, S3Store
+from dpmerge.vocabulary import StackDatabase
 
 MARKER_KEY = "devstack/generation.json"
 RECORD_FILE = "store-generation"
@@ -46,8 +49,17 @@ def judge(store: str | None, registry: str | None, registry_exists: bool) -> Ver
     return Verdict.OUT_OF_STEP
 
 
+def registry_exists(config: StackConfig) -> bool:
+    """Whether MLflow's database holds a registry (PostgreSQL must be up)."""
+    if config.database is StackDatabase.POSTGRES:
+        from devstack import credentials, postgres
+
+        return postgres.has_registry(config, credentials.require(config.state_dir))
+    return (config.mlflow_dir / "mlflow.db").is_file()
+
+
 def check(config: StackConfig, store: S3Store) -> StoreCheck:
-    """Read both sides (the S3 server must be up)."""
+    """Read both sides (S3, and PostgreSQL where it holds the registry, must be up)."""
     try:
         marker = store.get_json(MARKER_KEY)
         store_generation = str(marker["generation"])
@@ -60,7 +72,7 @@ def check(config: StackConfig, store: S3Store) -> StoreCheck:
         ) from None
     record = config.mlflow_dir / RECORD_FILE
     registry_generation = record.read_text().strip() if record.is_file() else None
-    exists = (config.mlflow_dir / "mlflow.db").is_file()
+    exists = registry_exists(config)
     return StoreCheck(
         judge(store_generation, registry_generation, exists),
         store_generation,
@@ -89,17 +101,27 @@ def reconcile(config: StackConfig, store: S3Store) -> StoreCheck:
     return check(config, store)
 
 
+def registry_paths(config: StackConfig) -> list[Path]:
+    """What holds the registry: the database directory and the generation record."""
+    if config.database is StackDatabase.POSTGRES:
+        return [config.postgres_dir, config.mlflow_dir]
+    return [config.mlflow_dir]
+
+
 def out_of_step_message(config: StackConfig, found: StoreCheck) -> str:
-    stale = config.mlflow_dir.with_name(f"mlflow.stale-{time.strftime('%Y%m%d-%H%M%S')}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    paths = registry_paths(config)
     holds = (
         f"generation {found.store_generation}"
         if found.store_generation
         else "no generation (it is new or was wiped)"
     )
+    moves = " && ".join(f"mv {p} {p.with_name(f'{p.name}.stale-{stamp}')}" for p in paths)
+    databases = " (with Prefect's database)" if len(paths) > 1 else ""
     return (
-        f"registry and S3 store out of step: {config.mlflow_dir / 'mlflow.db'} belongs to store "
+        f"registry and S3 store out of step: the registry in {paths[0]} belongs to store "
         f"generation {found.registry_generation or '(none recorded)'} but the store in "
         f"{config.s3_dir} holds {holds}, so its artifacts, ledger and audit records are not "
-        f"there; restore {config.s3_dir} and {config.mlflow_dir} from the same backup, or start "
-        f"an empty registry: dpmerge stack down && mv {config.mlflow_dir} {stale}"
+        f"there; restore {config.s3_dir} and {' and '.join(map(str, paths))} from the same "
+        f"backup, or start an empty registry{databases}: dpmerge stack down && {moves}"
     )

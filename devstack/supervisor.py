@@ -6,8 +6,11 @@ One supervisord per state directory, configured by ``STATE/supervisord.conf`` (w
 stage after health waits), ``autorestart=true`` (a crashed service comes back), and
 ``stopasgroup``/``killasgroup`` (MLflow's uvicorn child and a worker's flow-run subprocesses
 stop with their parent); ``stopwaitsecs`` is the service's stop timeout, after which supervisord
-sends SIGKILL. Logs: ``STATE/logs/<service>.log`` and ``STATE/logs/supervisord.log``; pid file
-``STATE/pids/supervisord.pid`` (a service's pid: :meth:`Supervisor.info`).
+sends SIGKILL. Each program starts through :func:`devstack.processes.launch`, which marks it and
+ends what an earlier instance of it left behind. The configuration holds the services'
+passwords: it is written 0600. Logs: ``STATE/logs/<service>.log`` and
+``STATE/logs/supervisord.log``; pid file ``STATE/pids/supervisord.pid`` (a service's pid:
+:meth:`Supervisor.info`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import shlex
 import subprocess
+import sys
 import time
 import xmlrpc.client
 from collections.abc import Iterable, Mapping
@@ -23,7 +27,9 @@ from pathlib import Path
 
 from supervisor.xmlrpc import Faults, SupervisorTransport
 
+from devstack import processes
 from devstack.config import StackConfig, StackError, repo_root
+from devstack.credentials import write_private
 from devstack.services import Service, executable
 from dpmerge.environment import TELEMETRY_OFF
 
@@ -61,11 +67,18 @@ def _escape(value: str) -> str:
     return '"' + value.replace("%", "%%") + '"'
 
 
-def _program(service: Service, log: Path) -> str:
-    env: Mapping[str, str] = {**TELEMETRY_OFF, **service.env}
+def _program(config: StackConfig, service: Service, log: Path) -> str:
+    """One ``[program:…]``: the service started through the launcher
+    (:func:`devstack.processes.launch`), which marks it and ends what an earlier instance left."""
+    env: Mapping[str, str] = {
+        **TELEMETRY_OFF,
+        **service.env,
+        processes.MARK: processes.mark(config.state_dir, service.name),
+    }
+    launcher = (sys.executable, processes.__file__, str(config.state_dir), service.name)
     lines = [
         f"[program:{service.name}]",
-        "command = " + shlex.join(service.argv).replace("%", "%%"),
+        "command = " + shlex.join((*launcher, *service.argv)).replace("%", "%%"),
         "environment = " + ",".join(f"{k}={_escape(v)}" for k, v in env.items()),
         f"directory = {service.cwd or repo_root()}",
         f"priority = {100 * (service.stage + 1)}",
@@ -73,7 +86,7 @@ def _program(service: Service, log: Path) -> str:
         "autorestart = true",
         "startsecs = 1",
         "startretries = 5",
-        "stopsignal = TERM",
+        f"stopsignal = {service.stop_signal}",
         f"stopwaitsecs = {service.stop_timeout_s:.0f}",
         "stopasgroup = true",
         "killasgroup = true",
@@ -119,7 +132,8 @@ supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
 [supervisorctl]
 serverurl = unix://{self.socket_path}
 """
-        return "\n".join([head, *(_program(s, self.log_of(s.name)) for s in services)])
+        programs = (_program(self.config, s, self.log_of(s.name)) for s in services)
+        return "\n".join([head, *programs])
 
     # --- the daemon --------------------------------------------------------------------
 
@@ -159,7 +173,7 @@ serverurl = unix://{self.socket_path}
             )
         for directory in (self.config.logs_dir, self.pid_path.parent):
             directory.mkdir(parents=True, exist_ok=True)
-        self.conf_path.write_text(text)
+        write_private(self.conf_path, text)  # it holds the services' passwords
         out = self.config.logs_dir / "supervisord.out"
         with out.open("ab") as sink:
             # supervisord daemonizes: this returns once it has forked into its own session.
@@ -184,7 +198,7 @@ serverurl = unix://{self.socket_path}
         with contextlib.suppress(OSError, xmlrpc.client.Error):  # already stopping or gone
             self._rpc().supervisor.shutdown()
         deadline = time.monotonic() + timeout_s
-        while pid is not None and pid_alive(pid):
+        while pid is not None and processes.alive(pid):
             if time.monotonic() > deadline:
                 raise StackError(f"supervisord (pid {pid}) still running; log {self.log_path}")
             time.sleep(0.1)
@@ -221,27 +235,3 @@ serverurl = unix://{self.socket_path}
         except xmlrpc.client.Fault as fault:
             if fault.faultCode not in (Faults.NOT_RUNNING, Faults.BAD_NAME):
                 raise
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live (not zombie) process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes of process group ``pgid`` (supervisord makes each program a group)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                members.append(int(entry.name))
-    return members

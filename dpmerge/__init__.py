@@ -24,7 +24,7 @@ _EXPORTS = {
     "account": "dpmerge.accounting.account",
     "calibrate": "dpmerge.accounting.calibration",
     "release_units": "dpmerge.accounting.generic",
-    "ReleaseLedger": "dpmerge.accounting.ledger",
+    "cumulative_bound": "dpmerge.accounting.ledger",
     "merge": "dpmerge.merging",
 }
 """Public name → the module defining it (``merge`` is ``merging.merge_model_dirs``)."""

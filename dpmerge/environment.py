@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -43,12 +44,22 @@ class Probe:
         return self.status is not None and 200 <= self.status < 300
 
 
-def probe(url: str, *, method: str = "GET", body: Any = None, timeout_s: float = 2.0) -> Probe:
-    """Send one request (``body`` as JSON) and report the answer; never raises for a server
-    that is down, slow or answering an error status."""
+def probe(
+    url: str,
+    *,
+    method: str = "GET",
+    body: Any = None,
+    timeout_s: float = 2.0,
+    headers: Mapping[str, str] | None = None,
+) -> Probe:
+    """Send one request (``body`` as JSON, ``headers`` e.g. a server's ``Authorization``) and
+    report the answer; never raises for a server that is down, slow or answering an error
+    status."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method)
     request.add_header("Content-Type", "application/json")
+    for name, value in (headers or {}).items():
+        request.add_header(name, value)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             status, raw = response.status, response.read()

@@ -1,4 +1,11 @@
-"""Typed errors. Every refusal carries a one-line, user-facing message."""
+"""Typed errors. Every refusal carries a one-line, user-facing message.
+
+What an error means for a command's exit status is decided by its type alone, in one table
+(:mod:`dpmerge.exits`): an :class:`OutageError` exits 1, :class:`InfeasibleTargetError` 3,
+:class:`NotPromotedError` 4, every other error dpmerge raises on purpose 2 (bad input or a
+refusal). Errors are classified where they arise, by the failing call's type, error code or
+status, never later from their message text.
+"""
 
 from __future__ import annotations
 
@@ -72,7 +79,17 @@ class DatasetError(DPMergeError):
     """A dataset is missing or malformed; the message says which package or folder provides it."""
 
 
-class TransientError(DPMergeError):
+class NotPromotedError(DPMergeError):
+    """A promotion gate failed: the release was not promoted and the alias stays where it was
+    (docs/design.md#registry)."""
+
+
+class OutageError(DPMergeError):
+    """An external system (MLflow, S3, the Prefect server, the local stack) failed or cannot
+    be reached: not the user's input, so a command exits 1 (README, "Outcomes")."""
+
+
+class TransientError(OutageError):
     """An external system (MLflow, S3) failed in a way worth retrying: unreachable, timed out,
     overloaded or locked. The adapters raise it where the failure's *type* says so (an
     exception class, an error code, an HTTP status), never from message text

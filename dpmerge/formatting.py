@@ -4,10 +4,18 @@ rounded toward less privacy loss."""
 
 from __future__ import annotations
 
+import difflib
 import math
+import unicodedata
+from collections.abc import Iterable
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
 EPSILON_DIGITS = 4
+ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+"""Unicode categories never written raw to a terminal: control characters (a name holding
+``\\x1b[2J`` would clear the screen, ``\\r`` or ``\\n`` forge a line), invisible formatting (a
+right-to-left override reorders what is shown), surrogates, private-use and unassigned code
+points, line and paragraph separators."""
 
 
 def _ceiling(value: float, digits: int) -> Decimal:
@@ -46,3 +54,31 @@ def within_text(value: float, target: float) -> str:
 def number_text(value: float | None, digits: int = 4) -> str:
     """Any other number for display (accuracy, loss, utility): plain rounding."""
     return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character of :data:`ESCAPED_CATEGORIES` written as its Python
+    escape (``\\x1b``, ``\\n``, ``\\u202e``): what dpmerge echoes stays one line of visible
+    characters. The one escaping of echoed input; :func:`dpmerge.documents.shorten` and every
+    error line go through it."""
+    if text.isprintable():
+        return text
+    return "".join(
+        repr(ch)[1:-1] if unicodedata.category(ch) in ESCAPED_CATEGORIES else ch for ch in text
+    )
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` on one line of visible characters (:func:`printable`), cut to ``limit``
+    characters with an ellipsis."""
+    text = printable(" ".join(text.split()))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def did_you_mean(word: str, known: Iterable[str], *, quoted: bool = True) -> str:
+    """``"; did you mean 'x'?"`` naming the known word nearest to a misspelt ``word``, or
+    ``""`` when none is near (``quoted=False``: the word bare, as for an option)."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f"; did you mean {close[0]!r}?" if quoted else f"; did you mean {close[0]}?"

@@ -1,11 +1,12 @@
 """Privacy policies: the target a deployed model must meet, as validated data.
 
-A policy names a dataset and model family, a target (ε*, δ*), how to merge (``auto`` tries RS
-and LC and keeps the better validation accuracy), which LC bound gates promotion (``generic``
+A policy names a dataset and model family, a target (ε*, δ*), how to merge (``auto``
+calibrates RS and LC and keeps the release with the smaller noise proxy, a data-independent
+choice: docs/design.md#calibration), which LC bound gates promotion (``generic``
 by default, docs/design.md#generic-bound; ``structured`` is the paper's analysis, opt-in,
 docs/design.md#structured-bound), the accuracy
-floor, the registry alias it owns, and what happens when the target is infeasible (``revoke``
-the alias by default: a model that violates the current policy is not left serving).
+floor, the registry alias it owns, and what happens when no release meets it (``revoke`` the
+alias by default: a model that violates the current policy is not left serving).
 
 Validation is strict: a bad policy is rejected with a message naming the field, and nothing is
 changed (no event, no run).
@@ -22,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictStr,
     ValidationError,
@@ -32,13 +34,15 @@ from pydantic import (
 from dpmerge.documents import describe_validation_error, load_yaml, read_item_list, shorten
 from dpmerge.errors import InputError
 from dpmerge.publication import dataset_name
-from dpmerge.vocabulary import GatingBound, OnInfeasible, PolicyMethod
+from dpmerge.registry.tags import ALIAS_LIMIT
+from dpmerge.vocabulary import GatingBound, OnNoncompliant, PolicyMethod
 
 if TYPE_CHECKING:
     from dpmerge.registry.catalog import Inventory
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-_ALIAS = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
+_ALIAS = re.compile(r"^[A-Za-z0-9_-]+$")  # MLflow's alias characters (ASCII only here)
+_VERSION_ALIAS = re.compile(r"^[vV]\d+$")  # MLflow reserves these for versions
 
 
 class PolicyError(InputError):
@@ -66,10 +70,17 @@ class Policy(BaseModel):
         min_length=1, max_length=256, description="model family of the candidates (e.g. logreg)"
     )
     method: PolicyMethod = Field(
-        default=PolicyMethod.AUTO, description="merge method (auto: RS or LC, chosen per target)"
+        default=PolicyMethod.AUTO,
+        description="merge method (auto: RS, LC or the mixture, chosen per target from the "
+        "records alone)",
     )
     gating_bound: GatingBound = Field(
         default=GatingBound.GENERIC, description="the LC bound that gates promotion"
+    )
+    tune_weights: StrictBool = Field(
+        default=False,
+        description="tune LC weights within the chosen subset on validation accuracy (generic "
+        "gate only); the card then states that the validation rows are not protected",
     )
     min_accuracy: StrictFloat = Field(
         default=0.0, ge=0, le=1, allow_inf_nan=False, description="test-accuracy floor"
@@ -77,8 +88,10 @@ class Policy(BaseModel):
     alias: StrictStr | None = Field(
         default=None, description="registry alias the policy moves (default policy-<name>)"
     )
-    on_infeasible: OnInfeasible = Field(
-        default=OnInfeasible.REVOKE, description="what happens to the alias if ε* is unreachable"
+    on_noncompliant: OnNoncompliant = Field(
+        default=OnNoncompliant.REVOKE,
+        description="what happens to the alias when no release meets the policy (revoke: "
+        "serve nothing; keep: keep the old model, flagged non-compliant)",
     )
     cumulative_epsilon_cap: StrictFloat | None = Field(
         default=None,
@@ -101,16 +114,28 @@ class Policy(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> Policy:
         alias = self.alias or f"policy-{self.name}"
-        if not _ALIAS.match(alias) or alias == "latest" or re.fullmatch(r"[vV]\d+", alias):
+        if len(alias) > ALIAS_LIMIT:
+            raise ValueError(
+                f"alias {shorten(alias)} is {len(alias)} characters long; the registry takes at "
+                f"most {ALIAS_LIMIT}"
+            )
+        if not _ALIAS.match(alias) or alias.lower() == "latest" or _VERSION_ALIAS.match(alias):
             raise ValueError(
                 f"alias {shorten(alias)} is not a valid registry alias (letters, digits, '-', '_'; "
-                "not 'latest' or a version like 'v3')"
+                "not 'latest' in any case, nor a version like 'v3')"
             )
-        if self.gating_bound == "structured" and self.method == "rs":
+        if self.gating_bound == "structured" and self.method in ("rs", "mixture"):
             raise ValueError(
-                "gating_bound 'structured' applies to LC; method 'rs' is gated by "
-                "the selection bound"
+                f"gating_bound 'structured' applies to LC; method {self.method.value!r} is "
+                "gated by its mixture bound"
             )
+        if self.tune_weights and self.gating_bound == "structured":
+            raise ValueError(
+                "tune_weights needs the generic gate: the structured bound assumes weights "
+                "chosen independently of the data"
+            )
+        if self.tune_weights and self.method == "rs":
+            raise ValueError("tune_weights applies to LC weights; method 'rs' has none")
         object.__setattr__(self, "alias", alias)
         return self
 
@@ -161,7 +186,23 @@ def policy_from_dict(data: Mapping[str, Any]) -> Policy:
     try:
         return Policy.model_validate(dict(data))
     except ValidationError as error:
-        raise PolicyError(describe_validation_error(where, error)) from None
+        raise PolicyError(describe_validation_error(where, error, Policy)) from None
+
+
+REQUIRED_PLACEHOLDERS = {
+    "target_epsilon": 1.0,
+    "target_delta": 1e-5,
+    "dataset": "placeholder",
+    "model": "placeholder",
+}
+"""Valid values for the required fields, so that :func:`check_fields` judges the given ones."""
+
+
+def check_fields(fields: Mapping[str, Any]) -> None:
+    """The fields of a partial change, validated on their own before anything is read (a bad
+    alias or a typo is refused before the registry or the store is located): every error names
+    a given field, since the placeholders of the others are valid."""
+    policy_from_dict({**REQUIRED_PLACEHOLDERS, **fields})
 
 
 def policies_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Policy, ...]:

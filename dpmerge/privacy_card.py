@@ -1,4 +1,9 @@
-"""The privacy card of a released (merged) model: Markdown for people, JSON for tools.
+"""The internal privacy card of a released (merged) model: Markdown for people, JSON for tools.
+
+This card names the candidates, their records and the merge weights: it is kept in the
+release-state store for the workflow and operators (``dpmerge registry show --internal``), never
+published; what a consumer reads is its public counterpart, :mod:`dpmerge.public_card`
+(docs/design.md#release-state).
 
 The card states the target (ε*, δ*), the bound that gates promotion with its ε under PLD and
 RDP (accountant, δ, neighbouring relation, discretisation), the generic bound always and the
@@ -47,7 +52,7 @@ LEDGER_NOTE = (
     "a valid bound; the cumulative bound is the joint release of every candidate used "
     "(docs/design.md#release-ledger)."
 )
-_BOUND_LABELS = {
+BOUND_LABELS = {
     "generic": "generic (composition of the used candidates; no assumption)",
     "structured": STRUCTURED_LABEL,
     "selection": "selection (mixture of the candidates' privacy curves)",
@@ -55,7 +60,7 @@ _BOUND_LABELS = {
     "gaussian": "Gaussian mechanism (exact)",
     "candidate": "candidate (its own DP-SGD accounting)",
 }
-_METHODS = {
+METHODS = {
     "rs": "RS — random selection",
     "lc": "LC — linear combination θ = Σ λ_i θ_i",
     "mixture": "mixture — a secret draw between LC merges θ = Σ λ_i θ_i of two subsets",
@@ -127,11 +132,11 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-def _num(value: Any) -> str:
+def num(value: Any) -> str:
     return "—" if value is None else f"{value:g}"
 
 
-def _require(report: Mapping[str, Any]) -> Mapping[str, Any]:
+def require_report(report: Mapping[str, Any]) -> Mapping[str, Any]:
     missing = [
         k
         for k in ("method", "candidates", "weights", "delta", "bound", "epsilon", "bounds")
@@ -142,19 +147,41 @@ def _require(report: Mapping[str, Any]) -> Mapping[str, Any]:
             f"privacy report lacks {', '.join(missing) or 'bounds.gating'}; "
             "pass PrivacyReport.to_dict()"
         )
-    if report["method"] not in _METHODS:
+    if report["method"] not in METHODS:
         raise RecordError(f"privacy report has unknown method {report['method']!r}")
     return report["bounds"]["gating"]
 
 
-def _bound_rows(bound: Mapping[str, Any]) -> list[str]:
-    delta = _num(bound.get("delta"))
+def bound_rows(bound: Mapping[str, Any]) -> list[str]:
+    delta = num(bound.get("delta"))
     pld, rdp = epsilon_text(bound.get("epsilon_pld")), epsilon_text(bound.get("epsilon_rdp"))
     return [
         f"| PLD (dp_accounting, connect-the-dots, pessimistic) | {pld} | {delta} "
-        f"| value discretisation {_num(bound.get('discretisation'))} |",
+        f"| value discretisation {num(bound.get('discretisation'))} |",
         f"| RDP (converted to (ε, δ)) | {rdp} | {delta} "
-        f"| best order α = {_num(bound.get('rdp_order'))} |",
+        f"| best order α = {num(bound.get('rdp_order'))} |",
+    ]
+
+
+def attempts_lines(ledger: Mapping[str, Any], *, listed: bool = True) -> list[str]:
+    """Earlier releases evaluated for the same policy and never served: releasing this one
+    after them is a selection among them (docs/design.md#release-state). ``listed``: name
+    each (the internal card), else only their number (the public card)."""
+    attempts = ledger.get("attempts") or []
+    if not attempts:
+        return []
+    which = "; ".join(
+        f"release {a.get('release', '')[:12]}… ({a.get('method')}, policy version "
+        f"{a.get('policy_version')}, counted {a.get('counted_at')})"
+        for a in attempts
+    )
+    return [
+        f"**Earlier attempts for this policy:** {len(attempts)} release(s) were evaluated "
+        f"(and counted) but not served before this one{f': {which}' if listed else ''}. "
+        "Releasing this one after "
+        "them is a selection among them: the guarantee above covers this release alone; the "
+        "release ledger's cumulative bound covers all of them together.",
+        "",
     ]
 
 
@@ -171,7 +198,7 @@ def _ledger_section(ledger: Mapping[str, Any]) -> list[str]:
         "## Release ledger (cumulative)",
         "",
         f"All releases from this dataset together: ε = **{epsilon_text(ledger.get('epsilon'))}** "
-        f"at δ = {_num(ledger.get('delta'))}"
+        f"at δ = {num(ledger.get('delta'))}"
         + (f" ({'; '.join(details)})" if details else "")
         + ".",
         "",
@@ -182,17 +209,48 @@ def _ledger_section(ledger: Mapping[str, Any]) -> list[str]:
 
 
 ACCURACY_KEYS = ("test_accuracy", "validation_accuracy")
+ROW_PROTECTION = {
+    "training": "covered by the guarantee above: the candidates were trained on them with DP-SGD",
+    "validation_unused": "not used by this release (its weights are fixed from the mechanism "
+    "records alone)",
+    "validation_tuned": "**not protected**: the merge weights were tuned on their accuracy "
+    "(the policy opted into `tune_weights`)",
+    "test": "**not protected**: the test accuracy on this card is computed on them, and "
+    "promotion is gated on it",
+}
 
 
-def _accuracy(metrics: Mapping[str, Any], key: str) -> float | None:
+def row_protection(tuned: bool) -> dict[str, str]:
+    """How the release protects each split's rows (docs/design.md#row-protection); ``tuned``:
+    its LC weights were tuned on validation accuracy."""
+    return {
+        "training": ROW_PROTECTION["training"],
+        "validation": ROW_PROTECTION["validation_tuned" if tuned else "validation_unused"],
+        "test": ROW_PROTECTION["test"],
+    }
+
+
+def rows_section(tuned: bool) -> list[str]:
+    """The card's section on which private rows the guarantee covers."""
+    return [
+        "## Which rows the guarantee protects",
+        "",
+        "| rows | protection |",
+        "|---|---|",
+        *(f"| {split} | {text} |" for split, text in row_protection(tuned).items()),
+        "",
+    ]
+
+
+def accuracy_value(metrics: Mapping[str, Any], key: str) -> float | None:
     value = metrics.get(key)
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def _utility_lines(metrics: Mapping[str, Any]) -> list[str]:
+def utility_lines(metrics: Mapping[str, Any]) -> list[str]:
     """The released model's accuracy (the only accuracy a card shows: candidates' are
     internal)."""
-    values = {key.split("_")[0]: _accuracy(metrics, key) for key in ACCURACY_KEYS}
+    values = {key.split("_")[0]: accuracy_value(metrics, key) for key in ACCURACY_KEYS}
     shown = [f"{split} {value:.4f}" for split, value in values.items() if value is not None]
     return [f"**Accuracy** of this model: {', '.join(shown)}.", ""] if shown else []
 
@@ -203,12 +261,12 @@ def _bound_section(title: str, bound: Mapping[str, Any]) -> list[str]:
         return [*lines, f"Not available: {bound.get('reason') or 'no reason given'}.", ""]
     lines += [
         f"ε = **{epsilon_text(bound['epsilon'])}** ({str(bound.get('accountant')).upper()}), "
-        f"δ = {_num(bound.get('delta'))}, neighbouring relation: "
+        f"δ = {num(bound.get('delta'))}, neighbouring relation: "
         f"{str(bound.get('neighbouring', '')).replace('_', '-')}.",
         "",
         "| accountant | ε | δ | setting |",
         "|---|---|---|---|",
-        *_bound_rows(bound),
+        *bound_rows(bound),
         "",
     ]
     if bound.get("assumptions"):
@@ -227,9 +285,73 @@ def _rung_section(rungs: Sequence[Mapping[str, Any]]) -> list[str]:
         lines.append(
             f"| {j + 1} | {rung['probability']:.4f} | {', '.join(rung['members'])} "
             f"| {epsilon_text(rung.get('epsilon_pld'))} | {epsilon_text(rung.get('epsilon_rdp'))} "
-            f"| {_num(bound.get('delta'))} |"
+            f"| {num(bound.get('delta'))} |"
         )
     return [*lines, ""]
+
+
+@dataclass(frozen=True)
+class Headline:
+    """What both cards open with: the guarantee and the target, as Markdown and JSON."""
+
+    markdown: list[str]
+    data: dict[str, Any]
+
+
+def headline(
+    report: Mapping[str, Any],
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    model_name: str | None,
+    policy_id: str | None,
+    audience: str,
+) -> Headline:
+    gating = require_report(report)
+    epsilon, delta = report["epsilon"], report["delta"]
+    meets = epsilon is not None and epsilon <= target_epsilon and delta <= target_delta
+    neighbouring = str(report.get("neighbouring", gating.get("neighbouring", "")))
+    markdown = [
+        f"# Privacy card{f' — {model_name}' if model_name else ''}",
+        "",
+        f"**Guarantee:** (ε = {epsilon_text(epsilon)}, δ = {num(delta)})-DP under "
+        f"{neighbouring.replace('_', '-')} adjacency, gated by the "
+        f"**{BOUND_LABELS.get(report['bound'], report['bound'])}** bound "
+        f"({str(report.get('accountant')).upper()} accountant).",
+        "",
+        f"**Target** (ε\\*, δ\\*) = ({target_epsilon:g}, {target_delta:g})"
+        f"{f' of policy `{policy_id}`, which first asked for this release' if policy_id else ''}: "
+        f"{'met' if meets else '**not met**'}.",
+        "",
+    ]
+    data = {
+        "schema": CARD_SCHEMA,
+        "audience": audience,
+        "model": model_name,
+        "policy": policy_id,
+        "target": {"epsilon": target_epsilon, "delta": target_delta, "met": meets},
+        "guarantee": {
+            "epsilon": epsilon,
+            "delta": delta,
+            "bound": report["bound"],
+            "accountant": report.get("accountant"),
+            "epsilon_pld": report.get("epsilon_pld"),
+            "epsilon_rdp": report.get("epsilon_rdp"),
+            "neighbouring": neighbouring,
+        },
+    }
+    return Headline(markdown, data)
+
+
+def software_section(versions: Mapping[str, str]) -> list[str]:
+    return [
+        "## Software",
+        "",
+        "| " + " | ".join(versions) + " |",
+        "|" + "---|" * len(versions),
+        "| " + " | ".join(versions.values()) + " |",
+        "",
+    ]
 
 
 def build_privacy_card(
@@ -243,15 +365,18 @@ def build_privacy_card(
     ledger: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
     notes: Sequence[str] = (),
+    tuned: bool = False,
 ) -> PrivacyCard:
-    """The card of one merge. ``candidates`` must be exactly the report's candidates;
+    """The internal card of one merge (``tuned``: its LC weights were tuned on validation
+    accuracy, see :func:`row_protection`). ``candidates`` must be exactly the report's candidates;
     ``metrics`` are the released model's (its ``test_accuracy`` and ``validation_accuracy`` are
     shown); ``notes`` are added to the report's (e.g. why the merge spends less than the
     target);
     ``ledger`` (optional) holds the cumulative release bound: ``epsilon``, ``delta`` and
-    optionally ``accountant``, ``candidates``, ``releases``, ``cap`` — e.g.
-    ``{**ReleaseLedger.check(...).to_dict(), "cap": cap, "releases": n}``."""
-    gating = _require(report)
+    optionally ``accountant``, ``candidates``, ``releases``, ``cap`` and ``attempts`` (earlier
+    releases evaluated for the same policy but never served) — e.g.
+    ``dpmerge.policy_merge.LedgerSummary.card()``."""
+    gating = require_report(report)
     by_name = {c.name: c for c in candidates}
     names = list(report["candidates"])
     if sorted(by_name) != sorted(names):
@@ -265,8 +390,6 @@ def build_privacy_card(
             "a mixture's privacy report lacks its rungs; pass PrivacyReport.to_dict()"
         )
     weights = None if rungs else list(report["weights"])
-    epsilon, delta = report["epsilon"], report["delta"]
-    meets = epsilon is not None and epsilon <= target_epsilon and delta <= target_delta
     bounds = report["bounds"]
     generic, structured = bounds.get("generic"), bounds.get("structured")
     versions = library_versions()
@@ -276,28 +399,28 @@ def build_privacy_card(
         else ["π (selection probability)" if method == "rs" else "λ (weight)"]
     )
 
+    head = headline(
+        report,
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        model_name=model_name,
+        policy_id=policy_id,
+        audience="internal",
+    )
     md = [
-        f"# Privacy card{f' — {model_name}' if model_name else ''}",
-        "",
-        f"**Guarantee:** (ε = {epsilon_text(epsilon)}, δ = {_num(delta)})-DP under "
-        f"{str(report.get('neighbouring', gating.get('neighbouring', ''))).replace('_', '-')} "
-        f"adjacency, gated by the **{_BOUND_LABELS.get(report['bound'], report['bound'])}** bound "
-        f"({str(report.get('accountant')).upper()} accountant).",
-        "",
-        f"**Target** (ε\\*, δ\\*) = ({target_epsilon:g}, {target_delta:g})"
-        f"{f' of policy `{policy_id}`, which first asked for this release' if policy_id else ''}: "
-        f"{'met' if meets else '**not met**'}.",
-        "",
-        *_utility_lines(metrics or {}),
+        *head.markdown,
+        *attempts_lines(ledger or {}),
+        *utility_lines(metrics or {}),
+        *rows_section(tuned),
         "## Bounds",
         "",
         *_bound_section(
-            f"Gating bound: {_BOUND_LABELS.get(gating['kind'], gating['kind'])}", gating
+            f"Gating bound: {BOUND_LABELS.get(gating['kind'], gating['kind'])}", gating
         ),
     ]
     if method == "lc":
         if generic is not None and gating.get("kind") != "generic":
-            md += _bound_section(f"Generic bound: {_BOUND_LABELS['generic']}", generic)
+            md += _bound_section(f"Generic bound: {BOUND_LABELS['generic']}", generic)
         if generic is None:
             md += ["### Generic bound", "", "Missing from the report.", ""]
         if structured is not None and gating.get("kind") != "structured":
@@ -315,7 +438,7 @@ def build_privacy_card(
             "(no independence between the merges needed). The structured bound is not used.",
             "",
         ]
-    md += ["## Merge", "", f"Method: **{_METHODS[method]}**.", ""]
+    md += ["## Merge", "", f"Method: **{METHODS[method]}**.", ""]
     md += _rung_section(rungs) if rungs else []
     md += [
         f"| candidate | registry version | {' | '.join(columns)} | ε (accountant, δ) | σ | q | T "
@@ -327,8 +450,8 @@ def build_privacy_card(
         shares = [r["weights"][index] for r in rungs] if rungs else [weights[index]]  # type: ignore[index]
         md.append(
             f"| {c.name} | {c.version or '—'} | {' | '.join(f'{w:.4f}' for w in shares)} "
-            f"| {epsilon_text(c.epsilon)} ({c.accountant or '—'}, {_num(c.delta)}) "
-            f"| {_num(c.noise_multiplier)} | {_num(c.sample_rate)} | {_num(c.steps)} "
+            f"| {epsilon_text(c.epsilon)} ({c.accountant or '—'}, {num(c.delta)}) "
+            f"| {num(c.noise_multiplier)} | {num(c.sample_rate)} | {num(c.steps)} "
             f"| {c.noise_lineage or '—'} | {c.batch_lineage or '—'} |"
         )
     md.append("")
@@ -338,28 +461,9 @@ def build_privacy_card(
     notes.append(INTERNAL_NOTE)
     notes += [LEDGER_NOTE] if ledger is not None else []
     md += ["## Notes", "", *(f"- {n}" for n in notes), ""]
-    md += [
-        "## Software",
-        "",
-        "| " + " | ".join(versions) + " |",
-        "|" + "---|" * len(versions),
-        "| " + " | ".join(versions.values()) + " |",
-        "",
-    ]
+    md += software_section(versions)
     data = {
-        "schema": CARD_SCHEMA,
-        "model": model_name,
-        "policy": policy_id,
-        "target": {"epsilon": target_epsilon, "delta": target_delta, "met": meets},
-        "guarantee": {
-            "epsilon": epsilon,
-            "delta": delta,
-            "bound": report["bound"],
-            "accountant": report.get("accountant"),
-            "epsilon_pld": report.get("epsilon_pld"),
-            "epsilon_rdp": report.get("epsilon_rdp"),
-            "neighbouring": report.get("neighbouring", gating.get("neighbouring")),
-        },
+        **head.data,
         "bounds": {
             k: dict(v) for k, v in bounds.items() if k in ("gating", "generic", "structured") and v
         },
@@ -370,7 +474,8 @@ def build_privacy_card(
             "candidates": [asdict(by_name[n]) for n in names],
         },
         "ledger": dict(ledger) if ledger is not None else None,
-        "accuracy": {k: _accuracy(metrics or {}, k) for k in ACCURACY_KEYS},
+        "accuracy": {k: accuracy_value(metrics or {}, k) for k in ACCURACY_KEYS},
+        "rows": row_protection(tuned),
         "notes": notes,
         "libraries": versions,
     }

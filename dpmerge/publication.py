@@ -13,8 +13,9 @@
   (:func:`lineage_id`): equal lineages stay equal, so the release units stay visible, and no
   seed shows. Policy merges refuse fixed-seed candidates outright (:func:`fixed_seed_streams`).
 * **Signatures.** A candidate's record lives in a writable artifact store, so its registration
-  signs the candidate's content hash (weights, architecture and record files) with the
-  workflow's key (:func:`signature`); a merge verifies it before it trusts the record.
+  signs the candidate's content hash (weights, architecture and record files) and its record
+  as published with the workflow's Ed25519 key (``dpmerge.manifests``); a merge verifies it
+  before it trusts the record.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ FIXED_NOISE_PREFIX = "noise-seed-"
 FIXED_BATCH_PREFIX = "poisson-seed-"
 """Lineage prefixes training writes for a user-given seed (``dpmerge.training``: ``noise-seed-s``,
 ``poisson-seed-s/n-…/q-…``); a secret OS seed gives ``run-<id>/…-fresh`` instead."""
-SIGNED_SCHEMA = "dpmerge.candidate/1"
 
 
 def dataset_name(dataset: str) -> str:
@@ -85,16 +85,3 @@ def fixed_seed_streams(record: Candidate) -> tuple[str, ...]:
     if record.batch_lineage.startswith(FIXED_BATCH_PREFIX):
         streams.append("batches")
     return tuple(streams)
-
-
-def _signed_message(content_hash: str) -> str:
-    return f"{SIGNED_SCHEMA}\0{content_hash}"
-
-
-def signature(content_hash: str, key: WorkflowKey) -> str:
-    """The signature a registration puts on a candidate with this content hash."""
-    return key.mac(KeyPurpose.RECORD_SIGNATURE, _signed_message(content_hash))
-
-
-def signature_ok(content_hash: str, tag: str | None, key: WorkflowKey) -> bool:
-    return key.verify(KeyPurpose.RECORD_SIGNATURE, _signed_message(content_hash), tag)

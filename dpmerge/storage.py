@@ -1,12 +1,14 @@
 """The project's own objects in S3 (boto3): buckets, the release ledger, audit records.
 
-Two buckets. The **project bucket** (default ``dpmerge``) holds the MLflow artifact store
-(prefix ``mlartifacts/``, written by the MLflow server) and the release ledger. The **audit
-bucket** (default ``dpmerge-audit``) holds access-restricted records such as the secret RS draw
-(docs/design.md#random-selection): it is created with public access blocked, default encryption
-and versioning, and an audit record is written at most once (a conditional ``If-None-Match: *``
-put), so a release cannot be re-drawn by overwriting its record. Nothing from the audit bucket
-goes to MLflow tags or privacy cards.
+Three buckets. The **project bucket** (default ``dpmerge``) holds the MLflow artifact store
+(prefix ``mlartifacts/``, written by the MLflow server) and the release ledger. The **state
+bucket** (default ``dpmerge-state``, restricted and versioned like the audit bucket) is the
+release-state store: policies, ledger, serving pointers, quarantine, release records, leases.
+The **audit bucket** (default ``dpmerge-audit``) holds access-restricted records such as the
+secret RS draw (docs/design.md#random-selection): it is created with public access blocked,
+default encryption and versioning, and an audit record is written at most once (a conditional
+``If-None-Match: *`` put), so a release cannot be re-drawn by overwriting its record. Nothing
+from the audit bucket goes to MLflow tags or privacy cards.
 
 Configuration comes from the environment (:meth:`S3Config.from_env`); credentials follow the
 usual AWS chain unless given explicitly (the local stack passes its own). Transient
@@ -43,6 +45,7 @@ from dpmerge.locate import command
 
 DEFAULT_BUCKET = "dpmerge"
 DEFAULT_AUDIT_BUCKET = "dpmerge-audit"
+DEFAULT_STATE_BUCKET = "dpmerge-state"
 DEFAULT_REGION = "us-east-1"
 MLFLOW_ARTIFACTS_PREFIX = "mlartifacts"
 AUDIT_PREFIX = "releases"
@@ -89,6 +92,9 @@ class S3Config:
     endpoint_url: str | None = None
     bucket: str = DEFAULT_BUCKET
     audit_bucket: str = DEFAULT_AUDIT_BUCKET
+    state_bucket: str = DEFAULT_STATE_BUCKET
+    """The release-state store (docs/design.md#release-state): policies, the ledger, serving
+    pointers, quarantine, leases; versioned, written only create-once or compare-and-swap."""
     region: str = DEFAULT_REGION
     access_key_id: str | None = field(default=None, repr=False)
     secret_access_key: str | None = field(default=None, repr=False)
@@ -100,13 +106,14 @@ class S3Config:
     requests anyway (the local stack's SeaweedFS, docs/stack.md)."""
 
     def __post_init__(self) -> None:
-        for name in (self.bucket, self.audit_bucket):
+        names = (self.bucket, self.audit_bucket, self.state_bucket)
+        for name in names:
             if not _BUCKET_NAME.match(name):
                 raise StorageError(f"invalid S3 bucket name {name!r} (3–63 of a-z 0-9 . -)")
-        if self.bucket == self.audit_bucket:
+        if len(set(names)) != len(names):
             raise StorageError(
-                f"the audit bucket must differ from the project bucket ({self.bucket!r}): "
-                "audit records are access-restricted"
+                f"the project, audit and state buckets must differ ({', '.join(names)}): "
+                "each has its own access rules"
             )
         if self.max_attempts < 1:
             raise StorageError(f"max_attempts must be at least 1, got {self.max_attempts}")
@@ -114,7 +121,8 @@ class S3Config:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> S3Config:
         """Read ``DPMERGE_S3_ENDPOINT_URL`` (else ``MLFLOW_S3_ENDPOINT_URL``),
-        ``DPMERGE_S3_BUCKET``, ``DPMERGE_S3_AUDIT_BUCKET``, ``DPMERGE_S3_MAX_ATTEMPTS`` and
+        ``DPMERGE_S3_BUCKET``, ``DPMERGE_S3_AUDIT_BUCKET``, ``DPMERGE_S3_STATE_BUCKET``,
+        ``DPMERGE_S3_MAX_ATTEMPTS`` and
         ``AWS_REGION``/``AWS_DEFAULT_REGION``; credentials are left to the AWS chain."""
         env = os.environ if environ is None else environ
         endpoint = env.get("DPMERGE_S3_ENDPOINT_URL") or env.get("MLFLOW_S3_ENDPOINT_URL")
@@ -129,6 +137,7 @@ class S3Config:
             endpoint_url=endpoint or None,
             bucket=env.get("DPMERGE_S3_BUCKET", DEFAULT_BUCKET),
             audit_bucket=env.get("DPMERGE_S3_AUDIT_BUCKET", DEFAULT_AUDIT_BUCKET),
+            state_bucket=env.get("DPMERGE_S3_STATE_BUCKET", DEFAULT_STATE_BUCKET),
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or DEFAULT_REGION,
             max_attempts=max_attempts,
         )
@@ -241,9 +250,10 @@ class S3Store:
         return bucket
 
     def bootstrap(self) -> None:
-        """Create the project bucket and the restricted audit bucket (idempotent)."""
+        """Create the project bucket and the restricted audit and state buckets (idempotent)."""
         self.ensure_bucket(self.config.bucket)
         self.ensure_bucket(self.config.audit_bucket, restricted=True)
+        self.ensure_bucket(self.config.state_bucket, restricted=True)
 
     # --- objects -------------------------------------------------------------------------
 
@@ -328,6 +338,32 @@ class S3Store:
             ):
                 keys.extend(item["Key"] for item in page.get("Contents", []))
         return sorted(keys)
+
+    def versions(self, key: str, *, bucket: str | None = None) -> list[str]:
+        """The version ids of ``key`` in a versioned bucket, newest first (none: ``[]``), in
+        the order S3 lists them (newest first; timestamps have only second resolution)."""
+        bucket = bucket or self.config.bucket
+        found: list[tuple[bool, str]] = []
+        with self._errors("listing versions of", bucket, key):
+            for page in self.client.get_paginator("list_object_versions").paginate(
+                Bucket=bucket, Prefix=key
+            ):
+                found += [
+                    (bool(item.get("IsLatest")), str(item["VersionId"]))
+                    for item in page.get("Versions", [])
+                    if item["Key"] == key
+                ]
+        return [version for latest, version in found if latest] + [
+            version for latest, version in found if not latest
+        ]
+
+    def get_version(self, key: str, version_id: str, *, bucket: str | None = None) -> bytes:
+        """The bytes of one earlier version of ``key`` (see :meth:`versions`)."""
+        bucket = bucket or self.config.bucket
+        with self._errors("reading a version of", bucket, key):
+            return self.client.get_object(Bucket=bucket, Key=key, VersionId=version_id)[
+                "Body"
+            ].read()
 
     def delete(self, key: str, *, bucket: str | None = None) -> None:
         bucket = bucket or self.config.bucket

@@ -6,10 +6,9 @@ CLI options carry plain strings while the code names the members.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import TypeVar
 
-from dpmerge.documents import shorten
 from dpmerge.errors import InputError
 
 E = TypeVar("E", bound=StrEnum)
@@ -24,6 +23,8 @@ def choose(enum: type[E], value: object, what: str) -> E:
             return enum(value)
         except ValueError:
             pass
+    from dpmerge.documents import shorten  # here: the command line's parser imports this module
+
     choices = ", ".join(repr(m.value) for m in enum)
     raise InputError(f"{what} must be one of {choices}, got {shorten(value)}")
 
@@ -73,8 +74,9 @@ class GatingBound(StrEnum):
 
 
 class PolicyMethod(StrEnum):
-    """A policy's merge method: ``auto`` calibrates RS, LC and the mixture and keeps one by a
-    rule read off the records (``dpmerge.accounting.choice.choose_method``)."""
+    """A policy's merge method: ``auto`` calibrates RS, LC and the mixture and keeps the one with
+    the best expected noise proxy, a rule read off the records
+    (``dpmerge.accounting.choice.choose_method``, docs/design.md#calibration)."""
 
     AUTO = "auto"
     RS = "rs"
@@ -82,13 +84,45 @@ class PolicyMethod(StrEnum):
     MIXTURE = "mixture"
 
 
-class OnInfeasible(StrEnum):
-    """What a policy does with its alias when its target is infeasible (docs/design.md#policies):
-    ``revoke`` (default: a model that violates the current policy is not left serving) or
-    ``keep``."""
+class OnNoncompliant(StrEnum):
+    """What a policy does with its alias when a run cannot serve a release that meets the
+    policy's current version and the release it serves does not meet it either — an infeasible
+    target, a failed gate, the ledger cap (docs/design.md#release-state): ``revoke`` (default:
+    a model that violates the current policy is not left serving) or ``keep`` (flagged
+    non-compliant on the card, in ``registry ls`` and in the run's state)."""
 
     REVOKE = "revoke"
     KEEP = "keep"
+
+
+class ServingState(StrEnum):
+    """What a policy's alias serves (docs/design.md#release-state)."""
+
+    UNSET = "unset"
+    """Claimed by its policy, never pointed at a release."""
+    SERVING = "serving"
+    """Serves a release that met the policy version that set it."""
+    NONCOMPLIANT = "noncompliant"
+    """Serves a release that does not meet the policy's current version, kept because the
+    policy says ``on_noncompliant: keep`` (shown red everywhere)."""
+    REVOKED = "revoked"
+    """Serves nothing: the policy's current version could not be met."""
+
+
+class FindingKind(StrEnum):
+    """A disagreement ``dpmerge registry verify`` finds between MLflow and the release-state
+    store or the signatures (docs/design.md#release-state)."""
+
+    STATE_UNREADABLE = "state_unreadable"
+    LEDGER_LACKS_RELEASE = "ledger_lacks_release"
+    ALIAS_DRIFT = "alias_drift"
+    UNMANAGED_ALIAS = "unmanaged_alias"
+    SERVED_UNCOUNTED = "served_uncounted"
+    RELEASE_UNSIGNED = "release_unsigned"
+    CARD_MISMATCH = "card_mismatch"
+    FILES_MISMATCH = "files_mismatch"
+    NONCOMPLIANT = "noncompliant"
+    QUARANTINE_DRIFT = "quarantine_drift"
 
 
 class BoundKind(StrEnum):
@@ -155,6 +189,39 @@ class Engine(StrEnum):
     OPACUS = "opacus"
 
 
+class RegistryKind(StrEnum):
+    """Which registry a command uses (:mod:`dpmerge.locate`), named in its output."""
+
+    EMBEDDED = "embedded"
+    """A local sqlite file: the embedded state (``$DPMERGE_HOME`` or ./.dpmerge) or another."""
+    STACK = "stack"
+    """The local stack's MLflow server (``dpmerge stack up``)."""
+    SERVER = "server"
+    """Any other tracking server or database, given by ``--tracking-uri`` or the environment."""
+
+
+class ExitCode(IntEnum):
+    """What a ``dpmerge`` command's exit status means (README, "Outcomes"): the same for every
+    command, in-process or through a server. :func:`dpmerge.exits.exit_code` maps an error's
+    type onto it."""
+
+    OK = 0
+    FAILURE = 1
+    """An outage (MLflow, S3 or the Prefect server unreachable or failing) or a bug."""
+    REFUSED = 2
+    """Bad input, or a request refused before anything changed (one line says why)."""
+    INFEASIBLE = 3
+    """No merge meets the target; the reachable range is reported."""
+    NOT_PROMOTED = 4
+    """A promotion gate failed; the alias stays where it was."""
+    SUPERSEDED = 5
+    """A later event of the same policy takes precedence; nothing was touched."""
+    INTERRUPTED = 130
+    """Ctrl-C (128 + SIGINT), as a shell reports it."""
+    BROKEN_PIPE = 141
+    """The reader of the output went away (128 + SIGPIPE, e.g. ``dpmerge … | head``)."""
+
+
 def values(vocabulary: type[StrEnum]) -> tuple[str, ...]:
     """The plain string values of ``vocabulary``, in declaration order (CLI ``choices``)."""
     return tuple(member.value for member in vocabulary)
@@ -164,11 +231,36 @@ class KeyPurpose(StrEnum):
     """What the workflow's secret key is used for; each purpose derives its own sub-key
     (domain separation, docs/design.md#security)."""
 
-    RECORD_SIGNATURE = "record-signature/v1"
-    """HMAC over a candidate's content hash: a record an artifact-store writer changed fails."""
     DATASET_ID = "dataset-id/v1"
     """The published dataset identifier: a keyed hash of the training-data fingerprint."""
     LINEAGE_ID = "lineage-id/v1"
     """Published noise and batch lineages and run ids: keyed hashes, so no seed shows."""
     KEY_ID = "key-id/v1"
     """A short public identifier of the key itself (which key signed a record)."""
+    RELEASE_SIGNING = "release-signing/v1"
+    """The seed of the workflow's Ed25519 release-signing key: releases are signed so that
+    anyone with the public key can verify them (docs/design.md#security)."""
+    STATE_DOCUMENT = "state-document/v1"
+    """HMAC over a release-state document a gate trusts (the ledger, owners, serving
+    pointers): a change made outside the workflow fails closed (docs/design.md#release-state)."""
+
+
+class StackDatabase(StrEnum):
+    """The database behind the local stack's Prefect server and MLflow backend store
+    (docs/stack.md)."""
+
+    POSTGRES = "postgres"
+    SQLITE = "sqlite"
+
+
+class StackRole(StrEnum):
+    """Who uses the local stack, each with its own credentials
+    (docs/stack.md#roles-and-permissions)."""
+
+    WORKFLOW = "workflow"
+    """The workers, the flows and the deploying admin: manage the registry, the state and audit
+    buckets, the Prefect API."""
+    OPERATOR = "operator"
+    """Reads candidates and releases; writes policies and quarantine records only."""
+    CONSUMER = "consumer"
+    """Reads releases (registered models, runs, artifacts) and nothing else."""

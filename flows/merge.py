@@ -1,104 +1,102 @@
-"""``merge-on-policy``: a policy changed → load candidates, calibrate, merge, evaluate,
-register, promote (or revoke per ``on_infeasible``). No training. The state machine is the
+"""``merge-on-policy``: a stored policy version → load candidates, calibrate, merge, evaluate,
+count, register, serve (or keep the serving invariant). No training. The state machine is the
 library's ``dpmerge.policy_merge.apply_policy``; this flow runs its steps as Prefect tasks
-(``tasks.policy.STEPS``) and turns the outcome into the run's state (docs/workflow.md#outcomes).
+(``tasks.policy.STEPS``), holds the policy's lease while it does, records the outcome in the
+release-state store and turns it into the run's state (docs/workflow.md#outcomes).
 
-Triggered by the event ``dpmerge.policy.updated`` (deployments/prefect.yaml): the whole event
-payload is one parameter, ``payload``, validated here, so every event ends as a run — applied,
-or ``Rejected`` with one line saying why (a missing or extra key, a string or boolean where a
-number belongs, an unknown dataset, an alias another policy owns, an event dated in the future
-beyond the clock-skew allowance). Alias changes are ordered by the server's received time,
-never the sender's (docs/design.md#security). Also called in-process by ``dpmerge policy
-set|apply`` when no Prefect server is configured.
+Its parameters are a policy's name and a stored version number: the dispatcher
+(``flows/dispatch.py``) creates one run per new version, and ``dpmerge policy set`` runs it
+in-process when there is no server. A version that does not exist or is not valid for this
+registry ends as ``Rejected``, an alias another policy owns too; a record or state object that
+fails verification ends as ``Refused``.
 
-Final states: the state *type* says whether the run worked, its *name* which outcome it
-reached (Prefect emits ``prefect.flow-run.<name>``, which automations can match):
+Final states: the state *type* says whether the policy is met — its alias serves a release
+that meets this version — the *name* says how the run ended (Prefect emits
+``prefect.flow-run.<name>``, which automations can match):
 
-| outcome | state | ``dpmerge policy`` exit |
-|---|---|---|
-| promoted | Completed | 0 |
-| unchanged | Completed, named ``Unchanged`` | 0 |
-| infeasible | Completed, named ``Infeasible`` (alias revoked or kept) | 3 |
-| not promoted | Completed, named ``NotPromoted`` (registered, a gate failed) | 4 |
-| superseded | Cancelled, named ``Superseded`` (a later event for the policy) | 5 |
-| rejected | Failed, named ``Rejected`` (bad event, nothing read) | 2 |
+* promoted → Completed (exit 0); unchanged → Completed ``Unchanged`` (0);
+* infeasible or not promoted (exit 3 or 4): Completed ``Infeasible``/``NotPromoted`` when the
+  alias keeps a release that meets this version; else Failed — ``Revoked`` when this run
+  revoked the alias, ``Noncompliant`` when the policy keeps a model that does not meet it,
+  ``Infeasible``/``NotPromoted`` when the alias served nothing already;
+* superseded (a later version of the policy) → Cancelled ``Superseded`` (5);
+* rejected (no such version, a policy not valid for this registry, another policy's alias) →
+  Failed ``Rejected`` (2); refused (a record or state object fails verification, a fixed-seed
+  candidate) → Failed ``Refused`` (2).
 
-A traceback (a plain ``Failed``) means a bug or an outage. Every outcome also becomes the
-Markdown artifact ``policy-<name>`` with the outcome's JSON.
+A plain ``Failed`` or ``Crashed`` means a bug or an outage. Every outcome also becomes the
+Markdown artifact ``policy-<name>`` and an outcome object in the state store.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.schemas.objects import State
-from prefect.runtime import deployment as current_deployment
 from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled, Completed, Failed
 
 from dpmerge import policy_merge as pm
-from dpmerge.documents import cut
-from dpmerge.errors import InputError
-from dpmerge.policies import Policy, PolicyError, check_registered, policy_from_dict
+from dpmerge.errors import InputError, IntegrityError, RefusalError
+from dpmerge.policies import PolicyError, check_registered
 from dpmerge.policy_merge import PolicyOutcome, Status
+from dpmerge.policy_merge.verify import verify
 from dpmerge.registry.catalog import open_catalog
-from dpmerge.registry.errors import AliasOwnershipError
-from flows import policy_runs
+from dpmerge.state import AliasOwnershipError, StateStore
+from dpmerge.state import policies as stored_policies
+from dpmerge.state.leases import lease
+from dpmerge.state.policies import PolicyVersion
+from dpmerge.vocabulary import ServingState
 from flows.runtime import load_workflow_secret
+from flows.verify import emit
 from tasks import policy as steps
 
 FLOW_NAME = "merge-on-policy"
 DEPLOYMENT = f"{FLOW_NAME}/{FLOW_NAME}"
-REJECTED = "Rejected"
-STATES: dict[Status, tuple[Any, str]] = {
-    Status.PROMOTED: (Completed, "Completed"),
-    Status.UNCHANGED: (Completed, "Unchanged"),
-    Status.INFEASIBLE: (Completed, "Infeasible"),
-    Status.NOT_PROMOTED: (Completed, "NotPromoted"),
-    Status.SUPERSEDED: (Cancelled, "Superseded"),
+REJECTED, REFUSED = "Rejected", "Refused"
+LEASE_WAIT_S = 900.0
+NAMES = {
+    Status.PROMOTED: "Completed",
+    Status.UNCHANGED: "Unchanged",
+    Status.INFEASIBLE: "Infeasible",
+    Status.NOT_PROMOTED: "NotPromoted",
+    Status.SUPERSEDED: "Superseded",
 }
-"""Each outcome's final state: its type and name (see the module docstring)."""
-STATUS_OF_STATE = {name: status.value for status, (_, name) in STATES.items()} | {
-    REJECTED: "rejected"
+STATUS_OF_STATE = {
+    **{name: status.value for status, name in NAMES.items()},
+    REJECTED: "rejected",
+    REFUSED: "refused",
 }
-"""The outcome a final state's name stands for (a run without its artifact)."""
+"""The outcome a final state's name stands for (a run without its outcome document)."""
 OUTCOME_JSON = re.compile(r"```json\n(.*?)\n```", re.DOTALL)
 
 
-def run_name() -> str:
-    """``policy-eu ε*=2``: the policy and its target, from the payload (``?`` where the
-    payload lacks them: the run will be rejected)."""
-    payload = current_run.parameters.get("payload")
-    payload = payload if isinstance(payload, dict) else {}
-    name, target = payload.get("name"), payload.get("target_epsilon")
-    text = f"policy-{name if isinstance(name, str) and name else '?'}"
-    if isinstance(target, float | int) and not isinstance(target, bool) and math.isfinite(target):
-        text += f" ε*={target:g}"
-    return cut(text, 80)
+def run_name(version: PolicyVersion) -> str:
+    """``policy-eu v3 ε*=2``: what a run of ``version`` is called."""
+    return f"policy-{version.name} v{version.version} ε*={version.policy.target_epsilon:g}"
 
 
-def policy_for_event(payload: Any, resource_id: str | None) -> Policy:
-    """The event's policy; :class:`PolicyError` for a payload that is not a valid policy or
-    whose name does not match the event's resource."""
-    if not isinstance(payload, dict):
-        raise PolicyError(f"the event payload must be a mapping, got {type(payload).__name__}")
-    policy = policy_from_dict(payload)
-    if resource_id and resource_id != policy.resource_id:
-        raise PolicyError(
-            f"event resource {cut(resource_id, 80)!r} does not match policy {policy.name!r} "
-            f"(expected {policy.resource_id!r})"
-        )
-    return policy
+def state_of(outcome: PolicyOutcome) -> tuple[Any, str]:
+    """The run's final state type and name for ``outcome`` (see the module docstring)."""
+    if outcome.status == Status.SUPERSEDED:
+        return Cancelled, NAMES[outcome.status]
+    if outcome.compliant:
+        return Completed, NAMES[outcome.status]
+    if outcome.revoked_version is not None:
+        return Failed, "Revoked"
+    if outcome.serving == ServingState.NONCOMPLIANT:
+        return Failed, "Noncompliant"
+    return Failed, NAMES[outcome.status]
 
 
 def _artifact(key_name: str, title: str, lines: list[str], document: dict[str, Any]) -> None:
     key = re.sub(r"[^a-z0-9-]", "-", f"policy-{key_name}".lower())[:100]
-    body = [*lines, "", "```json", json.dumps(document, indent=2, default=str), "```"]
+    text = json.dumps(document, indent=2, default=str, ensure_ascii=False)
+    body = [*lines, "", "```json", text, "```"]
     create_markdown_artifact(markdown="\n".join(body), key=key, description=title)
 
 
@@ -109,95 +107,73 @@ def outcome_from_markdown(markdown: str) -> dict[str, Any] | None:
     return json.loads(found[-1]) if found else None
 
 
-def _finish(outcome: PolicyOutcome, card: str = "") -> State:
-    """The run's final state for ``outcome``, with its artifact."""
+def _record(store: StateStore, name: str, version: int, document: dict[str, Any]) -> None:
+    run = current_run.id
+    stored_policies.record_outcome(store, name, version, document, str(run) if run else None)
+
+
+def _finish(store: StateStore, outcome: PolicyOutcome, card: str = "") -> State:
+    """The run's final state for ``outcome``, with its artifact and its stored outcome."""
     summary = outcome.summary()
-    lines = [f"# Policy `{outcome.policy}`: {outcome.status.value}", "", summary, ""]
-    if card:
-        lines += ["---", "", card]
-    document = outcome.to_dict()
+    lines = [f"# Policy `{outcome.policy}` v{outcome.policy_version}: {outcome.status.value}"]
+    lines += ["", summary, ""] + (["---", "", card] if card else [])
+    make, name = state_of(outcome)
+    document = {**outcome.to_dict(), "state": name}
     _artifact(outcome.policy, f"dpmerge policy {outcome.policy}: {outcome.status}", lines, document)
-    make, name = STATES[outcome.status]
+    _record(store, outcome.policy, int(outcome.policy_version or 0), document)
     logger = get_run_logger()
-    (logger.info if outcome.status in (Status.PROMOTED, Status.UNCHANGED) else logger.warning)(
-        summary
-    )
+    (logger.info if make is Completed else logger.warning)(summary)
     return make(name=name, message=summary, data=document)
 
 
-def _rejected(payload: Any, error: InputError) -> State:
-    name = payload.get("name") if isinstance(payload, dict) else None
-    key = name if isinstance(name, str) and re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,62}", name) else "?"
-    message = f"event rejected: {error}"
-    document = {"status": "rejected", "policy": key, "reasons": [str(error)]}
-    _artifact(
-        key if key != "?" else "rejected", "dpmerge policy event rejected", [message], document
-    )
+def _stopped(store: StateStore, name: str, version: int, state: str, error: Exception) -> State:
+    """A run that stopped before applying anything: ``Rejected`` (bad input) or ``Refused``
+    (failed verification)."""
+    status = STATUS_OF_STATE[state]
+    message = f"policy {name} v{version} {status}: {error}"
+    document = {"status": status, "state": state, "policy": name, "policy_version": version}
+    document["reasons"] = [str(error)]
+    _artifact(name, f"dpmerge policy {name}: {status}", [message], document)
+    if store.read(stored_policies.version_key(name, version)) is not None:
+        _record(store, name, version, document)  # its history shows how it ended
     get_run_logger().error(message)
-    return Failed(name=REJECTED, message=message, data=document)
+    return Failed(name=state, message=message, data=document)
 
 
-def _superseded(policy: Policy, later: str) -> State:
-    reason = f"a later event for policy {policy.name} ({later}) is pending or applied"
-    return _finish(PolicyOutcome.of(policy, Status.SUPERSEDED, reasons=(reason, "nothing changed")))
-
-
-@flow(name=FLOW_NAME, flow_run_name=run_name, persist_result=False)
-def merge_on_policy(
-    payload: dict[str, Any],
-    resource_id: str | None = None,
-    event_id: str | None = None,
-    occurred: str | None = None,
-    received: str | None = None,
-) -> State:
-    """Apply the policy ``payload`` (the fields of :class:`dpmerge.policies.Policy`).
-    ``resource_id``, ``event_id``, ``occurred`` (the sender's time) and ``received`` (the
-    server's) come from the triggering event: the resource must name this policy, ``received``
-    orders events (an older one never moves the alias back), and an ``occurred`` later than
-    ``received`` by more than the clock-skew allowance is rejected."""
-    try:
-        policy = policy_for_event(payload, resource_id)
-        when = pm.order_time(occurred, received)
-    except InputError as error:
-        return _rejected(payload, error)
-    except (ValueError, TypeError):
-        return _rejected(
-            payload, PolicyError(f"event time {cut(str(occurred), 60)!r} is not a time")
-        )
+@flow(name=FLOW_NAME, persist_result=False)
+def merge_on_policy(policy: str, version: int) -> State:
+    """Apply version ``version`` of the stored policy ``policy`` (see the module docstring)."""
     load_workflow_secret()
     workspace = pm.Workspace.from_env()
+    store = workspace.state()
     try:
-        check_registered([policy], open_catalog(workspace.tracking_uri).inventory())
-    except PolicyError as error:
-        return _rejected(payload, error)
+        stored = stored_policies.read_version(store, policy, version)
+        if stored is None:
+            raise PolicyError(f"policy {policy!r} has no stored version {version}")
+        check_registered([stored.policy], open_catalog(workspace.tracking_uri).inventory())
+    except InputError as error:
+        return _stopped(store, policy, version, REJECTED, error)
     get_run_logger().info(
-        "policy %s (event %s at %s): target (%g, %g), method %s, gate %s; registry %s",
-        policy.name,
-        event_id or "-",
-        when.isoformat(),
-        policy.target_epsilon,
-        policy.target_delta,
-        policy.method,
-        policy.gating_bound,
+        "policy %s v%d: target (%g, %g), method %s, gate %s; registry %s, state %s",
+        policy,
+        version,
+        stored.policy.target_epsilon,
+        stored.policy.target_delta,
+        stored.policy.method,
+        stored.policy.gating_bound,
         workspace.tracking_uri,
+        store.where,
     )
-    deployment_id = current_deployment.id
-    if deployment_id is None:  # in-process: no other runs to coalesce with or wait for
-        return _apply(policy, workspace, when)
-    later = policy_runs.later_event(deployment_id, current_run.id, policy.name, when)
-    if later is not None:
-        return _superseded(policy, later)
-    with policy_runs.policy_lock(policy.name):
-        later = policy_runs.later_event(deployment_id, current_run.id, policy.name, when)
-        if later is not None:
-            return _superseded(policy, later)
-        return _apply(policy, workspace, when)
-
-
-def _apply(policy: Policy, workspace: pm.Workspace, when: Any) -> State:
     workspace.use_caches()
+    run = str(current_run.id) if current_run.id else None
     try:
-        applied = pm.apply_policy(policy, workspace, when, steps=steps.STEPS)
-    except AliasOwnershipError as error:  # bad input, found before anything is read or changed
-        return _rejected({"name": policy.name}, error)
-    return _finish(applied.outcome, applied.card)
+        with lease(store, policy, LEASE_WAIT_S):
+            applied = pm.apply_policy(stored, workspace, run=run, steps=steps.STEPS)
+    except AliasOwnershipError as error:
+        return _stopped(store, policy, version, REJECTED, error)
+    except (IntegrityError, RefusalError) as error:
+        return _stopped(store, policy, version, REFUSED, error)
+    final = _finish(store, applied.outcome, applied.card)
+    if applied.dataset is not None:  # drift of this dataset, reported (and repaired) now
+        emit(verify(workspace, repair=True, dataset=applied.dataset))
+    return final

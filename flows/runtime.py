@@ -1,4 +1,4 @@
-"""Where flows run: the embedded default or a configured Prefect server, and policy events.
+"""Where flows run: the embedded default or a configured Prefect server.
 
 Embedded (no ``PREFECT_API_URL``): flows run in this process on Prefect's temporary API,
 with ``PREFECT_HOME`` under the state directory (default ``./.dpmerge/prefect``, so a later
@@ -6,26 +6,21 @@ with ``PREFECT_HOME`` under the state directory (default ``./.dpmerge/prefect``,
 ``.dpmerge/mlflow.db`` with artifacts in ``.dpmerge/mlartifacts``. The environment must be set
 before Prefect is imported: call :func:`configure_embedded` first, import flows after.
 
-With a server (``PREFECT_API_URL`` set, e.g. ``eval "$(dpmerge stack env)"``), a policy change
-is an event, ``dpmerge.policy.updated`` on resource ``dpmerge.policy.<name>`` with
-``Policy.event_payload()`` as payload; the ``merge-on-policy`` deployment's trigger turns it into
-a flow run (deployments/prefect.yaml).
+With a stack (its release-state store in S3), a policy change is a stored policy version that
+the dispatcher turns into a flow run of the ``merge-on-policy`` deployment
+(``flows/dispatch.py``).
 """
 
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dpmerge.environment import QUIET, TELEMETRY_OFF, probe
-from dpmerge.errors import DPMergeError
+from dpmerge.errors import OutageError
 from dpmerge.keys import KEY_ENV
 from dpmerge.locate import LocalStack, command, embedded_tracking_uri, resolve_home
 
-EVENT = "dpmerge.policy.updated"
 EPHEMERAL_SERVER = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
 """Prefect's temporary API migrates a fresh database on start; its default 20 s limit is too
 short on a loaded two-core machine (seen in CI: "Timed out while attempting to connect")."""
@@ -34,7 +29,7 @@ short on a loaded two-core machine (seen in CI: "Timed out while attempting to c
 SECRET_BLOCK_ENV = "DPMERGE_SECRET_BLOCK"
 
 
-class ServerError(DPMergeError):
+class ServerError(OutageError):
     """The configured Prefect server cannot be reached."""
 
 
@@ -112,108 +107,3 @@ def check_server(url: str, timeout_s: float = 5.0) -> None:
         )
     if health.body is not True:
         raise ServerError(f"Prefect server {url} is not healthy (health: {health.body!r})")
-
-
-def emit_policy_event(
-    payload: dict[str, Any], resource_id: str, name: str, *, url: str | None = None
-) -> str:
-    """Send ``dpmerge.policy.updated`` for one policy to the server at ``url`` (default
-    ``$PREFECT_API_URL``) and wait for the server's acknowledgement; returns the event id."""
-    from prefect.events import Event
-    from prefect.events.clients import PrefectEventsClient
-    from prefect.utilities.asyncutils import run_coro_as_sync
-
-    url = url or server_url()
-    if url is None:
-        raise ServerError("PREFECT_API_URL is not set: no server to send the event to")
-    check_server(url)
-    event = Event(
-        event=EVENT,
-        resource={"prefect.resource.id": resource_id, "prefect.resource.name": name},
-        payload=payload,
-    )
-
-    async def send() -> None:
-        async with PrefectEventsClient(api_url=url, checkpoint_every=1) as events:
-            await events.emit(event)
-
-    try:
-        run_coro_as_sync(send())
-    except Exception as error:
-        raise ServerError(f"sending {EVENT} to {url} failed: {error}") from None
-    return str(event.id)
-
-
-def find_policy_run(event_id: str, prefect_api: Any) -> Any | None:
-    """The ``merge-on-policy`` flow run created for ``event_id`` (its ``event_id`` parameter),
-    or ``None`` while the trigger has not created it."""
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    from flows.merge import FLOW_NAME
-
-    runs = prefect_api.read_flow_runs(
-        flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
-        sort=FlowRunSort.EXPECTED_START_TIME_DESC,
-        limit=200,
-    )
-    for run in runs:
-        if str(run.parameters.get("event_id")) == event_id:
-            return run
-    return None
-
-
-@dataclass(frozen=True)
-class PolicyRun:
-    """A finished (or last seen) run for a policy event, the outcome document its artifact
-    carries (``None`` if it has none) and how long it ran (``None`` until it ended)."""
-
-    id: str | None
-    state: str | None
-    message: str | None
-    outcome: dict[str, Any] | None
-    seconds: float | None = None
-
-
-def wait_for_policy_run(
-    event_id: str, timeout_s: float, poll_s: float = 0.5, *, url: str | None = None
-) -> PolicyRun:
-    """Wait until the run for ``event_id`` reaches a final state; returns it with its outcome
-    (or the last seen run; ``id`` ``None`` if none was created in time). ``url`` defaults to
-    ``$PREFECT_API_URL``."""
-    from prefect.client.orchestration import SyncPrefectClient
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-    from flows.merge import outcome_from_markdown
-
-    url = url or server_url()
-    if url is None:
-        raise ServerError("PREFECT_API_URL is not set: no server to ask")
-    deadline = time.monotonic() + timeout_s
-    run = None
-    with SyncPrefectClient(url) as prefect_api:
-        while time.monotonic() < deadline:
-            run = find_policy_run(event_id, prefect_api)
-            if run is not None and run.state is not None and run.state.is_final():
-                break
-            time.sleep(poll_s)
-        if run is None:
-            return PolicyRun(None, None, "no run created in time", None)
-        outcome = None
-        if run.state is not None and run.state.is_final():
-            artifacts = prefect_api.read_artifacts(
-                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
-            )
-            for artifact in artifacts:
-                outcome = outcome_from_markdown(str(artifact.data or "")) or outcome
-    state = run.state
-    seconds = None
-    if run.start_time is not None and run.end_time is not None:
-        seconds = (run.end_time - run.start_time).total_seconds()
-    return PolicyRun(
-        str(run.id),
-        state.name if state else None,
-        state.message if state else None,
-        outcome,
-        seconds,
-    )

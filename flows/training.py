@@ -6,6 +6,12 @@ By default the candidates train concurrently in this process (a thread pool; tor
 candidate becomes a run of that deployment instead, so every host running
 ``prefect worker start --pool gpu`` takes candidates; the parent waits for all of them and
 reads what they registered from the registry.
+
+Then the flow says what it spent: the registry it registered into, and each candidate's σ and ε
+under PLD and RDP at δ (candidates' accuracies are internal, docs/design.md#rs-secrecy: they go
+to the DEBUG log and the flow's result only, which is not persisted). And it runs
+``pareto-report``, so a fresh stack has its privacy–utility frontier at once instead of after
+the nightly schedule.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from dpmerge import policy_merge as pm
+from dpmerge.accounting.delta import check_delta_against
+from dpmerge.formatting import epsilon_text, number_text
+from dpmerge.locate import Located
 from dpmerge.training import RunOptions, TrainConfig, TrainingConfigError, declared_parameters
 from flows.runtime import load_workflow_secret
 from tasks import training as steps
@@ -135,14 +144,17 @@ def train_candidates(
     deployment: str | None = None,
     deployment_timeout_s: float | None = None,
     prime_merge_caches: bool = True,
+    frontier_report: bool = True,
     **parameters: Any,
-) -> list[dict[str, Any]]:
+) -> dict[str, Any]:
     """Train and register one candidate per noise level (or target ε). In-process and
     concurrent by default (``$DPMERGE_TRAIN_CONCURRENCY`` threads, default 2); with
     ``deployment`` (e.g. ``train-candidate/gpu``) as runs of that deployment. Then, with
     ``prime_merge_caches``, this host's merge caches are filled (candidates, evaluation split,
-    PLDs) so the first policy event is as quick as later ones. Every other parameter is a
-    training parameter that all candidates share."""
+    PLDs) so the first policy event is as quick as later ones, and with ``frontier_report``
+    the ``pareto-report`` flow logs the frontier at the candidates' δ. Every other parameter is
+    a training parameter that all candidates share. Returns the registry, each candidate's
+    registration and privacy, and the frontier report (``None`` if it was not run or failed)."""
     dataset, model = parameters.pop("dataset"), parameters.pop("model")
     specs = plan_candidates(dataset, model, noise_multipliers, target_epsilons, **parameters)
     logger = get_run_logger()
@@ -168,4 +180,50 @@ def train_candidates(
             pm.remove_tree(scratch)
     if prime_merge_caches:
         steps.prime_caches(workspace, str(dataset), str(model))
-    return result
+    located, delta = workspace.located(), specs[0].config.delta
+    _log_summary(logger, located, result, delta)
+    frontier = _frontier(logger, str(dataset), str(model), delta) if frontier_report else None
+    return {"registry": located.to_dict(), "candidates": result, "frontier": frontier}
+
+
+def _log_summary(logger: Any, located: Located, result: list[dict[str, Any]], delta: float) -> None:
+    """What the candidates spent, one line each; their accuracies at DEBUG only (internal)."""
+    logger.info("%d candidates registered; %s", len(result), located.describe())
+    for c in sorted(result, key=lambda c: -(c["noise_multiplier"] or 0)):
+        logger.info(
+            "%s (%s v%s): σ = %.4g, ε = %s (PLD), %s (RDP) at δ = %g",
+            c["name"],
+            c["registered_model"],
+            c["version"],
+            c["noise_multiplier"] or float("nan"),
+            epsilon_text(c.get("epsilon_pld")),
+            epsilon_text(c.get("epsilon_rdp")),
+            delta,
+        )
+        logger.debug(
+            "%s: validation accuracy %s, test accuracy %s",
+            c["name"],
+            number_text(c.get("validation_accuracy")),
+            number_text(c.get("test_accuracy")),
+        )
+    sizes = [c["dataset_size"] for c in result if c.get("dataset_size")]
+    warning = check_delta_against(delta, min(sizes) if sizes else None).warning
+    if warning:
+        logger.warning(warning)
+
+
+def _frontier(logger: Any, dataset: str, model: str, delta: float) -> dict[str, Any] | None:
+    """The ``pareto-report`` flow for the candidates just registered; its result, or ``None``
+    (logged) if it failed: the candidates stay registered either way."""
+    from flows.report import pareto_report
+
+    state = pareto_report(dataset=dataset, model=model, delta=delta, return_state=True)
+    if not state.is_completed():
+        logger.warning(
+            "the frontier report failed (%s); run the pareto-report deployment to retry",
+            state.message,
+        )
+        return None
+    report = state.result()
+    logger.info("frontier logged to MLflow run %s (experiment dpmerge-reports)", report["run_id"])
+    return report

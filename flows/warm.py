@@ -52,6 +52,7 @@ PRELOAD = (
     "flows.merge",
     "flows.training",
     "flows.report",
+    "flows.verify",
 )
 IDLE_EXIT_S = 1800.0
 MAX_RUNS_ENV = "DPMERGE_WARM_MAX_RUNS"

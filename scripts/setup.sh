@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for dpmerge (idempotent; a second run takes seconds):
 #   * Debian package dataset-fashion-mnist (real data, installed under /usr/share/datasets),
+#   * Debian package postgresql (the local stack's database; `dpmerge stack up` runs its own
+#     cluster in the state directory, never the system's),
 #   * a virtual environment at .venv with torch's CPU wheel and dpmerge (+ test extras).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
 
-if [ ! -d /usr/share/datasets/fashion-mnist ]; then
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  echo "setup: installing Debian package dataset-fashion-mnist"
-  $SUDO apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
-    || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q dataset-fashion-mnist >/dev/null; }
-fi
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+apt_install() {  # $1: the package; tries without `apt-get update` first
+  echo "setup: installing Debian package $1"
+  $SUDO apt-get install -y -q "$1" >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q "$1" >/dev/null; }
+}
+[ -d /usr/share/datasets/fashion-mnist ] || apt_install dataset-fashion-mnist
+ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || apt_install postgresql
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 stamp=$(sha256sum pyproject.toml | cut -c1-16)

@@ -11,9 +11,7 @@ accuracy (beside the release's it would name an RS draw, docs/design.md#rs-secre
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from prefect import get_run_logger, task
 
@@ -23,12 +21,14 @@ from dpmerge.formatting import epsilon_text, number_text
 from dpmerge.policies import Policy
 from dpmerge.policy_merge import Status
 from dpmerge.registry import RegisteredCandidate
+from dpmerge.state import CountedRelease
+from dpmerge.state.policies import PolicyVersion
 from tasks.common import LOCAL, REMOTE
 
 
 @task(name="find-candidates", **REMOTE)
 def find_candidates(workspace: pm.Workspace, dataset: str, model: str) -> pm.CandidatePool:
-    pool = pm.find_candidates(workspace.registry(), dataset, model)
+    pool = pm.find_candidates(workspace.registry(), dataset, model, workspace.state())
     get_run_logger().info(
         "%d ready candidates in %s (versions %s)",
         len(pool.versions),
@@ -39,16 +39,17 @@ def find_candidates(workspace: pm.Workspace, dataset: str, model: str) -> pm.Can
 
 
 @task(name="prepare", **REMOTE)
-def prepare(workspace: pm.Workspace, policy: Policy, occurred: datetime, dest: Path) -> pm.Prepared:
+def prepare(workspace: pm.Workspace, version: PolicyVersion, dest: Path) -> pm.Prepared:
     """Find and load the candidates and the evaluation split (or stop: superseded)."""
-    prepared = pm.prepare(workspace, policy, occurred, dest)
+    prepared = pm.prepare(workspace, version, dest)
     logger = get_run_logger()
     pool = prepared.pool
     if prepared.superseded_by is not None:
         logger.warning(
-            "a later policy event (%s) already set %r: this one changes nothing",
+            "version %d of policy %s exists: version %d changes nothing",
             prepared.superseded_by,
-            policy.alias,
+            version.name,
+            version.version,
         )
     else:
         logger.info(
@@ -64,10 +65,10 @@ def prepare(workspace: pm.Workspace, policy: Policy, occurred: datetime, dest: P
 
 @task(name="plan-release", **REMOTE)
 def plan_release(
-    workspace: pm.Workspace, request: pm.MergeRequest, entry: pm.LedgerEntry, policy: Policy
+    workspace: pm.Workspace, request: pm.MergeRequest, entry: CountedRelease, policy: Policy
 ) -> pm.ReleasePlan:
-    """An existing version of this release (reused, no new merge or draw), else the ledger
-    bound for the new release's card (or the cap's refusal, before any merge)."""
+    """An existing, signed version of this release (reused, no new merge or draw), else the
+    ledger bound for the new release's card (or the cap's refusal, before any merge)."""
     planned = pm.plan_release(workspace, request, entry, policy)
     if planned.existing is not None:
         get_run_logger().info(
@@ -118,14 +119,14 @@ def _calibrate(
         return infeasible
     report = plan.calibration.report
     get_run_logger().info(
-        "calibrated %s: ε = %s (%s, %s bound) ≤ target %g at δ = %g; compared %s",
+        "calibrated %s: ε = %s (%s, %s bound) ≤ target %g at δ = %g; %s",
         plan.method,
         epsilon_text(report.epsilon),
         report.gating.accountant,
         report.gating.kind,
         policy.target_epsilon,
         policy.target_delta,
-        {m: c.get("noise_proxy") for m, c in plan.compared.items()},
+        plan.reason or "the policy's method",
     )
     return plan
 
@@ -153,12 +154,26 @@ def merge(
 ) -> pm.Release:
     release = pm.merge_release(workspace, request, candidates, plan, data, workdir)
     get_run_logger().info(
-        "merged by %s: test accuracy %s, validation accuracy %s",
+        "merged by %s: test accuracy %s",
         release.method,
         number_text(release.metrics["test_accuracy"]),
-        number_text(release.metrics["validation_accuracy"]),
     )
     return release
+
+
+@task(name="count-release", **REMOTE)
+def count(workspace: pm.Workspace, entry: CountedRelease, cap: float | None) -> pm.LedgerSummary:
+    """Count the release in the ledger before anything of it is published."""
+    summary = pm.count_release(workspace, entry, cap)
+    get_run_logger().info(
+        "release %s counted: cumulative ε = %s (%s, δ = %g) over %d release(s)",
+        entry.release_id[:12],
+        epsilon_text(summary.epsilon),
+        summary.accountant,
+        summary.delta,
+        summary.releases,
+    )
+    return summary
 
 
 @task(name="register-merged", **REMOTE)
@@ -166,7 +181,7 @@ def register(
     workspace: pm.Workspace,
     request: pm.MergeRequest,
     release: pm.Release,
-    ledger: dict[str, Any] | None,
+    ledger: pm.LedgerSummary,
 ) -> pm.Registered:
     registered = pm.register_release(workspace, request, release, ledger)
     get_run_logger().info(
@@ -178,20 +193,22 @@ def register(
     return registered
 
 
-@task(name="promote", **REMOTE)
-def promote(
+@task(name="serve", **REMOTE)
+def serve(
     workspace: pm.Workspace,
-    policy: Policy,
+    version: PolicyVersion,
     registered: pm.Registered,
-    entry: pm.LedgerEntry,
-    occurred: datetime,
-) -> pm.PromotionResult:
-    result = pm.promote_release(workspace, policy, registered, entry, occurred)
+    entry: CountedRelease,
+    run: str | None,
+) -> pm.ServeResult:
+    """The gates, then count-and-point in one conditional write of the state store."""
+    result = pm.serve_release(workspace, version, registered, entry, run)
     logger = get_run_logger()
+    alias = version.policy.alias
     if result.status in (Status.PROMOTED, Status.UNCHANGED):
         logger.info(
-            "alias %r -> %s v%s (%s; was %s)",
-            policy.alias,
+            "%r serves %s v%s (%s; was %s)",
+            alias,
             registered.name,
             registered.version,
             result.status,
@@ -204,17 +221,26 @@ def promote(
     return result
 
 
-@task(name="handle-infeasible", **REMOTE)
-def handle_infeasible(
+@task(name="enforce", **REMOTE)
+def enforce(
     workspace: pm.Workspace,
-    policy: Policy,
+    version: PolicyVersion,
     pool: pm.CandidatePool,
-    error: InfeasibleTargetError,
-    occurred: datetime,
-) -> pm.PolicyOutcome:
-    outcome = pm.handle_infeasible(workspace, policy, pool, error, occurred)
-    get_run_logger().warning("policy %s %s: %s", policy.name, outcome.status, outcome.reasons)
-    return outcome
+    reasons: Sequence[str],
+    run: str | None,
+) -> pm.Enforced:
+    """The serving invariant when nothing new is served: keep, revoke or flag the alias."""
+    enforced = pm.enforce(workspace, version, pool, reasons, run)
+    get_run_logger().warning("policy %s v%d: %s", version.name, version.version, enforced.action)
+    return enforced
+
+
+@task(name="project-alias", **REMOTE)
+def project(workspace: pm.Workspace, pool: pm.CandidatePool, alias: str) -> pm.Projection:
+    """The MLflow alias follows the serving pointer."""
+    projection = pm.project(workspace, pool, alias)
+    get_run_logger().info("MLflow alias %r: %s → %s", alias, projection.before, projection.after)
+    return projection
 
 
 @task(name="read-card", **REMOTE)
@@ -226,11 +252,13 @@ def read_card(workspace: pm.Workspace, name: str, version: str) -> str:
 STEPS = pm.PolicySteps(
     prepare=prepare,
     calibrate=calibrate,
-    handle_infeasible=handle_infeasible,
     plan_release=plan_release,
     merge=merge,
+    count=count,
     register=register,
-    promote=promote,
+    serve=serve,
+    enforce=enforce,
+    project=project,
     read_card=read_card,
 )
 """The policy state machine's steps as tasks: ``apply_policy(..., steps=STEPS)``."""

@@ -16,6 +16,7 @@ from prefect import get_run_logger, task
 
 from dpmerge import policy_merge as pm
 from dpmerge.data import DatasetSplits
+from dpmerge.formatting import epsilon_text
 from dpmerge.training import (
     RunOptions,
     TrainConfig,
@@ -111,17 +112,20 @@ def register(workspace: pm.Workspace, path: str) -> dict[str, Any]:
         "reused": registered.reused,
         "epsilon": privacy.get("epsilon"),
         "accountant": privacy.get("accountant"),
+        "epsilon_pld": privacy.get("epsilon_pld"),
+        "epsilon_rdp": privacy.get("epsilon_rdp"),
         "delta": privacy.get("delta"),
         "noise_multiplier": getattr(loaded.record, "noise_multiplier", None),
+        "dataset_size": getattr(loaded.record, "dataset_size", None),
         "validation_accuracy": loaded.metrics.get("validation_accuracy"),
         "test_accuracy": loaded.metrics.get("test_accuracy"),
     }
     get_run_logger().info(
-        "registered %s as %s v%s (ε = %.4f)",
+        "registered %s as %s v%s (ε = %s)",  # rounded up, as every displayed ε
         info["name"],
         registered.name,
         registered.version,
-        info["epsilon"] or float("nan"),
+        epsilon_text(info["epsilon"]),
     )
     return info
 
@@ -155,8 +159,11 @@ def find_registered(workspace: pm.Workspace, name: str) -> dict[str, Any]:
         "reused": False,
         "epsilon": tag_float(mv.tags.get("dp.epsilon")),
         "accountant": mv.tags.get("dp.accountant"),
+        "epsilon_pld": tag_float(mv.tags.get("dp.epsilon_pld")),
+        "epsilon_rdp": tag_float(mv.tags.get("dp.epsilon_rdp")),
         "delta": tag_float(mv.tags.get("dp.delta")),
         "noise_multiplier": tag_float(mv.tags.get("dp.noise_multiplier")),
+        "dataset_size": None,  # not published as a tag
         "validation_accuracy": None,
         "test_accuracy": tag_float(mv.tags.get("dp.accuracy")),
     }

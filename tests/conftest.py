@@ -9,11 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import environment, running_stack
+from servers import credentials_env, environment, running_stack
 
 from devstack import StackConfig
 from dpmerge.environment import QUIET, TELEMETRY_OFF
 from dpmerge.storage import S3Store
+from dpmerge.vocabulary import StackRole
 
 for _key, _value in {**TELEMETRY_OFF, **QUIET}.items():
     os.environ.setdefault(_key, _value)
@@ -23,8 +24,12 @@ os.environ.setdefault("DPMERGE_SECRET_KEY", secrets.token_hex(32))
 
 @pytest.fixture(scope="session")
 def s3_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
-    """S3 + an MLflow server (sqlite, artifacts proxied to S3) on free loopback ports."""
-    with running_stack(tmp_path_factory.mktemp("s3-mlflow"), prefect=False) as config:
+    """S3, PostgreSQL and an MLflow server (its auth app, artifacts proxied to S3) on free
+    loopback ports; this process holds the workflow role's credentials (MLflow user, S3 key)."""
+    with (
+        running_stack(tmp_path_factory.mktemp("s3-mlflow"), prefect=False) as config,
+        environment(credentials_env(config, StackRole.WORKFLOW)),
+    ):
         yield config
 
 
@@ -36,14 +41,16 @@ def mlflow_server(s3_mlflow: StackConfig) -> str:
 
 @pytest.fixture(scope="session")
 def s3_store(s3_mlflow: StackConfig) -> S3Store:
-    """A store on the session's S3 server (buckets already bootstrapped)."""
+    """A store on the session's S3 server as the stack's own identity (buckets already
+    bootstrapped)."""
     return S3Store(s3_mlflow.s3_config())
 
 
 @pytest.fixture(scope="session")
 def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
-    """The whole stack (S3, MLflow, Prefect, cpu/gpu pools and workers) on free ports, with
-    this process's environment pointed at it (PREFECT_API_URL, MLFLOW_TRACKING_URI, S3…)."""
+    """The whole stack (S3, PostgreSQL, MLflow, Prefect, cpu/gpu pools and workers) on free
+    ports, with this process's environment the workflow role's (PREFECT_API_URL and its auth
+    string, MLFLOW_TRACKING_URI and its user, S3…)."""
     with (
         running_stack(tmp_path_factory.mktemp("stack"), prefect=True) as config,
         environment(config.client_env()),

@@ -61,3 +61,42 @@ def train_digits(root: Path, sigma: float, *, limit: int | None = None, **config
         dataset="digits", model="logreg", noise_multiplier=sigma, name=name, **settings
     )
     return save_candidate(train_candidate(config_, data), root / name, DELTA)
+
+
+def synthetic_candidates(
+    root: Path, sigmas: dict[str, float], dataset: str, *, delta: float = DELTA
+) -> list[Path]:
+    """Candidate directories with random 4×4 → 3 logistic-regression weights and records
+    accounted by the real accountant (no training): one per ``name: σ``."""
+    import torch
+
+    from dpmerge.accounting.candidate import candidate_bound
+    from dpmerge.artifacts import ModelSpec, save_model_dir
+
+    dirs = []
+    for i, (name, sigma) in enumerate(sigmas.items()):
+        generator = torch.Generator().manual_seed(i)
+        weights = {
+            "linear.weight": torch.randn(3, 16, generator=generator),
+            "linear.bias": torch.randn(3, generator=generator),
+        }
+        record = make_record(
+            name,
+            sigma,
+            steps=100,
+            sample_rate=0.01,
+            learning_rate=0.5,
+            batch=100.0,
+            dataset=dataset,
+        )
+        dirs.append(
+            save_model_dir(
+                root / name,
+                weights,
+                ModelSpec("logreg", (1, 4, 4), 3),
+                record=record,
+                candidate_privacy=candidate_bound(record, delta).to_dict(),
+                metrics={"test_accuracy": 0.70 + i / 100, "validation_accuracy": 0.7},
+            )
+        )
+    return dirs

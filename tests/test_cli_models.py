@@ -238,3 +238,21 @@ def test_candidates_prints_the_file_account_reads(tmp_path, candidates, capsys) 
     assert json.loads(stdout)["privacy"]["epsilon"] == accounted
     code, _, stderr = run(capsys, "candidates", candidates[0], merged)
     assert code == 2 and "a merged model, not a candidate" in stderr
+
+
+def test_merge_refuses_a_delta_of_one_over_n_or_more(tmp_path, candidates, capsys) -> None:
+    """δ = 1e-3 on 60,000 rows would permit releasing rows in the clear: refused naming n,
+    nothing written; δ = 1e-5 passes with a warning (above 1/(10·n))."""
+    base = ("merge", "--inputs", *candidates, "--method", "lc", "--weights", "0.5,0.5")
+    out = tmp_path / "lc"
+    code, stdout, err = run(capsys, *base, "--delta", "1e-3", "--out", out)
+    assert code == 2 and stdout == "" and not out.exists()
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "δ = 0.001 is not below 1/n = 1.67e-05 for n = 60,000 training rows" in err
+    code, stdout, err = run(capsys, *base, "--delta", "1e-5", "--out", out)
+    assert code == 0 and out.is_dir()
+    assert err == (
+        "dpmerge: warning: δ = 1e-05 is above 1/(10·n) = 1.67e-06 for n = 60,000 training "
+        "rows: a weak guarantee (δ < 1/n = 1.67e-05 is the least a release needs; δ ≤ 1.67e-06 "
+        "is usual)\n"
+    )

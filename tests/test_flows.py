@@ -1,17 +1,16 @@
 """The Prefect flows in-process (Prefect's test harness, embedded sqlite MLflow) on digits:
-train-candidates → merge-on-policy (promote, reuse, refusals), pareto-report, the CLI's
-in-process path, the deployment file's trigger templates, and ``dpmerge demo`` end to end."""
+train-candidates → merge-on-policy (promote, reuse, refusals, the serving invariant's states),
+verify-state, pareto-report, the CLI's in-process path (policy set/apply/ls/show/history, dry
+runs, exit codes), the deployment file, and ``dpmerge demo`` end to end."""
 
 from __future__ import annotations
 
-import copy
 import json
+import math
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,13 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
+from devstack.provision import locked_template
 from dpmerge import policy_merge as pm
 from dpmerge.policies import Policy, policy_from_dict
+from dpmerge.state import policies as stored_policies
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
-EVENT_FIELDS = {"resource_id", "event_id", "occurred", "received"}
 DELTA = 1e-5
 
 
@@ -53,7 +53,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def trained(env: dict[str, Any]) -> list[dict[str, Any]]:
+def training(env: dict[str, Any]) -> dict[str, Any]:
     from flows.training import train_candidates
 
     return train_candidates(
@@ -64,6 +64,11 @@ def trained(env: dict[str, Any]) -> list[dict[str, Any]]:
         batch_size=64,
         learning_rate=1.0,
     )
+
+
+@pytest.fixture(scope="module")
+def trained(training: dict[str, Any]) -> list[dict[str, Any]]:
+    return training["candidates"]
 
 
 def _policy(**fields: Any) -> Policy:
@@ -98,14 +103,17 @@ def _deployments() -> dict[str, dict[str, Any]]:
 def test_prefect_yaml_pools_schedule_and_concurrency() -> None:
     document = yaml.safe_load(PREFECT_YAML.read_text())
     found = _deployments()
-    assert set(found) == {"merge_on_policy", "train_candidate", "train_candidates", "pareto_report"}
     names = {k: d["name"] for k, d in found.items()}
     assert names == {  # deployment names say what they run
         "merge_on_policy": "merge-on-policy",
+        "verify_state": "verify-state",
         "train_candidate": "train-candidate-gpu",
         "train_candidates": "train-candidates",
         "pareto_report": "pareto-report-nightly",
     }
+    # a policy version becomes a run through the dispatcher, not an event trigger
+    assert "triggers" not in found["merge_on_policy"]
+    assert found["verify_state"]["schedules"][0]["cron"] == "*/5 * * * *"
     assert found["merge_on_policy"]["work_pool"]["name"] == "cpu"
     assert found["train_candidate"]["work_pool"]["name"] == "gpu"
     assert found["train_candidates"]["parameters"]["deployment"] == (
@@ -113,8 +121,10 @@ def test_prefect_yaml_pools_schedule_and_concurrency() -> None:
     )
     # serialised per policy inside the flow, not per deployment: policies run side by side
     assert "concurrency_limit" not in found["merge_on_policy"]
-    command = found["merge_on_policy"]["work_pool"]["job_variables"]["command"]
-    assert command.endswith("/flows/warm.py")  # runs start from a warm process
+    # the pools' templates fix the command (cpu runs start from a warm process); no deployment
+    # brings job variables, which those templates refuse
+    assert not any("job_variables" in d["work_pool"] for d in found.values())
+    assert locked_template("cpu")["job_configuration"]["command"].endswith("/flows/warm.py")
     assert found["pareto_report"]["schedules"][0]["cron"] == "0 2 * * *"
     (pull,) = document["pull"]
     assert "set_working_directory" in next(iter(pull))
@@ -125,8 +135,9 @@ def test_prefect_yaml_pools_schedule_and_concurrency() -> None:
     from flows.merge import merge_on_policy
     from flows.report import pareto_report
     from flows.training import train_candidate, train_candidates
+    from flows.verify import verify_state
 
-    flows = [merge_on_policy, train_candidate, train_candidates, pareto_report]
+    flows = [merge_on_policy, verify_state, train_candidate, train_candidates, pareto_report]
     for flow in flows:
         name = flow.fn.__name__
         module = found[name]["entrypoint"].split(":")[0]
@@ -152,7 +163,8 @@ def test_training_flows_take_the_declared_training_parameters() -> None:
     fan_out = train_candidates.parameters
     shared = {p.name for p in declared} - {"name", "noise_multiplier", "target_epsilon"}
     own = {"noise_multipliers", "target_epsilons", "deployment"}
-    assert set(fan_out.properties) == shared | own | {"deployment_timeout_s", "prime_merge_caches"}
+    switches = {"deployment_timeout_s", "prime_merge_caches", "frontier_report"}
+    assert set(fan_out.properties) == shared | own | switches
     assert fan_out.properties["dataset"]["default"] == "fashion-mnist" and not fan_out.required
     # a deployment run gets exactly the parameters the one-candidate flow validates
     (spec,) = plan_candidates("digits", "cnn", [1.5], None, epochs=2, limit=300, torch_threads=2)
@@ -162,62 +174,11 @@ def test_training_flows_take_the_declared_training_parameters() -> None:
         train_candidate.validate_parameters({**spec.parameters(), "dataset": "imagenet"})
 
 
-def test_trigger_is_named_and_passes_the_whole_payload() -> None:
+def test_merge_on_policy_takes_a_stored_version() -> None:
     from flows.merge import merge_on_policy
 
-    (trigger,) = _deployments()["merge_on_policy"]["triggers"]
-    assert trigger["name"] == "apply a policy when dpmerge.policy.updated is emitted"
-    assert "merge-on-policy" in trigger["description"]
-    assert trigger["expect"] == ["dpmerge.policy.updated"]
-    assert trigger["match"] == {"prefect.resource.id": "dpmerge.policy.*"}
-    assert trigger["for_each"] == ["prefect.resource.id"]
-    parameters = trigger["parameters"]
-    assert parameters["payload"] == "{{ event.payload }}"
-    assert set(parameters) == {"payload"} | EVENT_FIELDS
-    assert set(parameters) == set(merge_on_policy.parameters.properties)
-    assert merge_on_policy.parameters.required == ["payload"]
-
-
-def _render(payload: dict[str, Any], resource_id: str) -> dict[str, Any]:
-    """Render the trigger's parameters the way the Prefect server does."""
-    from prefect.server.events.actions import RunDeployment
-    from prefect.server.events.schemas.events import ReceivedEvent
-    from prefect.utilities.schema_tools.hydration import HydrationContext, hydrate
-
-    (trigger,) = _deployments()["merge_on_policy"]["triggers"]
-    parameters = copy.deepcopy(trigger["parameters"])
-    RunDeployment._upgrade_v1_templates(parameters)
-    event = ReceivedEvent(
-        occurred=datetime.now(UTC),
-        event="dpmerge.policy.updated",
-        resource={"prefect.resource.id": resource_id},
-        payload=payload,
-        id=uuid.uuid4(),
-    )
-    context = HydrationContext(
-        raise_on_error=True, render_jinja=True, jinja_context={"event": event}
-    )
-    return hydrate(parameters, context)
-
-
-def test_every_payload_renders_to_one_native_parameter() -> None:
-    """Whatever the payload holds — every key, a key missing, a string where a number belongs —
-    the server renders it to a run (no template can fail on a missing key); the flow decides."""
-    policy = _policy(name="eu", min_accuracy=0.8, cumulative_epsilon_cap=3.0)
-    rendered = _render(policy.event_payload(), policy.resource_id)
-    assert rendered["payload"] == policy.event_payload()
-    assert isinstance(rendered["payload"]["target_delta"], float)
-    assert rendered["payload"]["cumulative_epsilon_cap"] == 3.0
-    assert rendered["resource_id"] == "dpmerge.policy.eu"
-    assert pm.parse_time(rendered["occurred"]) <= datetime.now(UTC)
-    assert pm.parse_time(rendered["received"]) <= datetime.now(UTC)  # the server's clock
-    uuid.UUID(rendered["event_id"])
-    assert policy_from_dict(rendered["payload"]) == policy
-    partial = policy.event_payload()
-    del partial["min_accuracy"]
-    assert _render(partial, policy.resource_id)["payload"] == partial
-    odd = partial | {"target_epsilon": "2", "extra": None}
-    assert _render(odd, policy.resource_id)["payload"] == odd
+    assert set(merge_on_policy.parameters.properties) == {"policy", "version"}
+    assert merge_on_policy.parameters.required == ["policy", "version"]
 
 
 # --- flows in-process ---------------------------------------------------------------------
@@ -259,6 +220,28 @@ def test_remote_tasks_retry_transient_errors_only_and_give_up(env) -> None:
     assert attempts.count("down") == 1 + len(RETRY_DELAYS)
 
 
+def test_train_candidates_reports_what_it_spent_and_the_frontier(env, training) -> None:
+    """The flow names its registry, each candidate's σ and ε under PLD and RDP at δ (and, in
+    its unpersisted result, the accuracies), and logs the frontier at once."""
+    assert training["registry"] == {
+        "uri": env["uri"],
+        "kind": "embedded",
+        "source": "$MLFLOW_TRACKING_URI",
+    }
+    for candidate in training["candidates"]:
+        assert candidate["delta"] == DELTA and candidate["dataset_size"] > 1000
+        assert 0 < candidate["epsilon_pld"] <= candidate["epsilon_rdp"]
+        assert candidate["epsilon"] == candidate["epsilon_pld"]  # the smaller one gates
+        assert 0 < candidate["validation_accuracy"] <= 1
+    frontier = training["frontier"]
+    assert frontier["artifacts"] == ["frontier.png", "frontier.csv", "frontier.md"]
+    client = MlflowClient(env["uri"], env["uri"])
+    run = client.get_run(frontier["run_id"])
+    assert client.get_experiment(run.info.experiment_id).name == "dpmerge-reports"
+    assert "frontier.png" in {f.path for f in client.list_artifacts(frontier["run_id"])}
+    assert frontier["registered_model"] == training["candidates"][0]["registered_model"]
+
+
 def test_train_candidates_registers_each_level(env, trained) -> None:
     assert len(trained) == 3
     assert sorted(c["noise_multiplier"] for c in trained) == [1.0, 1.6, 3.0]
@@ -277,16 +260,26 @@ def test_train_candidates_registers_each_level(env, trained) -> None:
     assert [s.config.target_epsilon for s in specs] == [1.0, 2.0] and specs[0].config.epochs == 2
 
 
-def _apply(payload: dict[str, Any], **event: Any) -> Any:
-    """Run merge-on-policy in-process; its final state."""
+def _store(env: dict[str, Any], policy: Policy) -> stored_policies.PolicyVersion:
+    workspace = pm.Workspace(env["uri"], env["home"])
+    fields = policy.event_payload()
+    change = stored_policies.set_policy(
+        workspace.state(), policy.name, fields, source="t", rerun=True
+    )
+    return change.version
+
+
+def _apply(env: dict[str, Any], policy: Policy) -> Any:
+    """Store ``policy`` as a new version and run merge-on-policy for it in-process."""
     from flows.merge import merge_on_policy
 
-    return merge_on_policy(payload, **event, return_state=True)
+    version = _store(env, policy)
+    return merge_on_policy(version.name, version.version, return_state=True)
 
 
 def test_merge_on_policy_promotes_then_reuses(env, trained) -> None:
     policy = _policy(name="flow-lc", target_epsilon=_eps(trained)[1] * 1.2, method="lc")
-    state = _apply(policy.event_payload())
+    state = _apply(env, policy)
     result = state.result()
     assert state.is_completed() and state.name == "Completed"
     assert result["status"] == "promoted" and result["method"] == "lc"
@@ -300,16 +293,20 @@ def test_merge_on_policy_promotes_then_reuses(env, trained) -> None:
 
     assert f"ε = **{epsilon_text(result['epsilon'])}**" in card
     assert within_text(result["epsilon"], policy.target_epsilon) in state.message
-    again = _apply(policy.event_payload())
+    again = _apply(env, policy)
     assert again.is_completed() and again.name == "Unchanged"
     assert again.result()["status"] == "unchanged" and again.result()["reused"]
     assert again.result()["version"] == result["version"]
-    assert again.message.startswith("policy flow-lc: unchanged — ")
+    assert again.message.startswith("policy flow-lc v2: unchanged — ")
+    # each run's outcome is kept with its policy version in the release-state store
+    store = pm.Workspace(env["uri"], env["home"]).state()
+    (recorded,) = stored_policies.outcomes(store, "flow-lc", 2)
+    assert recorded["status"] == "unchanged" and recorded["state"] == "Unchanged"
 
 
 def test_rs_flow_keeps_the_draw_out_of_its_result(env, trained) -> None:
     policy = _policy(name="flow-rs", target_epsilon=_eps(trained)[1] * 1.05, method="rs")
-    result = _apply(policy.event_payload()).result()
+    result = _apply(env, policy).result()
     assert result["status"] == "promoted" and result["method"] == "rs"
     text = json.dumps(result)
     assert "drawn" not in text and "audit" not in text
@@ -326,21 +323,28 @@ MALFORMED = {
     "extra field": ({"gpu": "yes"}, "unknown field 'gpu'"),
     "unknown method": ({"method": "avg"}, "method"),
     "negative target": ({"target_epsilon": -1.0}, "target_epsilon"),
-    "typo'd dataset": ({"dataset": "digitz"}, "field 'dataset'"),
-    "unknown model": ({"model": "resnet"}, "field 'model'"),
     "huge name": ({"name": "x" * 100_000}, "name"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_a_malformed_event_is_a_rejected_run_that_changes_nothing(env, trained, case) -> None:
-    """Every event ends as a run: a bad one is ``Rejected`` (Failed type, no traceback) with one
-    line naming the field; nothing is read or written."""
+def test_a_malformed_stored_version_is_a_rejected_run_that_changes_nothing(
+    env, trained, case
+) -> None:
+    """A version written into the store by hand that is not a valid policy ends as a run
+    ``Rejected`` (Failed type, no traceback) with one line naming the field; nothing is read
+    or written, and it supersedes nothing."""
+    from flows.merge import merge_on_policy
+
     change, expected = MALFORMED[case]
-    payload = _policy(name="bad").event_payload() | change
-    payload = {k: v for k, v in payload.items() if v is not ...}
+    policy = _policy(name="bad").event_payload() | change
+    policy = {k: v for k, v in policy.items() if v is not ...}
+    store = pm.Workspace(env["uri"], env["home"]).state()
+    number = stored_policies.newest_number(store, "bad") + 1
+    document = {"schema": stored_policies.SCHEMA, "name": "bad", "version": number}
+    store.create(stored_policies.version_key("bad", number), {**document, "policy": policy})
     before = _versions(env)
-    state = _apply(payload)
+    state = merge_on_policy("bad", number, return_state=True)
     assert state.is_failed() and state.name == "Rejected"
     assert expected in state.message and len(state.message) < 400
     assert "\n" not in state.message and "Traceback" not in state.message
@@ -348,35 +352,46 @@ def test_a_malformed_event_is_a_rejected_run_that_changes_nothing(env, trained, 
     assert _versions(env) == before
 
 
-def test_an_event_for_another_resource_is_rejected(env, trained) -> None:
-    state = _apply(_policy(name="bad").event_payload(), resource_id="dpmerge.policy.other")
-    assert state.name == "Rejected" and "does not match" in state.message
-    state = _apply(_policy(name="bad").event_payload(), occurred="yesterday")
-    assert state.name == "Rejected" and "not an ISO 8601 time" in state.message
+def test_a_version_that_does_not_exist_or_does_not_fit_is_rejected(env, trained) -> None:
+    from flows.merge import merge_on_policy
+
+    state = merge_on_policy("nobody", 3, return_state=True)
+    assert state.name == "Rejected" and "has no stored version 3" in state.message
+    for field, value in (("dataset", "digitz"), ("model", "resnet")):
+        version = _store(env, _policy(name="misfit", **{field: value}))
+        state = merge_on_policy("misfit", version.version, return_state=True)
+        assert state.name == "Rejected" and f"field '{field}'" in state.message
 
 
-def test_infeasible_and_not_promoted_are_named_completed_states(env, trained) -> None:
-    """Expected outcomes are not crashes: Completed runs named Infeasible and NotPromoted, one
-    line each, and the same document as the artifact."""
-    policy = _policy(name="flow-gate", target_epsilon=_eps(trained)[2] * 1.5)
-    first = _apply(policy.event_payload()).result()
+def test_the_serving_invariant_names_the_run_states(env, trained) -> None:
+    """Expected outcomes are not crashes: one line each, the same document as the artifact.
+    Completed when the alias serves a release that meets the policy's version; Failed —
+    named ``Revoked`` or ``Noncompliant`` — when it does not (docs/workflow.md#outcomes)."""
+    first = _apply(env, _policy(name="flow-gate", target_epsilon=_eps(trained)[2] * 1.5)).result()
     assert first["status"] == "promoted"
     before = _versions(env)
     below = _policy(name="flow-gate", target_epsilon=_eps(trained)[0] / 2)
-    infeasible = _apply(below.event_payload())
-    assert infeasible.is_completed() and infeasible.name == "Infeasible"
+    infeasible = _apply(env, below)
+    assert infeasible.is_failed() and infeasible.name == "Revoked"
     assert "below the most private" in infeasible.message
-    assert infeasible.result()["revoked_version"] == first["version"]
+    assert infeasible.result(raise_on_failure=False)["revoked_version"] == first["version"]
     assert _alias(env, first["merged_model"], "policy-flow-gate") is None
     assert _versions(env) == before  # nothing registered
-    strict = _policy(
-        name="flow-gate", target_epsilon=_eps(trained)[2] * 1.4, method="rs", min_accuracy=0.999
+    again = _apply(env, below)  # serves nothing already: Failed, named for the outcome
+    assert again.is_failed() and again.name == "Infeasible"
+    back = _apply(env, _policy(name="flow-gate", target_epsilon=_eps(trained)[2] * 1.5))
+    assert back.name == "Completed"
+    strict = _policy(name="flow-gate", target_epsilon=_eps(trained)[2] * 1.5, min_accuracy=0.999)
+    kept = _apply(env, strict.model_copy(update={"on_noncompliant": "keep"}))
+    assert kept.is_failed() and kept.name == "Noncompliant"
+    assert "KEEPS" in kept.message and "below" in kept.message
+    _apply(env, _policy(name="flow-gate", target_epsilon=_eps(trained)[2] * 1.5))
+    capped = _policy(
+        name="flow-gate", target_epsilon=_eps(trained)[2] * 1.5, cumulative_epsilon_cap=0.01
     )
-    gate = _apply(strict.event_payload())
+    gate = _apply(env, capped)  # refused, and the alias keeps a release that meets it
     assert gate.is_completed() and gate.name == "NotPromoted"
-    assert gate.result()["status"] == "not_promoted" and "below the minimum" in gate.message
-    assert len(_versions(env)) == len(before) + 1  # registered, but no alias
-    assert _alias(env, first["merged_model"], "policy-flow-gate") is None
+    assert gate.result()["status"] == "not_promoted" and "above the cap" in gate.message
 
 
 def test_the_key_can_come_from_a_prefect_secret_block(env, monkeypatch) -> None:
@@ -425,6 +440,10 @@ def _flow_runs() -> int:
         return len(client.read_flow_runs(limit=200))
 
 
+def _json_lines(out: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 def test_cli_policy_set_and_apply_run_in_process(
     env, trained, tmp_path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -432,18 +451,32 @@ def test_cli_policy_set_and_apply_run_in_process(
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))  # leave the process as it was
     target = f"{_eps(trained)[2] * 1.3:.4f}"
-    with pytest.raises(SystemExit):  # --delta is required
-        main(["policy", "set", "--name", "cli", "--target-epsilon", target])
-    capsys.readouterr()
+    assert main(["policy", "set", "--name", "cli", "--target-epsilon", target]) == 2
+    assert "is new: give --target-epsilon and --delta" in capsys.readouterr().err
     code = main(
         [
             *("policy", "set", "--name", "cli", "--target-epsilon", target, "--delta", "1e-5"),
-            *("--dataset", "digits", "--json"),
+            *("--dataset", "digits", "--min-accuracy", "0.5", "--json"),
         ]
     )
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    outcome = json.loads(lines[-1])
+    outcome = _json_lines(capsys.readouterr().out)[-1]
     assert code == 0 and outcome["status"] == "promoted" and outcome["policy"] == "cli"
+    assert outcome["registry"]["kind"] == "embedded" and outcome["registry"]["uri"] == env["uri"]
+    # a partial change keeps every field it does not name
+    assert main(["policy", "set", "--name", "cli", "--target-epsilon", "9", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["policy", "show", "cli", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["version"] == 2 and shown["policy"]["min_accuracy"] == 0.5
+    assert shown["policy"]["target_epsilon"] == 9.0 and shown["serving"]["state"] == "serving"
+    assert main(["policy", "history", "cli"]) == 0
+    history = capsys.readouterr().out
+    assert "v1 " in history and "v2 " in history and "target_epsilon: " in history
+    assert "outcome: promoted" in history
+    assert main(["policy", "set", "--name", "cli", "--target-epsilon", "9"]) == 0
+    assert "no change (v2 is current)" in capsys.readouterr().out
+    assert main(["policy", "ls"]) == 0
+    assert "cli" in capsys.readouterr().out
 
     before = _versions(env)
     bad = tmp_path / "bad.yaml"
@@ -459,17 +492,27 @@ def test_cli_policy_set_and_apply_run_in_process(
             }
         )
     )
-    assert main(["policy", "apply", str(bad)]) == 2
+    assert main(["policy", "apply", "-f", str(bad)]) == 2
     assert "file-bad" in capsys.readouterr().err
     assert _versions(env) == before  # the whole file was rejected: nothing applied
+    store = pm.Workspace(env["uri"], env["home"]).state()
+    assert stored_policies.latest(store, "file-ok") is None
 
     good = tmp_path / "good.yaml"
     good.write_text(bad.read_text().replace("-2.0", "3.0"))
-    assert main(["policy", "apply", str(good), "--json"]) == 0
-    statuses = [
-        json.loads(x)["status"] for x in capsys.readouterr().out.splitlines() if x[:1] == "{"
-    ]
+    assert main(["policy", "apply", "-f", str(good), "--json"]) == 0
+    statuses = [d["status"] for d in _json_lines(capsys.readouterr().out)]
     assert statuses == ["promoted", "promoted"]
+    # declarative: the same file again changes nothing; one changed policy runs alone
+    assert main(["policy", "apply", "-f", str(good), "--json"]) == 0
+    assert [d["status"] for d in _json_lines(capsys.readouterr().out)] == ["unchanged"] * 2
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(good.read_text().replace("4.0", "5.0"))
+    assert main(["policy", "apply", "-f", str(changed), "--dry-run"]) == 0
+    preview = capsys.readouterr().out
+    assert "policy file-ok v1: target_epsilon: 4.0 → 5.0" in preview
+    assert "policy file-bad (dry run): no change to v1" in preview
+    assert stored_policies.latest(store, "file-ok").version == 1  # the dry run stored nothing
 
 
 def test_policy_set_fails_fast_on_a_typo_and_starts_no_run(env, trained, capsys) -> None:
@@ -483,7 +526,8 @@ def test_policy_set_fails_fast_on_a_typo_and_starts_no_run(env, trained, capsys)
     for flag, value, field in (("--dataset", "digitz", "dataset"), ("--model", "cnn", "model")):
         start = time.perf_counter()
         args = ["policy", "set", "--name", "typo", "--target-epsilon", "2", "--delta", "1e-5"]
-        code = main([*args, "--dataset", "digits", flag, value])
+        dataset = () if flag == "--dataset" else ("--dataset", "digits")  # an option once
+        code = main([*args, *dataset, flag, value])
         seconds = time.perf_counter() - start
         err = capsys.readouterr().err
         assert code == 2 and seconds < 10, (code, seconds)
@@ -493,15 +537,17 @@ def test_policy_set_fails_fast_on_a_typo_and_starts_no_run(env, trained, capsys)
         main([*args, "--method", "avg"])
     assert bad_choice.value.code == 2 and "invalid choice: 'avg'" in capsys.readouterr().err
     assert _flow_runs() == runs  # no flow run started
+    store = pm.Workspace(env["uri"], env["home"]).state()
+    assert stored_policies.latest(store, "typo") is None  # nothing stored
 
 
 def _state_files(env: dict[str, Any]) -> dict[str, bytes]:
     home = env["home"]
-    files = {
-        "ledger": (home / "ledger.json").read_bytes() if (home / "ledger.json").exists() else b""
-    }
-    for path in sorted((home / "audit").glob("*")):
-        files[f"audit/{path.name}"] = path.read_bytes()
+    files = {}
+    for folder in ("state", "audit"):
+        for path in sorted((home / folder).rglob("*")):
+            if path.is_file() and not path.name.endswith(".lock"):
+                files[str(path.relative_to(home))] = path.read_bytes()
     return files
 
 
@@ -519,20 +565,34 @@ def test_dry_run_reports_the_release_and_changes_nothing(env, trained, capsys) -
 
     before = snapshot()
     base = ["policy", "set", "--name", "what-if", "--delta", "1e-5", "--dataset", "digits"]
-    code = main([*base, "--target-epsilon", f"{_eps(trained)[1] * 1.2:.4f}", "--dry-run", "--json"])
+    target = f"{_eps(trained)[1] * 1.2:.4f}"  # between two rungs of the ladder
+    code = main([*base, "--target-epsilon", target, "--method", "auto", "--dry-run", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["dry_run"] and report["verdict"] == "would_promote"
-    assert report["epsilon"] <= _eps(trained)[1] * 1.2 and report["method"] in ("rs", "lc")
-    assert 0 < report["test_accuracy"] <= 1 and 0 < report["validation_accuracy"] <= 1
+    # auto releases a secret draw between two LC merges: both rungs and their odds shown
+    assert report["epsilon"] <= float(target) and report["method"] == "mixture", report
+    assert report["weights"] is None and len(report["rungs"]) == 2
+    assert math.isclose(sum(r["probability"] for r in report["rungs"]), 1.0)
+    assert all(0 < r["probability"] < 1 and r["members"] for r in report["rungs"])
+    assert report["accuracy_is_expected"] and 0 < report["test_accuracy"] <= 1
     assert {g["name"] for g in report["gates"]} == {"epsilon", "delta", "accuracy", "ledger"}
-    code = main([*base, "--target-epsilon", f"{_eps(trained)[1] * 1.2:.4f}", "--dry-run"])
-    line = capsys.readouterr().out
-    assert code == 0 and line.startswith("policy what-if (dry run): would promote — ")
+    assert report["registry"]["uri"] == env["uri"] and report["registry"]["kind"] == "embedded"
+    code = main([*base, "--target-epsilon", target, "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0 and "policy what-if: new" in out
+    assert "policy what-if (dry run): would promote — MIXTURE of merge 1 with probability" in out
     # an infeasible what-if revokes nothing and exits as the real one would
     code = main([*base, "--target-epsilon", f"{_eps(trained)[0] / 2:.4f}", "--dry-run"])
     assert code == 3 and "infeasible" in capsys.readouterr().out
     code = main([*base, "--target-epsilon", "9", "--min-accuracy", "0.999", "--dry-run"])
     assert code == 4 and "would not promote" in capsys.readouterr().out
+    # δ ≥ 1/n (digits: about 1,300 training rows) would permit releasing rows: refused, n named
+    for delta in ("0.5", "1e-3"):
+        what_if = ["policy", "set", "--name", "what-if", "--delta", delta, "--dataset", "digits"]
+        assert main([*what_if, "--target-epsilon", "5", "--dry-run"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+        assert f"δ = {float(delta):g} is not below 1/n" in err and "training rows" in err
     assert snapshot() == before  # versions, cards, aliases, ledger, audit, runs
 
 
@@ -541,14 +601,14 @@ def test_cli_exit_codes_match_the_outcome(env, trained, capsys) -> None:
 
     base = ["policy", "set", "--name", "codes", "--delta", "1e-5", "--dataset", "digits"]
     assert main([*base, "--target-epsilon", f"{_eps(trained)[2] * 1.5:.4f}"]) == 0
-    assert capsys.readouterr().out.startswith("policy codes: promoted — ")
+    assert capsys.readouterr().out.startswith("policy codes v1: promoted — ")
     assert main([*base, "--target-epsilon", f"{_eps(trained)[0] / 2:.4f}"]) == 3
     out, err = capsys.readouterr()
-    assert out.startswith("policy codes: infeasible — ") and out.count("\n") == 1
+    assert out.startswith("policy codes v2: infeasible — ") and "revoked" in out
     assert "Traceback" not in out + err
     strict = [*base, "--target-epsilon", f"{_eps(trained)[2] * 1.4:.4f}", "--min-accuracy", "0.999"]
     assert main(strict) == 4
-    assert capsys.readouterr().out.startswith("policy codes: not promoted — ")
+    assert capsys.readouterr().out.startswith("policy codes v3: not promoted — ")
 
 
 def test_another_policys_alias_is_a_rejected_run_and_exit_2(env, trained, capsys) -> None:
@@ -556,11 +616,11 @@ def test_another_policys_alias_is_a_rejected_run_and_exit_2(env, trained, capsys
     never a crash, and the owner's alias stays."""
     from flows.cli import main
 
-    owner = _apply(_policy(name="owner", target_epsilon=_eps(trained)[2] * 1.5).event_payload())
+    owner = _apply(env, _policy(name="owner", target_epsilon=_eps(trained)[2] * 1.5))
     model, version = owner.result()["merged_model"], owner.result()["version"]
     hijack = _policy(name="thief", alias="policy-owner", target_epsilon=_eps(trained)[0] / 2)
     before = _versions(env)
-    state = _apply(hijack.event_payload())
+    state = _apply(env, hijack)
     assert state.is_failed() and state.name == "Rejected"
     assert "belongs to policy 'owner'" in state.message and "\n" not in state.message
     args = ["policy", "set", "--name", "thief", "--alias", "policy-owner", "--delta", "1e-5"]
@@ -570,19 +630,18 @@ def test_another_policys_alias_is_a_rejected_run_and_exit_2(env, trained, capsys
     assert _versions(env) == before and _alias(env, model, "policy-owner") == version
 
 
-def test_emit_needs_a_reachable_server(
-    env, trained, monkeypatch: pytest.MonkeyPatch, capsys
-) -> None:
-    from flows import runtime
-    from flows.cli import main
+def test_verify_state_reports_drift_as_a_failed_run(env, trained) -> None:
+    from flows.verify import verify_state
 
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    with pytest.raises(runtime.ServerError, match="not set"):
-        runtime.emit_policy_event({}, "dpmerge.policy.x", "x")
-    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
-    args = ["policy", "set", "--name", "x", "--target-epsilon", "1", "--delta", "1e-5"]
-    code = main([*args, "--dataset", "digits"])
-    assert code == 2 and "unreachable" in capsys.readouterr().err
+    owner = _apply(env, _policy(name="drift", target_epsilon=_eps(trained)[2] * 1.5)).result()
+    clean = verify_state(return_state=True)
+    assert clean.is_completed(), clean.message
+    client = MlflowClient(env["uri"], env["uri"])
+    client.set_registered_model_alias(owner["merged_model"], "by-hand", owner["version"])
+    drift = verify_state(return_state=True)
+    assert drift.is_failed() and drift.name == "Drift" and "unmanaged_alias" in drift.message
+    assert "by-hand" not in _registry(env).aliases(owner["merged_model"])  # repaired
+    assert verify_state(return_state=True).is_completed()
 
 
 # --- dpmerge demo ----------------------------------------------------------------------------
@@ -608,14 +667,16 @@ def test_demo_trains_registers_applies_and_promotes(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "training 5 DP-SGD candidates" in out
-    assert "policy eu: promoted" in out and "alias 'policy-eu' → v1" in out
+    assert "policy eu v1: promoted" in out and "alias 'policy-eu' → v1" in out
     assert "# Privacy card" in out and "test accuracy" in out
     assert "bin/mlflow ui --backend-store-uri sqlite:///" in out and "prefect server start" in out
     assert "PREFECT_SERVER_API_PORT" in out and "bin/dpmerge registry ls" in out
     assert "[4/4] the privacy–utility frontier" in out and "logged to MLflow run" in out
     home = tmp_path / ".dpmerge"
+    assert f"registry: sqlite:///{home}/mlflow.db (embedded; from the embedded state" in out
     assert (home / "mlflow.db").is_file() and (home / "mlartifacts").is_dir()
     assert (home / "prefect" / "prefect.db").is_file()  # the runs, for `prefect server start`
-    assert (home / "ledger.json").is_file()
+    assert list((home / "state" / "datasets").glob("*.json"))  # the ledger and the pointers
+    assert (home / "state" / "policies" / "eu" / "00000001.json").is_file()
     # no key was given: the workflow generated its own, private, in the state directory
     assert (home / "secret.key").stat().st_mode & 0o777 == 0o600

@@ -19,6 +19,7 @@ import pytest
 from deployed import deployed_stack
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
+from servers import workflow_prefect
 
 import devstack as stack_mod
 from dpmerge.policies import policy_from_dict
@@ -38,7 +39,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackC
     with deployed_stack(tmp_path_factory) as config:
         pids = [s.pid for s in stack_mod.status(config) if s.pid]
         yield config
-    assert len(pids) == 5
+    assert len(pids) == 6  # S3, PostgreSQL, MLflow, Prefect, two workers
     for pid in pids:  # workers first, then servers: and nothing left behind
         assert stack_mod.group_members(pid) == [], f"process group {pid} still running"
 
@@ -46,7 +47,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack_mod.StackC
 def _client(config: stack_mod.StackConfig) -> Any:
     from prefect.client.orchestration import SyncPrefectClient
 
-    return SyncPrefectClient(config.prefect_api_url)
+    auth = config.client_env()["PREFECT_API_AUTH_STRING"]
+    return SyncPrefectClient(config.prefect_api_url, auth_string=auth)
 
 
 def _wait_run(config: stack_mod.StackConfig, run_id: Any) -> Any:
@@ -98,9 +100,10 @@ def _policy(**fields: Any) -> Any:
 
 
 def _emit(stack: stack_mod.StackConfig, payload: dict[str, Any], name: str = "int") -> str:
-    return runtime.emit_policy_event(
-        payload, f"dpmerge.policy.{name}", name, url=stack.prefect_api_url
-    )
+    with workflow_prefect(stack):  # the events client reads the auth string from settings
+        return runtime.emit_policy_event(
+            payload, f"dpmerge.policy.{name}", name, url=stack.prefect_api_url
+        )
 
 
 def _wait_event(stack: stack_mod.StackConfig, event_id: str, timeout_s: float = 180) -> Any:
@@ -117,12 +120,13 @@ def _alias(client: MlflowClient, model: str, alias: str) -> str | None:
 
 
 def _served(client: MlflowClient, model: str, alias: str) -> str | None:
-    """The version ``alias`` names; ``None`` also while ``model`` is not registered yet (any
-    other failure is raised)."""
+    """The version ``alias`` names; ``None`` also while ``model`` is not registered yet (MLflow's
+    auth app answers PERMISSION_DENIED for a model nobody granted yet; any other failure is
+    raised)."""
     try:
         return _alias(client, model, alias)
     except MlflowException as error:
-        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+        if error.error_code not in ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED"):
             raise
         return None
 
@@ -232,9 +236,8 @@ def test_one_policy_at_a_time_the_later_event_wins(stack, candidates) -> None:
 def test_different_policies_run_side_by_side(stack, candidates) -> None:
     """The lock is per policy: while policy side-a's lock is held (here, by the test), an event
     for side-b is applied and one for side-a waits; released, side-a's run completes."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows.policy_runs import policy_lock
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     epsilons = [float(v.tags["dp.epsilon"]) for v in candidates]
     side_a, side_b = (
@@ -297,4 +300,5 @@ def test_outcome_exit_codes_are_the_embedded_ones(stack, candidates, capsys) -> 
     strict = [*base, "--target-epsilon", f"{epsilons[2] * 1.3:.4f}", "--min-accuracy", "0.999"]
     assert main([*strict, "--wait", "180"]) == 4
     assert capsys.readouterr().out.startswith("policy codes: not promoted — ")
-    assert main([*base, "--target-epsilon", "2", "--dataset", "digitz"]) == 2  # before any event
+    typo = [*base[:-1], "digitz", "--target-epsilon", "2"]  # --dataset digitz, given once
+    assert main(typo) == 2  # before any event

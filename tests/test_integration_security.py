@@ -25,9 +25,9 @@ import torch
 from deployed import deployed_stack
 from factories import DELTA, train_digits
 from mlflow import MlflowClient
+from servers import workflow_prefect
 
 import devstack as stack_mod
-from devstack.config import CREDENTIALS
 from dpmerge import policy_merge as pm
 from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.registry import candidate_content_hash
@@ -85,7 +85,8 @@ def _emit(stack: stack_mod.StackConfig, policy: Policy, occurred: datetime | Non
         async with PrefectEventsClient(api_url=stack.prefect_api_url, checkpoint_every=1) as client:
             await client.emit(event)
 
-    run_coro_as_sync(send())
+    with workflow_prefect(stack):  # the events client reads the auth string from settings
+        run_coro_as_sync(send())
     return str(event.id)
 
 
@@ -136,12 +137,14 @@ def _release_versions(stack: stack_mod.StackConfig) -> int:
 
 
 def _s3(stack: stack_mod.StackConfig) -> Any:
+    """The stack's own S3 identity (an attacker with the store's keys)."""
+    config = stack.s3_config()
     return boto3.client(
         "s3",
         endpoint_url=stack.s3_url,
-        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
+        aws_access_key_id=config.access_key_id,
+        aws_secret_access_key=config.secret_access_key,
+        region_name=config.region,
     )
 
 
@@ -163,9 +166,10 @@ def test_2_a_forged_record_is_refused(stack, trained, tmp_path: Path) -> None:
     pool, s3, client = _pool(), _s3(stack), _client(stack)
     version = client.get_model_version(pool.registered_model, pool.versions[0])
     model_id = version.source.split("/models/")[1].split("/")[0]
+    experiment = client.get_experiment_by_name("dpmerge-candidates").experiment_id
     keys = [
         o["Key"]
-        for o in s3.list_objects_v2(Bucket=stack.bucket, Prefix="mlartifacts/candidates/")[
+        for o in s3.list_objects_v2(Bucket=stack.bucket, Prefix=f"mlartifacts/{experiment}/")[
             "Contents"
         ]
         if f"/models/{model_id}/artifacts/extra_files/" in o["Key"]

@@ -1,6 +1,6 @@
 """The workflow's secret key (dpmerge.keys, docs/design.md#security) and what is published with
 it (dpmerge.publication): where the key comes from, bad keys refused in one line, domain
-separation, keyed dataset identifiers and lineages, fixed-seed detection, signatures."""
+separation, keyed dataset identifiers and lineages, fixed-seed detection, Ed25519 signatures."""
 
 from __future__ import annotations
 
@@ -12,15 +12,9 @@ from pathlib import Path
 import pytest
 from factories import make_record
 
+from dpmerge import manifests
 from dpmerge.keys import KEY_ENV, KEY_FILE_ENV, SecretKeyError, WorkflowKey
-from dpmerge.publication import (
-    dataset_id,
-    fixed_seed_streams,
-    lineage_id,
-    public_record,
-    signature,
-    signature_ok,
-)
+from dpmerge.publication import dataset_id, fixed_seed_streams, lineage_id, public_record
 from dpmerge.vocabulary import KeyPurpose
 
 FINGERPRINT = "digits-sha256:" + "ab" * 16
@@ -124,11 +118,32 @@ def test_public_records_keep_the_numbers_and_hide_seeds_and_fingerprints() -> No
     assert public.run_id == lineage_id("run-1", key)
 
 
-def test_signatures_bind_the_content_hash_and_the_key() -> None:
+def test_signatures_bind_the_manifest_and_the_key() -> None:
+    """A version's Ed25519 signature (derived from the workflow key) verifies with the public
+    key alone, and only for the manifest it signed."""
     key, other = WorkflowKey.generate(), WorkflowKey.generate()
-    tag = signature("c" * 64, key)
-    assert signature_ok("c" * 64, tag, key)
-    assert not signature_ok("d" * 64, tag, key)  # another record
-    assert not signature_ok("c" * 64, tag, other)  # another key
-    assert not signature_ok("c" * 64, None, key) and not signature_ok("c" * 64, "", key)
+    manifest = manifests.Manifest(
+        model="m",
+        logged_model="m-1",
+        release="c" * 64,
+        facts={"dp.epsilon": "1.5"},
+        files={"MLmodel": "0" * 64},
+        card_digest="",
+    )
+    text, signed = manifests.sign(manifest, key)
+    public = manifests.public_key_hex(key)
+    assert manifests.verify(text, signed, public).release == "c" * 64
+    assert manifests.public_key_hex(key) == public  # derived, stable
+    assert manifests.verify(text, signed, public).key == manifests.fingerprint(public)
+    changed = text.replace("1.5", "0.5")  # a fact edited after signing
+    for bad_text, bad_sig, bad_key in (
+        (changed, signed, public),
+        (text, signed, manifests.public_key_hex(other)),  # another key
+        (text, None, public),
+        (None, signed, public),
+    ):
+        with pytest.raises(manifests.ReleaseSignatureError):
+            manifests.verify(bad_text, bad_sig, bad_key)
+    with pytest.raises(manifests.ReleaseSignatureError, match="differ"):
+        manifests.check_facts(manifests.Manifest.parse(text), {"dp.epsilon": "0.5"})
     assert os.environ.get(KEY_ENV)  # the test session's key (conftest), not a repository file

@@ -1,16 +1,16 @@
 """The operator's command line: the registry found one way, read without side effects or
-heavy imports, and every ``--help`` quick (docs/workflow.md#the-command-line)."""
+heavy imports, and every ``--help`` quick (README.md#the-command-line)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from commands import fresh_env
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = """
@@ -28,17 +28,8 @@ print(json.dumps({"code": code, "seconds": time.perf_counter() - start,
 
 
 def _clean_env(tmp_path: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PREFECT_", "MLFLOW_TRACKING", "DPMERGE_"))
-    }
-    return env | {
-        "PYTHONPATH": str(REPO),
-        "DPMERGE_STACK_DIR": str(tmp_path / "no-stack"),
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
+    """A fresh environment whose embedded state is ``./.dpmerge`` of the command's directory."""
+    return {k: v for k, v in fresh_env(tmp_path).items() if k != "DPMERGE_HOME"}
 
 
 def _probe(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[dict, str, str]:
@@ -116,3 +107,87 @@ def test_policy_set_options_are_the_policy_model() -> None:
             assert actions[name].choices == [m.value for m in kind]
         assert actions[name].help.startswith(field.description)
     assert actions["target_delta"].option_strings == ["--target-delta", "--delta"]
+
+
+def _fake_embedded_registry(home: Path) -> Path:
+    """An embedded MLflow database with the tables ``registry ls`` reads, and no versions."""
+    import sqlite3
+
+    home.mkdir(parents=True, exist_ok=True)
+    database = home / "mlflow.db"
+    with sqlite3.connect(database) as db:
+        db.execute(
+            "CREATE TABLE model_versions (name TEXT, version INTEGER, run_id TEXT, "
+            "current_stage TEXT, description TEXT)"
+        )
+        db.execute("CREATE TABLE model_version_tags (name TEXT, version INTEGER, key, value)")
+        db.execute("CREATE TABLE registered_model_aliases (name TEXT, alias TEXT, version)")
+    return database
+
+
+def _stopped_stack(state_dir: Path) -> None:
+    """A ``stack.json`` as ``dpmerge stack up`` records it, for a stack that is not running."""
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            ports.append(free.getsockname()[1])
+    state_dir.mkdir(parents=True)
+    document = {"mlflow_port": ports[0], "prefect_port": ports[1], "prefect": True}
+    (state_dir / "stack.json").write_text(json.dumps(document))
+
+
+def test_a_recorded_stack_that_is_down_is_named_not_replaced(tmp_path: Path) -> None:
+    """The stack is down and ./.dpmerge exists: a command refuses with `dpmerge stack up`
+    (exit 1) instead of answering from, or writing to, the embedded state; --home and
+    --tracking-uri still choose."""
+    work = tmp_path / "work"
+    database = _fake_embedded_registry(work / ".dpmerge")
+    env = _clean_env(tmp_path) | {"DPMERGE_STACK_DIR": str(tmp_path / "stack")}
+    _stopped_stack(tmp_path / "stack")
+    before = database.stat().st_mtime_ns, sorted((work / ".dpmerge").iterdir())
+    policy = ["policy", "set", "--name", "eu", "--target-epsilon", "1", "--delta", "1e-5"]
+    for args in (["registry", "ls"], ["registry", "show", "@policy-eu"], policy):
+        result, out, err = _probe(args, work, env)
+        assert result["code"] == 1 and out == "", args
+        assert len(err.splitlines()) == 1 and "is not running" in err, args
+        assert "bin/dpmerge stack up" in err and str(tmp_path / "stack" / "stack.json") in err
+    assert (database.stat().st_mtime_ns, sorted((work / ".dpmerge").iterdir())) == before
+    for args in (["--home", str(work / ".dpmerge")], ["--tracking-uri", f"sqlite:///{database}"]):
+        result, out, _ = _probe(["registry", "ls", *args], work, env)
+        assert result["code"] == 0, args
+        assert out.startswith(f"registry: sqlite:///{database} (embedded; from ")
+        assert out.endswith("no dpmerge versions registered\n")
+
+
+def test_every_registry_answer_names_its_registry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Text and JSON say which registry answered, and what kind it is: the local stack's
+    MLflow is named as the stack's also when reached through $MLFLOW_TRACKING_URI (as
+    ``dpmerge stack env`` sets it)."""
+    from dpmerge.locate import Located
+
+    work = tmp_path / "work"
+    database = _fake_embedded_registry(work / ".dpmerge")
+    result, out, _ = _probe(["registry", "ls", "--json"], work, _clean_env(tmp_path))
+    assert result["code"] == 0
+    assert json.loads(out) == {
+        "registry": {
+            "uri": f"sqlite:///{database}",
+            "kind": "embedded",
+            "source": f"the embedded state ({database.parent})",
+        },
+        "versions": [],
+    }
+    _stopped_stack(tmp_path / "stack")
+    monkeypatch.setenv("DPMERGE_STACK_DIR", str(tmp_path / "stack"))
+    port = json.loads((tmp_path / "stack" / "stack.json").read_text())["mlflow_port"]
+    stack = Located.at(f"http://127.0.0.1:{port}", "$MLFLOW_TRACKING_URI")
+    other = Located.at("http://127.0.0.1:1", "--tracking-uri")
+    assert (stack.kind, other.kind) == ("stack", "server")
+    assert stack.describe() == (
+        f"registry: http://127.0.0.1:{port} (stack; from $MLFLOW_TRACKING_URI)"
+    )

@@ -26,7 +26,7 @@ def base(**overrides):
 def test_defaults_are_the_safe_ones():
     policy = policy_from_dict(base())
     assert policy.gating_bound == "generic"
-    assert policy.on_infeasible == "revoke"
+    assert policy.on_noncompliant == "revoke"
     assert policy.method == "auto"
     assert policy.alias == "policy-eu"
     assert policy.resource_id == "dpmerge.policy.eu"
@@ -42,7 +42,7 @@ def test_defaults_are_the_safe_ones():
         ({"method": "average"}, "method"),
         ({"gating_bound": "heuristic"}, "gating_bound"),
         ({"min_accuracy": 1.2}, "min_accuracy"),
-        ({"on_infeasible": "ignore"}, "on_infeasible"),
+        ({"on_noncompliant": "ignore"}, "on_noncompliant"),
         ({"name": "EU region!"}, "name"),
         ({"alias": "latest"}, "alias"),
         ({"alias": "v3"}, "alias"),
@@ -125,14 +125,14 @@ def test_an_alias_bomb_is_refused_in_one_short_line(tmp_path, field):
     field is refused at once, and the error echoes a few characters of it, not gigabytes."""
     import time
 
-    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] + [
-        f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)
+    levels = ["      - &a0 [x, x, x, x, x, x, x, x, x, x]"] + [
+        f"      - &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)
     ]
     policy = {"name": "eu", "target_epsilon": 2, "target_delta": "1e-5", "dataset": "d"}
     policy[field] = "*a8"
-    items = ", ".join(f"{k}: {v}" for k, v in {**policy, "model": "m"}.items())
-    path = tmp_path / "bomb.yaml"
-    path.write_text("\n".join(levels) + f"\npolicies:\n  - {{{items}}}\n")
+    items = "".join(f"    {k}: {v}\n" for k, v in {**policy, "model": "m"}.items())
+    path = tmp_path / "bomb.yaml"  # the anchors inside the policy: no other top-level key
+    path.write_text("policies:\n  - anchors:\n" + "\n".join(levels) + "\n" + items)
     start = time.perf_counter()
     with pytest.raises(PolicyError, match=field) as raised:
         load_policies(path)

@@ -1,7 +1,8 @@
 """The policy merge (dpmerge.policy_merge, no Prefect) on real digits candidates in an embedded
 MLflow registry: candidate discovery, evaluation data, calibration with method auto, and the
-state machine ``apply_policy`` itself — idempotent release, each gate, ledger cap, infeasible
-targets (revoke, keep), event ordering, RS secrecy — with its steps observed or replaced."""
+state machine ``apply_policy`` itself — idempotent release, each gate, ledger cap, the serving
+invariant (revoke, keep, keep a compliant release), version ordering, RS secrecy — with its
+steps observed or replaced."""
 
 from __future__ import annotations
 
@@ -11,23 +12,26 @@ import os
 import stat
 from collections.abc import Callable
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import pytest
 import torch
 from factories import train_digits
 from mlflow import MlflowClient
 
 from dpmerge import policy_merge as pm
-from dpmerge.accounting.ledger import ReleaseLedger
+from dpmerge.accounting.calibration import calibrate
 from dpmerge.data import load_dataset
 from dpmerge.errors import DatasetError
 from dpmerge.evaluation import MergeAccuracy
 from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.policy_merge.evaluation_data import _limits_for
 from dpmerge.registry import Registry, RegistryError
+from dpmerge.state import serving as state_serving
+from dpmerge.state.policies import PolicyVersion, set_policy
+from dpmerge.state.releases import read_release
 
 DELTA = 1e-5
 SIGMAS = (1.0, 1.6, 3.0)
@@ -64,13 +68,21 @@ def _policy(**fields: Any) -> Policy:
     return policy_from_dict({**base, **fields})
 
 
+def _store(workspace: pm.Workspace, policy: Policy) -> PolicyVersion:
+    """``policy`` stored as a new version (the test applies it itself)."""
+    fields = policy.event_payload()
+    return set_policy(workspace.state(), policy.name, fields, source="test", rerun=True).version
+
+
 def _apply(
-    workspace: pm.Workspace,
-    policy: Policy,
-    when: datetime | None = None,
-    steps: pm.PolicySteps = pm.LIBRARY_STEPS,
+    workspace: pm.Workspace, policy: Policy, steps: pm.PolicySteps = pm.LIBRARY_STEPS
 ) -> pm.PolicyOutcome:
-    return pm.apply_policy(policy, workspace, when, steps=steps).outcome
+    return pm.apply_policy(_store(workspace, policy), workspace, steps=steps).outcome
+
+
+def _ledger(workspace: pm.Workspace, outcome: pm.PolicyOutcome) -> state_serving.DatasetState:
+    dataset = _tags(workspace, outcome)["dp.dataset"]
+    return state_serving.read_state(workspace.state(), dataset)
 
 
 def _recording(calls: list[str], **replaced: Callable[..., Any]) -> pm.PolicySteps:
@@ -192,70 +204,89 @@ def test_evaluation_data_found_by_fingerprint_and_cached(tmp_path: Path) -> None
         pm.load_evaluation_data("digits-sha256:" + "0" * 32, data.dataset_size)
 
 
-def test_auto_keeps_the_smaller_noise_proxy_and_never_steers_by_accuracy(
+def test_auto_keeps_the_best_expected_noise_proxy_and_never_steers_by_accuracy(
     workspace: pm.Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The choice between RS and LC, the subset and π are data-independent: the same plan
-    whatever the candidates' accuracies (docs/design.md#calibration)."""
+    """The choice among RS, LC and the mixture, the subsets and the odds are data-independent:
+    the same plan whatever the candidates' accuracies; by default the weights are too, and
+    ``tune_weights`` changes only the weights within the chosen subset
+    (docs/design.md#calibration)."""
     registry = workspace.registry()
     pool = pm.find_candidates(registry, "digits", "logreg")
     candidates = registry.load_candidates(pool.registered_model, pool.versions, dest=tmp_path)
     record = candidates[0].model_dir.record
     data = pm.load_evaluation_data(record.dataset, record.dataset_size)
     plan = pm.calibrate_policy(_policy(target_epsilon=3.0), candidates, data)
-    assert set(plan.compared) == {"rs", "lc"}
-    best = min(plan.compared.values(), key=lambda c: c["noise_proxy"])
-    assert plan.compared[plan.method] == best
-    assert plan.calibration.epsilon <= 3.0
-    # A validation set that rewards the noisiest candidate changes only the LC weights within
-    # the chosen subset, never the method or the subset.
+    assert set(plan.compared) == {"rs", "lc", "mixture"}
+    utilities = {m: c["expected_utility"] for m, c in plan.compared.items()}
+    assert utilities[plan.method] == max(utilities.values())
+    assert plan.calibration.epsilon <= 3.0 and plan.reason.startswith(plan.method)
     noisiest = max(
         range(len(candidates)), key=lambda i: candidates[i].model_dir.record.noise_multiplier
     )
     monkeypatch.setattr(MergeAccuracy, "accuracy", lambda self, w, split: w[noisiest])
-    steered = pm.calibrate_policy(_policy(target_epsilon=3.0), candidates, data)
-    assert steered.method == plan.method
-    assert [w > 0 for w in steered.calibration.weights] == [w > 0 for w in plan.calibration.weights]
+    same = pm.calibrate_policy(_policy(target_epsilon=3.0), candidates, data)
+    assert same.method == plan.method and same.calibration.report == plan.calibration.report
+    # opted in: a validation set that rewards the noisiest candidate changes only the weights
+    # within the chosen subset, never the method or the subset
+    lc = _policy(target_epsilon=3.0, method="lc")
+    untuned = pm.calibrate_policy(lc, candidates, data)
+    tuned = pm.calibrate_policy(lc.model_copy(update={"tune_weights": True}), candidates, data)
+    assert tuned.method == "lc" and tuned.calibration.epsilon <= 3.0
+    used = [w > 0 for w in untuned.calibration.weights]
+    assert [w > 0 for w in tuned.calibration.weights] == used
     only_rs = pm.calibrate_policy(_policy(target_epsilon=3.0, method="rs"), candidates, data)
     assert only_rs.method == "rs" and set(only_rs.compared) == {"rs"}
     structured = _policy(target_epsilon=3.0, method="auto", gating_bound="structured")
     plan = pm.calibrate_policy(structured, candidates, data)
     assert plan.compared["lc"]["bound"] == "structured"
     assert plan.compared["rs"]["bound"] == "selection"  # RS has its own bound
+    assert plan.compared["mixture"]["bound"] == "mixture"
     assert plan.calibration.epsilon <= 3.0
 
 
-NEW_RELEASE = ["prepare", "calibrate", "plan_release", "merge", "register", "promote", "read_card"]
-REUSED = ["prepare", "calibrate", "plan_release", "promote", "read_card"]
+NEW_RELEASE = [
+    "prepare",
+    "calibrate",
+    "plan_release",
+    "merge",
+    "count",
+    "register",
+    "serve",
+    "read_card",
+    "project",
+]
+REUSED = ["prepare", "calibrate", "plan_release", "serve", "read_card", "project"]
 
 
-def test_apply_promotes_records_ledger_and_reuses(workspace: pm.Workspace, registry_home) -> None:
+def test_apply_counts_serves_and_reuses(workspace: pm.Workspace, registry_home) -> None:
     target = registry_home["epsilons"][1] * 1.2
     policy = _policy(name="lc-one", target_epsilon=target, method="lc", min_accuracy=0.5)
     calls: list[str] = []
-    result = pm.apply_policy(policy, workspace, steps=_recording(calls))
+    result = pm.apply_policy(_store(workspace, policy), workspace, steps=_recording(calls))
     first = result.outcome
     assert calls == NEW_RELEASE  # LC: no audit record to store
     assert (first.status, first.previous_version, first.reasons) == (pm.Status.PROMOTED, None, ())
+    assert first.serving == "serving" and first.serving_version == first.version
     assert not first.reused and first.epsilon <= target and first.method == "lc"
     assert _aliases(workspace, first.merged_model) == {"policy-lc-one": first.version}
     tags = _tags(workspace, first)
     assert tags["dp.policy"] == "lc-one" and tags["dp.method"] == "lc"
     description = _client(workspace).get_model_version(first.merged_model, first.version)
     assert result.card == description.description and "Release ledger (cumulative)" in result.card
-    ledger = ReleaseLedger(workspace.home / "ledger.json")
-    assert [r.release_id for r in ledger.releases()] == [tags["dp.content_hash"]]
-    assert first.cumulative_epsilon == pytest.approx(
-        ledger.cumulative(ledger.releases()[0].dataset, DELTA).epsilon
-    )
+    state = _ledger(workspace, first)
+    assert [r.release_id for r in state.releases] == [tags["dp.content_hash"]]
+    assert first.cumulative_epsilon == pytest.approx(state.cumulative(DELTA).epsilon)
+    pointer = state.alias(first.merged_model, "policy-lc-one")
+    assert (pointer.owner, pointer.serving, pointer.policy_version) == ("lc-one", "1", 1)
     assert first.to_dict()["status"] == "promoted"
     # the same policy again: the registered release is reused, nothing is merged or drawn again
     calls.clear()
-    again = _apply(workspace, policy, steps=_recording(calls))
+    again = pm.apply_policy(_store(workspace, policy), workspace, steps=_recording(calls)).outcome
     assert calls == REUSED
     assert again.status == pm.Status.UNCHANGED and again.reused
     assert (again.version, again.previous_version) == (first.version, first.version)
-    assert len(ReleaseLedger(workspace.home / "ledger.json").releases()) == 1
+    assert len(_ledger(workspace, first).releases) == 1
 
 
 def test_rs_draw_goes_only_to_the_private_audit_file(workspace: pm.Workspace, registry_home):
@@ -282,41 +313,94 @@ def test_rs_draw_goes_only_to_the_private_audit_file(workspace: pm.Workspace, re
         assert secret not in public
 
 
-def test_each_gate_keeps_the_alias(workspace: pm.Workspace, registry_home) -> None:
-    """Not promoted by accuracy, ε, δ, a card that disagrees with the tags, or the ledger cap:
-    the version stays registered and the alias where it was."""
+def test_each_gate_and_what_the_alias_serves_after_it(
+    workspace: pm.Workspace, registry_home
+) -> None:
+    """Not promoted by the ledger cap (nothing merged) or by accuracy (registered and counted):
+    the alias keeps its release while that release meets the new version, and is revoked when
+    it does not; a tag changed after registration breaks the release's signature."""
     target = registry_home["epsilons"][2] * 1.5
     first = _apply(workspace, _policy(name="gated", target_epsilon=target, method="lc"))
     assert first.status == pm.Status.PROMOTED
-
-    def not_promoted(**fields: Any) -> pm.PolicyOutcome:
-        policy = _policy(name="gated", target_epsilon=target * 1.01, method="rs", **fields)
-        outcome = _apply(workspace, policy)
-        assert outcome.status == pm.Status.NOT_PROMOTED and outcome.previous_version is None
-        assert _aliases(workspace, first.merged_model)["policy-gated"] == first.version
-        return outcome
-
-    strict = not_promoted(min_accuracy=0.999)
-    assert strict.version != first.version and not strict.reused
+    same = _policy(name="gated", target_epsilon=target * 1.01, method="rs")
+    capped = _apply(workspace, same.model_copy(update={"cumulative_epsilon_cap": 0.01}))
+    assert capped.status == pm.Status.NOT_PROMOTED and capped.version is None
+    assert capped.reasons[0].startswith("release ledger: ") and capped.compliant
+    assert capped.serving == "serving" and "keeps v" in capped.reasons[-1]
+    assert _aliases(workspace, first.merged_model)["policy-gated"] == first.version
+    strict = _apply(workspace, same.model_copy(update={"min_accuracy": 0.999}))
+    assert strict.status == pm.Status.NOT_PROMOTED and not strict.reused
+    assert strict.version not in (None, first.version)
     assert [r for r in strict.reasons if "below the minimum 0.999" in r]
-    # the same request again (a gate is not part of it), its tags now over the targets
-    with _tampered(workspace, strict, "dp.epsilon", repr(target * 2)):
-        (reason,) = not_promoted().reasons
-        assert "exceeds the target" in reason and reason.startswith("gating ε")
-    with _tampered(workspace, strict, "dp.delta", "0.001"):
-        assert not_promoted().reasons == (f"δ = 0.001 exceeds the target {DELTA:g}",)
-    with _tampered(workspace, strict, "dp.epsilon", repr(strict.epsilon / 2)):  # ≤ target
-        assert not_promoted().reasons == (
-            "the stored privacy card disagrees with the version's tags",
-        )
-    capped = not_promoted(cumulative_epsilon_cap=0.01)
-    assert capped.reused and capped.version == strict.version
-    assert len(capped.reasons) == 1 and capped.reasons[0].startswith("release ledger: ")
-    # every gate passes: the same release is promoted, the alias moves to it
-    passed = _apply(workspace, _policy(name="gated", target_epsilon=target * 1.01, method="rs"))
-    assert passed.status == pm.Status.PROMOTED and passed.reused
-    assert (passed.version, passed.previous_version) == (strict.version, first.version)
+    # the old release misses the new floor too: the serving invariant revokes it
+    assert strict.serving == "revoked" and strict.revoked_version == first.version
+    assert "policy-gated" not in _aliases(workspace, first.merged_model)
+    # counted although not promoted: its evaluation was published when it was registered
+    hashes = {r.release_id for r in _ledger(workspace, first).releases}
+    assert _tags(workspace, strict)["dp.content_hash"] in hashes
+    # every gate passes: the same release is served (reused, not merged or drawn again)
+    passed = _apply(workspace, same)
+    assert passed.status == pm.Status.PROMOTED and passed.reused, passed.reasons
+    assert (passed.version, passed.previous_version) == (strict.version, None)
     assert _aliases(workspace, first.merged_model)["policy-gated"] == strict.version
+    # a tag changed after registration breaks the release's signature: never reused again
+    with _tampered(workspace, strict, "dp.accuracy", "0.99999"):
+        again = _apply(workspace, same)
+    assert again.status == pm.Status.PROMOTED and not again.reused
+    assert again.version not in (strict.version, first.version)
+
+
+def test_a_redraw_after_a_failed_gate_is_counted_and_on_the_card(
+    workspace: pm.Workspace, registry_home
+) -> None:
+    """Redraw until pass: an RS release that fails its accuracy gate was evaluated — its
+    evaluation published — so the ledger counts it, and the card of a release made after it
+    for the same policy lists it as an earlier attempt."""
+    target = registry_home["epsilons"][1] * 1.13  # releases no other test makes
+    failed = _apply(
+        workspace, _policy(name="redraw", target_epsilon=target, method="rs", min_accuracy=0.999)
+    )
+    assert not failed.reused
+    assert failed.status == pm.Status.NOT_PROMOTED and failed.version is not None
+    failed_hash = _tags(workspace, failed)["dp.content_hash"]
+    assert _ledger(workspace, failed).entry(failed_hash) is not None  # counted, not served
+    retry = _apply(workspace, _policy(name="redraw", target_epsilon=target * 1.005, method="rs"))
+    assert retry.status == pm.Status.PROMOTED and retry.version != failed.version
+    assert not retry.reused
+    card = _client(workspace).get_model_version(retry.merged_model, retry.version).description
+    assert "Earlier attempts for this policy:** 1 release(s)" in card
+    assert failed_hash[:12] not in card  # the public card counts them; the internal one names
+    internal = read_release(workspace.state(), _tags(workspace, retry)["dp.content_hash"])
+    assert internal is not None and failed_hash[:12] in internal["card"]
+
+
+def test_a_tightened_policy_revokes_or_flags_its_noncompliant_release(
+    workspace: pm.Workspace, registry_home
+) -> None:
+    """The serving invariant: after a run, the alias serves a release that meets the policy's
+    current version, or nothing; keeping a non-compliant model must be asked for, and shows."""
+    target = registry_home["epsilons"][2] * 1.5
+    promoted = _apply(workspace, _policy(name="tight", target_epsilon=target))
+    assert promoted.status == pm.Status.PROMOTED
+    # a floor no release reaches: not promoted, and the old release does not meet it either
+    floor = _apply(workspace, _policy(name="tight", target_epsilon=target, min_accuracy=0.999))
+    assert floor.status == pm.Status.NOT_PROMOTED and floor.serving == "revoked"
+    assert floor.revoked_version == promoted.version and not floor.compliant
+    assert "policy-tight" not in _aliases(workspace, promoted.merged_model)
+    pointer = _ledger(workspace, promoted).alias(promoted.merged_model, "policy-tight")
+    assert pointer.state == "revoked" and "does not meet version" in pointer.reason
+    # back to a compliant policy, then tightened with on_noncompliant: keep
+    _apply(workspace, _policy(name="tight", target_epsilon=target))
+    kept = _apply(
+        workspace,
+        _policy(name="tight", target_epsilon=target, min_accuracy=0.999, on_noncompliant="keep"),
+    )
+    assert kept.status == pm.Status.NOT_PROMOTED and kept.serving == "noncompliant"
+    assert kept.serving_version == promoted.version and not kept.compliant
+    assert "KEEPS" in kept.reasons[-1]
+    assert _aliases(workspace, promoted.merged_model)["policy-tight"] == promoted.version
+    tag = _client(workspace).get_registered_model(promoted.merged_model).tags
+    assert tag["dpmerge.serves.policy-tight"].startswith("NON-COMPLIANT")
 
 
 def test_infeasible_target_revokes_or_keeps(workspace: pm.Workspace, registry_home) -> None:
@@ -325,11 +409,11 @@ def test_infeasible_target_revokes_or_keeps(workspace: pm.Workspace, registry_ho
     assert promoted.status == pm.Status.PROMOTED
     below = registry_home["epsilons"][0] / 2
     calls: list[str] = []
-    keep = _policy(name="inf", target_epsilon=below, on_infeasible="keep")
+    keep = _store(workspace, _policy(name="inf", target_epsilon=below, on_noncompliant="keep"))
     kept = pm.apply_policy(keep, workspace, steps=_recording(calls))
-    assert calls == ["prepare", "calibrate", "handle_infeasible"]  # nothing merged or registered
+    assert calls == ["prepare", "calibrate", "enforce", "project"]  # nothing merged or registered
     assert kept.card == "" and kept.outcome.status == pm.Status.INFEASIBLE
-    assert kept.outcome.revoked_version is None and kept.outcome.reasons[-1] == "alias kept"
+    assert kept.outcome.revoked_version is None and kept.outcome.serving == "noncompliant"
     low, high = kept.outcome.reachable_epsilon_range
     assert low == pytest.approx(registry_home["epsilons"][0]) and high >= low
     assert _aliases(workspace, promoted.merged_model)["policy-inf"] == promoted.version
@@ -337,70 +421,51 @@ def test_infeasible_target_revokes_or_keeps(workspace: pm.Workspace, registry_ho
     assert revoked.status == pm.Status.INFEASIBLE and revoked.revoked_version == promoted.version
     assert "policy-inf" not in _aliases(workspace, promoted.merged_model)
     again = _apply(workspace, _policy(name="inf", target_epsilon=below))
-    assert again.revoked_version is None and again.reasons[-1] == "alias 'policy-inf' was not set"
+    assert again.revoked_version is None and again.reasons[-1].endswith("serves nothing (revoked)")
 
 
-def test_an_older_event_never_moves_the_alias_back(workspace: pm.Workspace, registry_home):
-    now = datetime.now(UTC)
-    newer = _policy(name="order", target_epsilon=registry_home["epsilons"][2] * 2)
-    kept = _apply(workspace, newer, now)
+def test_an_older_version_never_moves_the_alias(workspace: pm.Workspace, registry_home):
+    """Versions order a policy's runs: a run of an older version stops at once when a newer
+    version is stored, and can never move an alias a newer version set."""
+    older = _store(
+        workspace, _policy(name="order", target_epsilon=registry_home["epsilons"][2] * 3)
+    )
+    newer = _store(
+        workspace, _policy(name="order", target_epsilon=registry_home["epsilons"][2] * 2)
+    )
+    kept = pm.apply_policy(newer, workspace).outcome
     assert kept.status == pm.Status.PROMOTED
-    older = _policy(name="order", target_epsilon=registry_home["epsilons"][2] * 3)
     calls: list[str] = []
-    stale = _apply(workspace, older, now - timedelta(seconds=5), steps=_recording(calls))
+    stale = pm.apply_policy(older, workspace, steps=_recording(calls)).outcome
     assert calls == ["prepare"]  # stopped before loading anything more
-    assert stale.status == pm.Status.SUPERSEDED and "later policy event" in stale.reasons[0]
-    assert _aliases(workspace, kept.merged_model)["policy-order"] == kept.version
-    below = registry_home["epsilons"][0] / 2
-    stale = _apply(workspace, _policy(name="order", target_epsilon=below), now - timedelta(1))
-    assert stale.status == pm.Status.SUPERSEDED
+    assert stale.status == pm.Status.SUPERSEDED and "version 2" in stale.reasons[0]
     assert _aliases(workspace, kept.merged_model)["policy-order"] == kept.version
 
 
-def test_a_later_event_during_the_merge_supersedes_the_promotion(
+def test_a_later_version_during_the_merge_supersedes_serving(
     workspace: pm.Workspace, registry_home
 ) -> None:
-    """A later event that sets the alias while this one merges (injected before the promote
-    step) wins: this one ends superseded and moves nothing."""
+    """A later version that sets the alias while this run merges (injected before the serve
+    step) wins: this run ends superseded and changes nothing."""
     top = registry_home["epsilons"][2]
-    base = datetime.now(UTC) - timedelta(hours=2)  # the times of three events, all past
-    first = _apply(workspace, _policy(name="race", target_epsilon=top * 1.2, method="lc"), base)
+    first = _apply(workspace, _policy(name="race", target_epsilon=top * 1.2, method="lc"))
     assert first.status == pm.Status.PROMOTED
-    now = base + timedelta(minutes=30)  # this event; the later one came after it
-
-    def later_event_first(ws: pm.Workspace, policy: Policy, *rest: Any) -> Any:
-        later = now + timedelta(minutes=30)
-        ws.registry().mark_alias_time(first.merged_model, str(policy.alias), later)
-        return pm.promote_release(ws, policy, *rest)
-
-    # another release than any other test's: RS mixing two candidates at this target
     middle = registry_home["epsilons"][1] * 1.1
-    racing = _policy(name="race", target_epsilon=middle, method="rs")
+    racing = _store(workspace, _policy(name="race", target_epsilon=middle, method="rs"))
+
+    def later_version_first(ws: pm.Workspace, version: PolicyVersion, *rest: Any) -> Any:
+        later = _store(ws, _policy(name="race", target_epsilon=top * 1.2, method="lc"))
+        pm.apply_policy(later, ws)
+        return pm.serve_release(ws, version, *rest)
+
     calls: list[str] = []
-    outcome = _apply(workspace, racing, now, _recording(calls, promote=later_event_first))
-    assert calls == NEW_RELEASE
+    outcome = pm.apply_policy(
+        racing, workspace, steps=_recording(calls, serve=later_version_first)
+    ).outcome
+    assert calls[:6] == NEW_RELEASE[:6]
     assert outcome.status == pm.Status.SUPERSEDED and outcome.version != first.version
-    assert "later policy event" in outcome.reasons[0]
+    assert "already exists or changed" in outcome.reasons[0]
     assert _aliases(workspace, first.merged_model)["policy-race"] == first.version
-
-
-def test_a_failed_ledger_write_moves_the_alias_back(
-    workspace: pm.Workspace, registry_home, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    target = registry_home["epsilons"][2] * 1.5
-    first = _apply(workspace, _policy(name="ledger", target_epsilon=target))
-    assert first.status == pm.Status.PROMOTED
-
-    def broken(*args: Any, **kwargs: Any) -> None:
-        raise OSError("disk full")
-
-    monkeypatch.setattr(ReleaseLedger, "record", broken)
-    with pytest.raises(OSError, match="disk full"):
-        _apply(workspace, _policy(name="ledger", target_epsilon=target * 1.1))
-    assert _aliases(workspace, first.merged_model)["policy-ledger"] == first.version
-    with pytest.raises(OSError, match="disk full"):  # an alias set for the first time: removed
-        _apply(workspace, _policy(name="ledger-new", target_epsilon=target * 1.1))
-    assert "policy-ledger-new" not in _aliases(workspace, first.merged_model)
 
 
 def test_pld_file_cache_is_bit_identical(tmp_path: Path) -> None:
@@ -441,3 +506,76 @@ def test_workspace_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert ws.tracking_uri == "http://127.0.0.1:2" and ws.s3 is not None
     scratch = ws.scratch()
     assert stat.S_IMODE(os.stat(scratch).st_mode) == 0o700
+
+
+def _published(workspace: pm.Workspace, outcome: pm.PolicyOutcome, scratch: Path) -> str:
+    """Everything MLflow holds of a release, as one text: the version's tags and description,
+    its run's params, metrics and tags, and every file of its logged model and run."""
+    client = _client(workspace)
+    version = client.get_model_version(outcome.merged_model, outcome.version)
+    run = client.get_run(version.run_id)
+    parts = [json.dumps(version.tags), version.description or ""]
+    parts += [json.dumps(run.data.params), json.dumps(run.data.metrics), json.dumps(run.data.tags)]
+    model_files = Path(
+        mlflow.artifacts.download_artifacts(version.source, dst_path=str(scratch / "m"))
+    )
+    run_files = Path(client.download_artifacts(version.run_id, "", str(scratch)))
+    for root in (model_files, run_files):
+        for path in root.rglob("*"):
+            if path.is_file() and path.suffix in (".json", ".md", ".txt", ".yaml", ""):
+                parts.append(path.read_text(errors="replace"))
+    names = {p.name for root in (model_files, run_files) for p in root.rglob("*")}
+    assert "privacy.json" not in names  # the full report names the candidates
+    return "\n".join(parts)
+
+
+def test_a_mixture_release_draws_once_counts_both_merges_and_publishes_no_candidate(
+    workspace: pm.Workspace, registry_home, tmp_path: Path
+) -> None:
+    """The mixture as a policy method: one stored draw (never drawn again), the ledger counts
+    every member of either merge, and what MLflow publishes names no candidate — no name,
+    version, record, lineage or metric; the internal record in the state store holds them."""
+    registry = workspace.registry()
+    pool = pm.find_candidates(registry, "digits", "logreg")
+    candidates = registry.load_candidates(pool.registered_model, pool.versions, dest=tmp_path)
+    records = [c.model_dir.record for c in candidates]
+    low, high = registry_home["epsilons"][0], registry_home["epsilons"][-1]
+    for target in (low + (high - low) * f for f in (0.3, 0.5, 0.7, 0.2, 0.8)):
+        rungs = calibrate(records, "mixture", target, DELTA).report.rungs
+        if len(rungs) == 2 and 0 < rungs[0].probability < 1:
+            break
+    else:
+        pytest.fail("no target between two rungs")
+    outcome = _apply(workspace, _policy(name="mix", target_epsilon=target, method="mixture"))
+    assert outcome.status == pm.Status.PROMOTED and outcome.method == "mixture"
+    assert outcome.weights is None and len(outcome.rungs) == 2
+    assert outcome.epsilon <= target
+    release = _tags(workspace, outcome)["dp.content_hash"]
+    draw_file = workspace.private_dir("audit") / f"{release}.json"
+    draw = json.loads(draw_file.read_text())
+    assert draw["drawn_index"] in (0, 1) and len(draw["probabilities"]) == 2
+    assert draw["candidates"][0].startswith("merge 1: ")
+    # a rerun of the same release reuses it: no second draw, no second version
+    again = _apply(workspace, _policy(name="mix", target_epsilon=target, method="mixture"))
+    assert again.status == pm.Status.UNCHANGED and again.version == outcome.version
+    assert json.loads(draw_file.read_text()) == draw
+    members = {m for r in outcome.rungs for m in r["members"]}
+    assert set(_ledger(workspace, outcome).entry(release).names) == members
+    internal = read_release(workspace.state(), release)
+    assert internal is not None and len(internal["merge"]["rungs"]) == 2
+    assert internal["parents"] == [c.version for c in candidates]
+    text = _published(workspace, outcome, tmp_path / "published")
+    secrets_of_candidates = {pool.registered_model}
+    for c in candidates:
+        published = c.published
+        secrets_of_candidates |= {published.name, published.noise_lineage, published.batch_lineage}
+        for key in ("test_accuracy", "validation_accuracy"):
+            value = c.model_dir.metrics.get(key)
+            # a release that is one candidate (an RS draw, a one-member merge) has its
+            # accuracy: that is a function of the released model
+            if value is not None and float(value) != outcome.test_accuracy:
+                secrets_of_candidates.add(repr(float(value)))
+    assert all(c.published.name in internal["card"] for c in candidates)  # the scan can fail
+    found = sorted(s for s in secrets_of_candidates if s and s in text)
+    assert not found, f"published release mentions its candidates: {found}"
+    assert "Which rows the guarantee protects" in text and "**not protected**" in text

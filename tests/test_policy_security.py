@@ -1,8 +1,10 @@
-"""The policy merge's security contract (docs/design.md#security) on real digits candidates in an
-embedded registry: forged records, fixed seeds and fingerprints never published, event times
-from the future, alias ownership, a ledger that cannot be read, one RS draw per release, gates
-before side effects, one version per release, abandoned registrations, and what MLflow shows.
-Each test starts from its own registry (a fresh home) unless it only reads."""
+"""The policy merge's security contract (docs/design.md#security,
+docs/design.md#release-state) on real digits candidates in an embedded registry: forged and
+unsigned records (quarantine, no re-signing), fixed seeds and fingerprints never published,
+MLflow tags an insider flips never trusted, alias ownership, a damaged or rolled-back ledger,
+one RS draw per release and every evaluated draw counted, gates before side effects, one
+version per release, abandoned registrations, and what MLflow shows. Each test starts from its
+own registry (a fresh home) unless it only reads."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import socket
 import subprocess
 import threading
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -22,19 +23,19 @@ import torch
 from factories import DELTA, train_digits
 from mlflow import MlflowClient
 
+from dpmerge import manifests
 from dpmerge import policy_merge as pm
-from dpmerge.accounting.ledger import ReleaseLedger
 from dpmerge.cli import main
 from dpmerge.data import load_dataset
 from dpmerge.errors import RefusalError
 from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.policy_merge import draws
 from dpmerge.policy_merge import release as release_step
-from dpmerge.registry import (
-    AliasOwnershipError,
-    RecordIntegrityError,
-    candidate_content_hash,
-)
+from dpmerge.registry import RecordIntegrityError, candidate_content_hash
+from dpmerge.state import AliasOwnershipError, StateIntegrityError
+from dpmerge.state import serving as state_serving
+from dpmerge.state.policies import PolicyVersion, set_policy
+from dpmerge.state.serving import dataset_key
 
 SIGMAS = (1.0, 1.6, 3.0)
 
@@ -71,8 +72,17 @@ def _policy(**fields: Any) -> Policy:
     return policy_from_dict({**base, "dataset": "digits", "model": "logreg", **fields})
 
 
-def _apply(ws: pm.Workspace, policy: Policy, when: datetime | None = None, **steps: Any) -> Any:
-    return pm.apply_policy(policy, ws, when, steps=_steps(**steps)).outcome
+def _store(ws: pm.Workspace, policy: Policy) -> PolicyVersion:
+    fields = policy.event_payload()
+    return set_policy(ws.state(), policy.name, fields, source="test", rerun=True).version
+
+
+def _apply(ws: pm.Workspace, policy: Policy, **steps: Any) -> Any:
+    return pm.apply_policy(_store(ws, policy), ws, steps=_steps(**steps)).outcome
+
+
+def _state_file(ws: pm.Workspace) -> Path:
+    return ws.home / "state" / dataset_key(_pool(ws).dataset)
 
 
 def _steps(calls: list[str] | None = None, **replaced: Callable[..., Any]) -> pm.PolicySteps:
@@ -98,7 +108,7 @@ def _client(ws: pm.Workspace) -> MlflowClient:
 
 
 def _pool(ws: pm.Workspace) -> pm.CandidatePool:
-    return pm.find_candidates(ws.registry(), "digits", "logreg")
+    return pm.find_candidates(ws.registry(), "digits", "logreg", ws.state())
 
 
 def _aliases(ws: pm.Workspace, name: str) -> dict[str, str]:
@@ -118,10 +128,14 @@ def _stored_dir(ws: pm.Workspace, name: str, version: str) -> Path:
 # --- item 1: forged records ------------------------------------------------------------------
 
 
-def test_a_forged_record_is_refused_and_the_repairs_work(fresh: pm.Workspace, capsys) -> None:
+def test_a_forged_record_is_refused_and_only_quarantine_repairs_it(
+    fresh: pm.Workspace, capsys
+) -> None:
     """σ edited ×10 in the stored record, its content-hash tag rewritten to match (what an
     artifact-store and registry writer can do): the merge is refused with the repair, nothing
-    is registered; quarantining the version lets the policy run without it."""
+    is registered; nothing re-signs a record after the fact (no `registry sign`); quarantining
+    the version — in the release-state store — lets the policy run without it, and flipping
+    MLflow's status tag back does not undo the quarantine."""
     pool = _pool(fresh)
     model, forged = pool.registered_model, pool.versions[0]
     stored = _stored_dir(fresh, model, forged)
@@ -134,25 +148,28 @@ def test_a_forged_record_is_refused_and_the_repairs_work(fresh: pm.Workspace, ca
     with pytest.raises(RecordIntegrityError, match="fails verification") as refused:
         _apply(fresh, _policy())
     assert f"dpmerge registry quarantine {model} {forged}" in str(refused.value)
+    assert "registry sign" not in str(refused.value)
     assert not fresh.registry().model_exists(pool.merged_model)
-    # re-signing is refused too: the record disagrees with what its run logged
     uri = ["--tracking-uri", fresh.tracking_uri]
-    assert main(["registry", "sign", model, forged, *uri]) == 2
-    assert "disagrees with the params" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as no_sign:  # no laundering path: nothing re-signs a record
+        main(["registry", "sign", model, forged, *uri])
+    assert no_sign.value.code == 2 and "invalid choice: 'sign'" in capsys.readouterr().err
     assert main(["registry", "quarantine", model, forged, *uri]) == 0
+    assert (fresh.home / "state" / "quarantine" / model / f"{int(forged):08d}.json").is_file()
+    _client(fresh).set_model_version_tag(model, forged, "dp.status", "ready")  # an insider
     outcome = _apply(fresh, _policy())
     assert outcome.status == pm.Status.PROMOTED and forged not in _pool(fresh).versions
 
 
-def test_an_unsigned_record_is_refused_until_it_is_checked_and_signed(
-    fresh: pm.Workspace, capsys
-) -> None:
+def test_an_unsigned_record_is_refused_until_quarantined(fresh: pm.Workspace) -> None:
     pool = _pool(fresh)
     model, version = pool.registered_model, pool.versions[1]
     _client(fresh).delete_model_version_tag(model, version, "dp.signature")
-    with pytest.raises(RecordIntegrityError, match=r"unsigned.*registry sign"):
+    with pytest.raises(RecordIntegrityError, match=r"unsigned.*quarantine.*retrain"):
         _apply(fresh, _policy())
-    assert main(["registry", "sign", model, version, "--tracking-uri", fresh.tracking_uri]) == 0
+    assert (
+        main(["registry", "quarantine", model, version, "--tracking-uri", fresh.tracking_uri]) == 0
+    )
     assert _apply(fresh, _policy()).status == pm.Status.PROMOTED
 
 
@@ -202,27 +219,58 @@ def test_nothing_published_carries_the_training_fingerprint(fresh: pm.Workspace)
     assert any(_pool(fresh).dataset in t for t in texts)
 
 
-# --- item 2: event order ----------------------------------------------------------------------
+# --- what an MLflow writer changes is never trusted -------------------------------------------
 
 
-def test_events_from_the_future_are_refused_and_never_freeze_an_alias(
-    fresh: pm.Workspace, trained: dict[str, Any]
+def test_mlflow_tags_and_aliases_an_insider_sets_are_not_trusted(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys
 ) -> None:
-    now = datetime.now(UTC)
-    with pytest.raises(pm.EventTimeError, match="later than its arrival"):
-        pm.order_time(now + timedelta(days=3650), now)
-    with pytest.raises(pm.EventTimeError, match="after now"):
-        pm.order_time(None, now + timedelta(days=1))
-    with pytest.raises(pm.EventTimeError, match="not an ISO 8601"):
-        pm.order_time("tomorrow", now)
-    assert pm.order_time(now + timedelta(minutes=1), now) == now  # within the clock skew
-    assert pm.order_time(None, None) >= now
-    # an alias time recorded in the future (before this rule) does not supersede later events
+    """The facts a gate trusts come from the release-state store or a signature: an alias
+    time tag set in the future freezes nothing (runs are ordered by stored policy versions),
+    an alias moved by hand is found by `registry verify` and moved back by the next run."""
     first = _apply(fresh, _policy(target_epsilon=trained["epsilons"][2] * 1.5, method="lc"))
-    fresh.registry().mark_alias_time(first.merged_model, "policy-p", now + timedelta(days=3650))
+    client = _client(fresh)
+    client.set_registered_model_tag(first.merged_model, "dp.alias_time.policy-p", "2999-01-01")
     later = _apply(fresh, _policy(target_epsilon=trained["epsilons"][1] * 1.05, method="rs"))
     assert later.status == pm.Status.PROMOTED and later.version != first.version
     assert _aliases(fresh, first.merged_model)["policy-p"] == later.version
+    client.set_registered_model_alias(first.merged_model, "policy-p", first.version)  # by hand
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    assert main(["registry", "verify", *uri]) == 1
+    out = capsys.readouterr().out
+    assert f"alias_drift: {first.merged_model}@policy-p" in out and "1 finding(s)" in out
+    assert main(["registry", "show", f"{first.merged_model}@policy-p", *uri]) == 0
+    assert f"serving pointer says v{later.version}" in capsys.readouterr().out
+    assert main(["registry", "verify", "--repair", *uri]) == 1
+    assert f"repaired: alias set back to v{later.version}" in capsys.readouterr().out
+    assert _aliases(fresh, first.merged_model)["policy-p"] == later.version
+    assert main(["registry", "verify", *uri]) == 0
+    capsys.readouterr()
+
+
+def test_swapped_served_weights_are_found_by_the_reconciler_and_refused_by_consumers(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys
+) -> None:
+    """The served release's weights replaced in the artifact store by a candidate's (what a
+    storage writer can do): `registry verify` reports the files mismatch, and a consumer's
+    `dpmerge verify @ALIAS` — public key only — refuses the model; both pass before."""
+    served = _apply(fresh, _policy(name="swap", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert served.status == pm.Status.PROMOTED
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    assert main(["verify", "@policy-swap", *key, *uri]) == 0
+    assert f"= {served.merged_model} v{served.version}" in capsys.readouterr().out
+    assert main(["registry", "verify", *uri]) == 0
+    capsys.readouterr()
+    weights = _stored_dir(fresh, served.merged_model, served.version) / "weights.safetensors"
+    candidate = _stored_dir(fresh, _pool(fresh).registered_model, "1") / "weights.safetensors"
+    weights.write_bytes(candidate.read_bytes())
+    assert main(["registry", "verify", *uri]) == 1
+    out = capsys.readouterr().out
+    assert f"files_mismatch: {served.merged_model}" in out
+    assert main(["verify", "@policy-swap", *key, *uri]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "weights.safetensors" in err
 
 
 # --- item 3: alias ownership ------------------------------------------------------------------
@@ -234,7 +282,7 @@ def test_a_policy_cannot_touch_another_policys_alias(
     eu = _apply(fresh, _policy(name="eu", target_epsilon=trained["epsilons"][2] * 1.5))
     assert eu.status == pm.Status.PROMOTED
     calls: list[str] = []
-    hijack = _policy(name="evil", alias="policy-eu", target_epsilon=50.0, method="lc")
+    hijack = _store(fresh, _policy(name="evil", alias="policy-eu", target_epsilon=50.0))
     with pytest.raises(AliasOwnershipError, match="belongs to policy 'eu'"):
         pm.apply_policy(hijack, fresh, steps=_steps(calls))
     assert calls == ["prepare"]  # refused before anything was loaded or changed
@@ -245,33 +293,53 @@ def test_a_policy_cannot_touch_another_policys_alias(
     own = _apply(fresh, _policy(name="evil", target_epsilon=50.0, method="lc"))
     assert own.status == pm.Status.PROMOTED
     assert _aliases(fresh, eu.merged_model) == {"policy-eu": eu.version, "policy-evil": own.version}
-    owner = fresh.registry().alias_owner(eu.merged_model, "policy-evil")
-    assert owner == "evil"
+    state = state_serving.read_state(fresh.state(), _pool(fresh).dataset)
+    assert state.alias(eu.merged_model, "policy-evil").owner == "evil"
 
 
-# --- item 4: a ledger that cannot be read -----------------------------------------------------
+# --- a damaged, edited or rolled-back ledger ------------------------------------------------
 
 
-def test_a_lost_or_unreadable_ledger_fails_closed_and_is_rebuilt(
+def test_a_damaged_or_edited_ledger_fails_closed_and_is_restored(
     fresh: pm.Workspace, trained: dict[str, Any], capsys
 ) -> None:
+    """The dataset document (ledger and serving pointers) is signed: unreadable or edited —
+    e.g. a field renamed so a cap no longer sees a release — it fails closed naming the
+    repair, and `dpmerge state restore` brings back its newest signed version."""
     target = trained["epsilons"][2] * 1.5
     first = _apply(fresh, _policy(target_epsilon=target, method="lc"))
     assert first.status == pm.Status.PROMOTED
-    ledger = fresh.home / "ledger.json"
-    saved = ledger.read_bytes()
+    document = _state_file(fresh)
+    saved = document.read_bytes()
     capped = _policy(target_epsilon=target * 3, method="rs", cumulative_epsilon_cap=100.0)
-    for damage in (b"", b"{not json", b'{"releases": [{"release_id": 1}]}'):
-        ledger.write_bytes(damage)
-        with pytest.raises(pm.LedgerIntegrityError, match=r"cannot be read.*ledger rebuild"):
+    edited = json.loads(saved)
+    edited["releases"][0]["dataset"] = "someone-else"
+    for damage in (b"", b"{not json", json.dumps(edited).encode()):
+        document.write_bytes(damage)
+        with pytest.raises(StateIntegrityError, match=r"state restore"):
             _apply(fresh, capped)
-    ledger.unlink()  # lost (an S3 restart): not an empty ledger
-    with pytest.raises(pm.LedgerIntegrityError, match=r"lacks 1 release.*ledger rebuild"):
-        _apply(fresh, capped)
     assert len(_versions(fresh, first.merged_model)) == 1  # nothing merged or registered
-    assert main(["ledger", "rebuild", "--home", str(fresh.home)]) == 0
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    assert main(["state", "restore", *uri]) == 0
+    assert "restored the newest signed version" in capsys.readouterr().out
+    assert json.loads(document.read_bytes())["releases"] == json.loads(saved)["releases"]
+    assert _apply(fresh, capped).status == pm.Status.PROMOTED
+
+
+def test_a_rolled_back_ledger_fails_closed_and_is_rebuilt(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys
+) -> None:
+    """A ledger replaced by an older signed version (or lost) lacks a release MLflow holds a
+    signed version of: refused with the repair; `dpmerge ledger rebuild` counts it again."""
+    target = trained["epsilons"][2] * 1.5
+    first = _apply(fresh, _policy(target_epsilon=target, method="lc"))
+    _state_file(fresh).unlink()  # lost: not an empty ledger
+    capped = _policy(target_epsilon=target * 3, method="rs", cumulative_epsilon_cap=100.0)
+    with pytest.raises(pm.LedgerIntegrityError, match=r"lacks 1 published.*ledger rebuild"):
+        _apply(fresh, capped)
+    assert len(_versions(fresh, first.merged_model)) == 1
+    assert main(["ledger", "rebuild", "--tracking-uri", fresh.tracking_uri]) == 0
     assert "1 release(s) added back" in capsys.readouterr().out
-    assert json.loads(ledger.read_bytes()) == json.loads(saved)
     assert _apply(fresh, capped).status == pm.Status.PROMOTED
 
 
@@ -281,12 +349,13 @@ def test_a_changed_record_of_a_released_candidate_is_named(
     """The ledger pins the records it counted: a same-named candidate with another record is
     refused with the repair, not left to an accountant error that needs hand surgery."""
     first = _apply(fresh, _policy(target_epsilon=trained["epsilons"][2] * 1.5, method="lc"))
-    ledger = ReleaseLedger(fresh.home / "ledger.json")
-    document = json.loads(ledger.path.read_text())
+    store = fresh.state()
+    key = dataset_key(_pool(fresh).dataset)
+    document = store.read(key).document
     counted = document["releases"][0]["candidates"][0]
     counted["clip_norm"] *= 2
-    ledger.path.write_text(json.dumps(document))
-    with pytest.raises(pm.LedgerIntegrityError, match=rf"{counted['name']}.*registry quarantine"):
+    _state_file(fresh).write_text(json.dumps(store.sign(document)))  # signed: the workflow's
+    with pytest.raises(StateIntegrityError, match=rf"{counted['name']}.*registry quarantine"):
         _apply(fresh, _policy(target_epsilon=50.0, method="rs"))
     assert len(_versions(fresh, first.merged_model)) == 1
 
@@ -388,9 +457,10 @@ def test_a_cap_refusal_merges_draws_and_registers_nothing(
     policy = _policy(
         method="rs", target_epsilon=trained["epsilons"][1] * 1.05, cumulative_epsilon_cap=0.01
     )
-    outcome = pm.apply_policy(policy, fresh, steps=_steps(calls)).outcome
+    outcome = pm.apply_policy(_store(fresh, policy), fresh, steps=_steps(calls)).outcome
     assert outcome.status == pm.Status.NOT_PROMOTED and "above the cap 0.01" in outcome.reasons[0]
-    assert calls == ["prepare", "calibrate", "plan_release"] and drawn == []
+    assert calls == ["prepare", "calibrate", "plan_release", "enforce", "project"]
+    assert drawn == []
     assert not fresh.registry().model_exists(outcome.merged_model)
     assert not list((fresh.home / "audit").glob("*.json"))
 
@@ -499,11 +569,11 @@ def test_bad_inputs_to_the_repair_commands_change_nothing(
         ["registry", "quarantine", pool.registered_model, "99", *uri],
         ["registry", "quarantine", "no-such-model", "1", *uri],
         ["registry", "quarantine", pool.registered_model, *uri],
-        ["registry", "sign", pool.registered_model, "x" * 5000, *uri],
-        ["registry", "sign", pool.merged_model, "1", *uri],
-        ["registry", "sign", pool.registered_model, "99", *uri],
-        ["ledger", "rebuild", "--home", str(tmp_path / "nowhere")],
+        ["registry", "quarantine", pool.registered_model, "x" * 5000, *uri],
+        ["ledger", "rebuild", "--tracking-uri", f"sqlite:///{tmp_path / 'nowhere' / 'm.db'}"],
         ["ledger", "rebuild", "--bogus"],
+        ["state", "restore", "--tracking-uri", f"sqlite:///{tmp_path / 'nowhere' / 'm.db'}"],
+        ["state", "bogus"],
     ]
     accepted = []
     for argv in bad:

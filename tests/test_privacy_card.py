@@ -9,6 +9,7 @@ import pytest
 from factories import make_record
 
 from dpmerge.accounting.account import account
+from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.errors import RecordError
@@ -19,6 +20,7 @@ from dpmerge.privacy_card import (
     CardCandidate,
     build_privacy_card,
 )
+from dpmerge.public_card import build_public_card
 
 DELTA = 1e-5
 
@@ -236,3 +238,51 @@ def test_a_mixture_card_shows_both_merges_their_odds_and_the_mixture_bound():
     broken = {**report, "rungs": []}
     with pytest.raises(RecordError, match="lacks its rungs"):
         build_privacy_card(broken, target_epsilon=5.0, target_delta=DELTA, candidates=entries())
+
+
+@pytest.mark.parametrize("method", ["lc", "rs", "mixture"])
+def test_the_public_card_names_no_candidate_and_states_each_split_protection(method: str) -> None:
+    """The public card holds the guarantee, the bounds' values and counts; no candidate name,
+    record, lineage, weight or assumption text (those name release units); and it states how the
+    training, validation and test rows are protected (docs/design.md#row-protection)."""
+    if method == "mixture":
+        report = calibrate(RECORDS, "mixture", 6.0, DELTA).report.to_dict()
+    else:
+        weights = [0.2, 0.3, 0.5]
+        report = account(RECORDS, method, weights, DELTA).to_dict()
+    ledger = {"epsilon": 9.5, "delta": DELTA, "accountant": "pld", "cap": None, "releases": 2}
+    ledger |= {"candidates": [r.name for r in RECORDS], "attempts": [{"release": "f" * 64}]}
+    for tuned in (False, True):
+        card = build_public_card(
+            report,
+            target_epsilon=7.0,
+            target_delta=DELTA,
+            model_name="m",
+            policy_id="p",
+            ledger=ledger,
+            metrics={"test_accuracy": 0.8125},
+            tuned=tuned,
+        )
+        text = card.markdown + card.to_json()
+        for secret in (
+            *(r.name for r in RECORDS),
+            *(r.noise_lineage for r in RECORDS),
+            "noise_multiplier",
+            "0.3000",
+            "f" * 12,
+        ):
+            assert secret not in text, secret
+        assert (
+            card.data["audience"] == "public"
+            and card.data["guarantee"]["epsilon"] == (report["epsilon"])
+        )
+        assert card.data["merge"]["candidates"] == len(report["used_candidates"])
+        assert card.data["ledger"]["attempts"] == 1 and "0.8125" in card.markdown
+        rows = card.data["rows"]
+        assert rows["test"].startswith("**not protected**")
+        assert rows["validation"].startswith("**not protected**") == tuned
+        assert "| training | covered by the guarantee" in card.markdown
+    internal = build_privacy_card(
+        report, target_epsilon=7.0, target_delta=DELTA, candidates=entries(), ledger=ledger
+    )
+    assert all(r.name in internal.markdown for r in RECORDS)  # the internal card names them

@@ -10,7 +10,6 @@ import sqlite3
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import mlflow
 import pytest
 import requests
 import torch
-from factories import make_record
+from factories import make_record, synthetic_candidates
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
@@ -27,7 +26,9 @@ from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelSpec, save_model_dir
 from dpmerge.cli import main
 from dpmerge.errors import is_transient
+from dpmerge.exits import exit_code
 from dpmerge.keys import WorkflowKey
+from dpmerge.manifests import ReleaseSignatureError, file_digests
 from dpmerge.merging import merge_model_dirs
 from dpmerge.policies import Policy
 from dpmerge.publication import dataset_id, lineage_id
@@ -36,8 +37,10 @@ from dpmerge.registry import (
     CARD_MARKDOWN,
     STATUS_FAILED,
     GateError,
+    RegisteredVersion,
     Registry,
     RegistryError,
+    RegistryFailureError,
     RegistryUnavailableError,
     candidate_model_name,
     merged_model_name,
@@ -46,6 +49,7 @@ from dpmerge.registry.catalog import open_catalog
 from dpmerge.registry.errors import registry_error
 from dpmerge.registry.filters import search_filter
 from dpmerge.storage import S3Store
+from dpmerge.vocabulary import ExitCode
 
 DELTA = 1e-5
 DATASET = "toy-sha256:0123456789abcdef0123"
@@ -66,26 +70,7 @@ def _record(name: str, sigma: float) -> MechanismRecord:
 
 @pytest.fixture(scope="module")
 def candidate_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("candidates")
-    dirs = []
-    for i, (name, sigma) in enumerate(SIGMAS.items()):
-        generator = torch.Generator().manual_seed(i)
-        weights = {
-            "linear.weight": torch.randn(3, 16, generator=generator),
-            "linear.bias": torch.randn(3, generator=generator),
-        }
-        record = _record(name, sigma)
-        dirs.append(
-            save_model_dir(
-                root / name,
-                weights,
-                SPEC,
-                record=record,
-                candidate_privacy=candidate_bound(record, DELTA).to_dict(),
-                metrics={"test_accuracy": 0.70 + i / 100, "validation_accuracy": 0.7},
-            )
-        )
-    return dirs
+    return synthetic_candidates(tmp_path_factory.mktemp("candidates"), SIGMAS, DATASET)
 
 
 def _merge(
@@ -145,7 +130,11 @@ def test_candidates_registered_with_tags_and_artifacts_in_s3(
         assert tags["dp.accuracy_metric"] == "test_accuracy"
     again = server_registry.register_candidate(candidate_dirs[0])
     assert again.reused and again.version == registered[0]
-    keys = s3_store.list_keys("mlartifacts/candidates/")  # the candidates' own prefix
+    experiment = MlflowClient(server_registry.tracking_uri).get_experiment_by_name(
+        "dpmerge-candidates"
+    )
+    assert experiment.artifact_location == f"mlflow-artifacts:/{experiment.experiment_id}"
+    keys = s3_store.list_keys(f"mlartifacts/{experiment.experiment_id}/")  # the candidates' own
     assert any(k.endswith("/extra_files/weights.safetensors") for k in keys)
     assert any(k.endswith("/data/model.pt2") for k in keys)
     loaded = server_registry.load_candidates(CANDIDATES, registered, dest=tmp_path / "dl")
@@ -159,6 +148,10 @@ def test_candidates_registered_with_tags_and_artifacts_in_s3(
     assert model(torch.zeros(7, 1, 4, 4)).shape == (7, 3)  # dynamic batch dimension
 
 
+def _gates(**given: float) -> dict[str, float]:
+    return {"target_epsilon": 5.0, "target_delta": DELTA, "min_accuracy": 0.0, **given}
+
+
 @pytest.mark.integration
 def test_merged_version_card_gates_and_alias(
     server_registry: Registry,
@@ -169,14 +162,17 @@ def test_merged_version_card_gates_and_alias(
 ) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server_registry.tracking_uri)
     merged = _merge(candidate_dirs, "lc", [0.2, 0.3, 0.5], tmp_path / "lc", metrics=_accuracy(0.8))
-    result = server_registry.register_merged(merged, parents=registered, policy=POLICY)
+    result = _register(server_registry, merged, registered, POLICY)
     client = MlflowClient(server_registry.tracking_uri)
     version = client.get_model_version(MERGED, result.version)
     report = json.loads((merged / "privacy.json").read_text())
     tags = version.tags
     assert tags["dp.role"] == "merged" and tags["dp.method"] == "lc"
-    assert json.loads(tags["dp.weights"]) == [0.2, 0.3, 0.5]
-    assert tags["dp.parents"] == ",".join(registered)
+    # the candidates and weights are internal: on the release's internal record only
+    assert not {"dp.weights", "dp.parents", "dp.parent_model"} & set(tags)
+    internal = server_registry.prepare_merged(merged, parents=registered, policy=POLICY).internal()
+    assert internal["merge"]["weights"] == [0.2, 0.3, 0.5]
+    assert internal["parents"] == registered and internal["release"] == result.content_hash
     assert tags["dp.gating_bound"] == "generic"
     assert float(tags["dp.epsilon"]) == report["epsilon"]
     assert float(tags["dp.generic_epsilon"]) == report["bounds"]["generic"]["epsilon"]
@@ -188,33 +184,23 @@ def test_merged_version_card_gates_and_alias(
     assert "structured (the DP model merging paper's analysis)" in markdown
 
     # idempotent: the same request reuses the version
-    again = server_registry.register_merged(merged, parents=registered, policy=POLICY)
+    again = _register(server_registry, merged, registered, POLICY)
     assert again.reused and again.version == result.version
 
-    # failing gates leave the alias where it was
+    # the gates read the version's signed facts and change nothing
     with pytest.raises(GateError, match="exceeds the target"):
-        server_registry.promote(
-            MERGED, result.version, "production", target_epsilon=0.01, min_accuracy=None
-        )
+        server_registry.check_gates(MERGED, result.version, **_gates(target_epsilon=0.01))
     with pytest.raises(GateError, match="below the minimum"):
-        server_registry.promote(
-            MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.9
-        )
-    assert "production" not in client.get_registered_model(MERGED).aliases
-    promoted = server_registry.promote(
-        MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.75
-    )
-    assert promoted.changed and promoted.previous is None
+        server_registry.check_gates(MERGED, result.version, **_gates(min_accuracy=0.9))
+    facts = server_registry.check_gates(MERGED, result.version, **_gates(min_accuracy=0.75))
+    assert (facts.epsilon, facts.accuracy) == (report["epsilon"], 0.8)
+    assert server_registry.set_alias(MERGED, "production", result.version) is None
     assert client.get_registered_model(MERGED).aliases["production"] == result.version
-    assert not server_registry.promote(
-        MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.75
-    ).changed
+    assert server_registry.set_alias(MERGED, "production", result.version) == result.version
 
-    # a candidate is never promoted directly
+    # a candidate is never released: signed too, but not a merged version
     with pytest.raises(GateError, match="only merged versions"):
-        server_registry.promote(
-            CANDIDATES, registered[0], "production", target_epsilon=99.0, min_accuracy=None
-        )
+        server_registry.check_gates(CANDIDATES, registered[0], **_gates(target_epsilon=99.0))
 
     # a version that failed after creation is marked and never aliased; a re-run registers anew
     class FailingVerify(Registry):
@@ -226,25 +212,21 @@ def test_merged_version_card_gates_and_alias(
         candidate_dirs, "lc", [0.3, 0.3, 0.4], tmp_path / "lc2", metrics=_accuracy(0.8)
     )
     with pytest.raises(RegistryError, match="injected"):
-        FailingVerify(server_registry.tracking_uri).register_merged(
-            another, parents=registered, policy=other_policy
-        )
+        _register(FailingVerify(server_registry.tracking_uri), another, registered, other_policy)
     failed = max(client.search_model_versions(f"name = '{MERGED}'"), key=lambda v: int(v.version))
     assert failed.tags["dp.status"] == STATUS_FAILED
     with pytest.raises(GateError, match=r"dp\.status is 'failed'"):
-        server_registry.promote(
-            MERGED, failed.version, "production", target_epsilon=5.0, min_accuracy=None
-        )
+        server_registry.check_gates(MERGED, failed.version, **_gates())
     assert client.get_registered_model(MERGED).aliases["production"] == result.version
-    rerun = server_registry.register_merged(another, parents=registered, policy=other_policy)
+    rerun = _register(server_registry, another, registered, other_policy)
     assert not rerun.reused and int(rerun.version) > int(failed.version)
     # another policy asking for the same merge gets the same release (the key is the release)
-    shared = server_registry.register_merged(merged, parents=registered, policy=other_policy)
+    shared = _register(server_registry, merged, registered, other_policy)
     assert shared.reused and shared.version == result.version
 
-    # revoke removes the alias (on_infeasible=revoke); a second revoke is a no-op
-    assert server_registry.revoke(MERGED, "production") == result.version
-    assert server_registry.revoke(MERGED, "production") is None
+    # removing the alias (a revoked serving pointer's projection); again is a no-op
+    assert server_registry.set_alias(MERGED, "production", None) == result.version
+    assert server_registry.set_alias(MERGED, "production", None) is None
     assert "production" not in client.get_registered_model(MERGED).aliases
 
 
@@ -254,11 +236,18 @@ def test_parents_must_be_the_merges_candidates(
 ) -> None:
     merged = _merge(candidate_dirs[:2], "lc", [0.5, 0.5], tmp_path / "two")
     with pytest.raises(RegistryError, match="the merge used"):
-        server_registry.register_merged(merged, parents=registered, policy=POLICY)
+        _register(server_registry, merged, registered, POLICY)
     with pytest.raises(RegistryError, match="target_epsilon"):
-        server_registry.register_merged(merged, parents=registered[:2], policy={"id": "x"})
+        _register(server_registry, merged, registered[:2], {"id": "x"})
     with pytest.raises(RegistryError, match="v999 does not exist"):
-        server_registry.register_merged(merged, parents=["999", registered[1]], policy=POLICY)
+        _register(server_registry, merged, ["999", registered[1]], POLICY)
+
+
+def _register(
+    registry: Registry, merged: Path, parents: list[str], policy: Any
+) -> RegisteredVersion:
+    """Register a merged directory as a policy merge does (prepared, then registered)."""
+    return registry.register_merged(registry.prepare_merged(merged, parents=parents, policy=policy))
 
 
 def _released_text(registry: Registry, name: str, version: str, dest: Path) -> dict[str, str]:
@@ -307,19 +296,29 @@ def test_rs_draw_appears_nowhere(
         _merge(candidate_dirs, "rs", pi, out, rng=random.Random(seed), audit_path=audit)
         draws.setdefault(json.loads(audit.read_text())["drawn_index"], out)
         seed += 1
-    registry = Registry(mlflow_embedded)
-    versions = [registry.register_candidate(d).version for d in candidate_dirs]
     released = []
-    for drawn, out in draws.items():
-        name = f"{MERGED}-draw{drawn}"
-        result = registry.register_merged(out, parents=versions, policy=POLICY, name=name)
-        texts = _released_text(registry, name, result.version, tmp_path / f"dl-{drawn}")
+    for drawn, out in draws.items():  # each release in a registry of its own, one name
+        registry = Registry(f"sqlite:///{tmp_path / f'registry-{drawn}' / 'mlflow.db'}")
+        versions = [registry.register_candidate(d).version for d in candidate_dirs]
+        result = _register(registry, out, versions, POLICY)
+        texts = _released_text(registry, MERGED, result.version, tmp_path / f"dl-{drawn}")
         audit_keys = ("drawn_index", "drawn_candidate", "drawn_at", "weights_sha256")
         assert not [k for k, v in texts.items() if any(w in v for w in audit_keys)]
-        released.append({k: v.replace(name, "<name>") for k, v in _normalise(texts).items()})
+        # the signed manifest: the same facts, card and release whichever draw; its file
+        # digests are of freshly written files (a nonce, a random input example), never a
+        # candidate's, so no digest names the drawn candidate
+        manifest = json.loads(texts.pop("tag:dp.manifest"))
+        texts.pop("tag:dp.signature")
+        weights = {file_digests(d)["weights.safetensors"] for d in candidate_dirs}
+        assert manifest["files"]["extra_files/weights.safetensors"] not in weights
+        texts["manifest"] = json.dumps(
+            {k: manifest[k] for k in ("facts", "card_digest", "release", "model")}
+        )
+        released.append(_normalise(texts))
     assert released[0] == released[1]
     for key in (
-        "tag:dp.weights",
+        "tag:dp.card_digest",
+        "manifest",
         "description",
         "model:extra_files/record.json",
         "run:privacy_card.md",
@@ -340,13 +339,16 @@ def test_embedded_registry_and_ls_cli(
     policy = Policy(
         name="toy-eps5", target_epsilon=5.0, target_delta=DELTA, dataset="toy", model="logreg"
     )
-    result = registry.register_merged(merged, parents=versions, policy=policy)
+    result = _register(registry, merged, versions, policy)
     version = MlflowClient(mlflow_embedded, mlflow_embedded).get_model_version(MERGED, "1")
     assert "policy `toy-eps5`" in version.description and version.tags["dp.policy"] == "toy-eps5"
-    registry.promote(MERGED, result.version, "production", target_epsilon=5.0, min_accuracy=0.5)
+    registry.set_alias(MERGED, "production", result.version)
 
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded, "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    listed = json.loads(capsys.readouterr().out)
+    where = {"uri": mlflow_embedded, "kind": "embedded", "source": "--tracking-uri"}
+    assert listed["registry"] == where  # every answer names the registry it read
+    rows = listed["versions"]
     assert [(r["role"], r["version"]) for r in rows] == [
         ("candidate", "1"),
         ("candidate", "2"),
@@ -356,10 +358,12 @@ def test_embedded_registry_and_ls_cli(
     assert rows[3]["aliases"] == ["production"] and rows[3]["accuracy"] == 0.8
     assert [r["accuracy"] for r in rows[:3]] == [None, None, None]  # candidates' are internal
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded, "--json", "--internal"]) == 0
-    assert [r["accuracy"] for r in json.loads(capsys.readouterr().out)[:3]] == [0.7, 0.71, 0.72]
+    internal = json.loads(capsys.readouterr().out)["versions"]
+    assert [r["accuracy"] for r in internal[:3]] == [0.7, 0.71, 0.72]
     assert rows[3]["policy"] == "toy-eps5" and rows[3]["target_epsilon"] == 5.0
     assert main(["registry", "ls", "--tracking-uri", mlflow_embedded]) == 0
     table = capsys.readouterr().out
+    assert table.startswith(f"registry: {mlflow_embedded} (embedded; from --tracking-uri)\n")
     assert "production" in table and "pld" in table.lower() and "toy-eps5" in table
     # the catalog (sqlite read-only, no MLflow import) reads what the MLflow client reads
     assert open_catalog(mlflow_embedded).rows() == registry.list_versions()
@@ -367,7 +371,10 @@ def test_embedded_registry_and_ls_cli(
         main(["registry", "show", f"{MERGED}@production", "--tracking-uri", mlflow_embedded]) == 0
     )
     shown = capsys.readouterr().out
-    assert shown.startswith(f"{MERGED} v1 — merged, ready; aliases: production")
+    assert shown.startswith(
+        f"registry: {mlflow_embedded} (embedded; from --tracking-uri)\n"
+        f"{MERGED} v1 — merged, ready; aliases: production"
+    )
     assert "# Privacy card" in shown and "policy `toy-eps5`" in shown
     assert main(["registry", "show", "@production", "--tracking-uri", mlflow_embedded]) == 0
     assert capsys.readouterr().out == shown  # the release model that carries the alias
@@ -402,15 +409,15 @@ def test_unreachable_server_is_a_clear_transient_error() -> None:
     assert is_transient(down.value)
 
 
-def test_a_card_that_disagrees_with_the_tags_is_never_promoted(
+def test_a_card_or_tag_changed_after_registration_fails_the_gates(
     mlflow_embedded: str, candidate_dirs: list[Path], tmp_path: Path
 ) -> None:
-    """``Registry.promote`` compares the stored privacy card with the version's tags: a version
-    whose tags or card were changed after registration keeps its alias unset."""
+    """The gates read a merged version's signed facts and compare the stored privacy card with
+    them: a version whose tags or card were changed after registration never passes."""
     registry = Registry(mlflow_embedded)
     parents = [registry.register_candidate(d).version for d in candidate_dirs]
     merged = _merge(candidate_dirs, "lc", [0.2, 0.3, 0.5], tmp_path / "lc", metrics=_accuracy(0.8))
-    version = registry.register_merged(merged, parents=parents, policy=POLICY).version
+    version = _register(registry, merged, parents, POLICY).version
     client = MlflowClient(mlflow_embedded, mlflow_embedded)
     mv = client.get_model_version(MERGED, version)
     epsilon = mv.tags["dp.epsilon"]
@@ -418,20 +425,20 @@ def test_a_card_that_disagrees_with_the_tags_is_never_promoted(
     card = json.loads(card_file.read_text())
     assert card["guarantee"]["epsilon"] == float(epsilon)
 
-    def refused() -> None:
-        with pytest.raises(GateError) as gate:
-            registry.promote(MERGED, version, "production", target_epsilon=5.0, min_accuracy=0.5)
-        assert gate.value.reasons == ("the stored privacy card disagrees with the version's tags",)
-        assert registry.aliases(MERGED) == {}
-
+    gates = _gates(min_accuracy=0.5)
     client.set_model_version_tag(MERGED, version, "dp.epsilon", repr(float(epsilon) / 2))
-    refused()  # the tags claim less than the card certifies
+    with pytest.raises(ReleaseSignatureError, match="differ from the signed manifest"):
+        registry.check_gates(MERGED, version, **gates)  # the tags claim less than signed
     client.set_model_version_tag(MERGED, version, "dp.epsilon", epsilon)
     client.log_text(mv.run_id, json.dumps({**card, "guarantee": {"epsilon": 0.01}}), CARD_JSON)
-    refused()  # the card claims less than the tags
+    with pytest.raises(GateError) as gate:  # the card claims less than the signed facts
+        registry.check_gates(MERGED, version, **gates)
+    assert gate.value.reasons == ("the stored privacy card disagrees with the version's signed ε",)
+    stored = registry.get_version(MERGED, version)
+    assert registry.stored_card_digest(stored) != stored.tags["dp.card_digest"]
     client.log_text(mv.run_id, json.dumps(card), CARD_JSON)
-    promoted = registry.promote(MERGED, version, "production", target_epsilon=5.0, min_accuracy=0.5)
-    assert promoted.changed and registry.aliases(MERGED) == {"production": version}
+    assert registry.check_gates(MERGED, version, **gates).epsilon == float(epsilon)
+    assert registry.stored_card_digest(stored) == stored.tags["dp.card_digest"]
 
 
 def test_search_filters_quote_values_as_mlflow_reads_them(
@@ -469,6 +476,7 @@ def test_mlflow_failures_are_transient_by_type_code_or_status() -> None:
     from mlflow.exceptions import MlflowException, RestException
     from mlflow.protos.databricks_pb2 import (
         DEADLINE_EXCEEDED,
+        INVALID_PARAMETER_VALUE,
         RESOURCE_DOES_NOT_EXIST,
         TEMPORARILY_UNAVAILABLE,
     )
@@ -491,18 +499,28 @@ def test_mlflow_failures_are_transient_by_type_code_or_status() -> None:
         "timeout": from_rest_client(requests.exceptions.ReadTimeout("read timed out")),
         "retries": from_rest_client(requests.exceptions.RetryError("too many 502 responses")),
     }
-    permanent = {
+    refused = {  # MLflow's answer that the request is wrong: bad input, exit 2
         "missing": MlflowException("no such model", error_code=RESOURCE_DOES_NOT_EXIST),
+        "invalid": MlflowException("database is locked", error_code=INVALID_PARAMETER_VALUE),
+    }
+    failed = {  # the server failed, but not temporarily: an outage or a bug, exit 1
         "text only": MlflowException("failed with error code 503 (database is locked)"),
         "bad url": from_rest_client(requests.exceptions.InvalidURL("no host")),
+        "not mlflow": OSError("disk full"),
     }
     for what, error in transient.items():
         translated = registry_error(f"reading m: {what}", error)
         assert isinstance(translated, RegistryUnavailableError), what
         assert is_transient(translated) and str(translated) == f"reading m: {what}"
-    for what, error in permanent.items():
+        assert exit_code(translated) == ExitCode.FAILURE
+    for what, error in refused.items():
         translated = registry_error(what, error)
         assert type(translated) is RegistryError and not is_transient(translated), what
+        assert exit_code(translated) == ExitCode.REFUSED
+    for what, error in failed.items():
+        translated = registry_error(what, error)
+        assert type(translated) is RegistryFailureError and not is_transient(translated), what
+        assert exit_code(translated) == ExitCode.FAILURE
 
 
 @pytest.mark.slow
@@ -514,8 +532,39 @@ def test_a_locked_database_is_transient(mlflow_embedded: str) -> None:
     try:
         database.execute("BEGIN EXCLUSIVE")
         with pytest.raises(RegistryUnavailableError, match="database is locked") as locked:
-            registry.mark_alias_time(MERGED, "production", datetime.now(UTC))
+            registry.set_model_tag(MERGED, "dpmerge.serves.production", "v1")
         assert is_transient(locked.value)
     finally:
         database.execute("ROLLBACK")
         database.close()
+
+
+def test_a_cancellation_during_registration_is_not_a_registry_error(
+    mlflow_embedded: str, candidate_dirs: list[Path]
+) -> None:
+    """Prefect cancels a run by raising ``TerminationSignal`` (a ``BaseException``) in it: the
+    registration marks its version failed and lets the signal through as it is, so the run is
+    cancelled rather than failed with a registry error."""
+    from prefect.exceptions import TerminationSignal
+
+    class Cancelled(Registry):
+        def _verify(self, *args: Any, **kwargs: Any) -> None:
+            raise TerminationSignal(15)
+
+    with pytest.raises(TerminationSignal):
+        Cancelled(mlflow_embedded).register_candidate(candidate_dirs[0])
+    (version,) = MlflowClient(mlflow_embedded, mlflow_embedded).search_model_versions(
+        f"name = '{CANDIDATES}'"
+    )
+    assert version.tags["dp.status"] == STATUS_FAILED
+
+
+def test_readers_configuration_is_strict() -> None:
+    from dpmerge.registry.readers import READERS_ENV, configured_readers, format_readers
+
+    readers = {"dpmerge-releases": ("operator", "consumer"), "dpmerge-candidates": ("operator",)}
+    assert configured_readers({READERS_ENV: format_readers(readers)}) == readers
+    assert configured_readers({}) == {} == configured_readers({READERS_ENV: " "})
+    for bad in ("dpmerge-releases", "=operator", "dpmerge-releases=operator,,consumer"):
+        with pytest.raises(RegistryError, match="EXPERIMENT=USER"):
+            configured_readers({READERS_ENV: bad})

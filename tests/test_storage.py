@@ -29,15 +29,18 @@ def test_config_from_env_prefers_dpmerge_endpoint() -> None:
         "MLFLOW_S3_ENDPOINT_URL": "http://127.0.0.1:1",
         "DPMERGE_S3_ENDPOINT_URL": "http://127.0.0.1:2",
         "DPMERGE_S3_BUCKET": "proj",
+        "DPMERGE_S3_STATE_BUCKET": "proj-state",
         "AWS_DEFAULT_REGION": "eu-west-1",
     }
     config = S3Config.from_env(env)
     assert config.endpoint_url == "http://127.0.0.1:2"
-    assert (config.bucket, config.audit_bucket, config.region) == (
+    assert (config.bucket, config.audit_bucket, config.state_bucket, config.region) == (
         "proj",
         "dpmerge-audit",
+        "proj-state",
         "eu-west-1",
     )
+    assert S3Config.from_env({}).state_bucket == "dpmerge-state"
     assert config.mlflow_artifacts_uri == "s3://proj/mlartifacts"
     assert S3Config.from_env({"MLFLOW_S3_ENDPOINT_URL": "http://x:1"}).endpoint_url == "http://x:1"
     assert S3Config.from_env({}).endpoint_url is None
@@ -48,6 +51,8 @@ def test_config_rejects_bad_buckets() -> None:
         S3Config(bucket="No_Such")
     with pytest.raises(StorageError, match="must differ"):
         S3Config(bucket="same", audit_bucket="same")
+    with pytest.raises(StorageError, match="must differ"):
+        S3Config(audit_bucket="same", state_bucket="same")
     with pytest.raises(StorageError, match="integer"):
         S3Config.from_env({"DPMERGE_S3_MAX_ATTEMPTS": "many"})
 
@@ -118,11 +123,11 @@ def test_restricted_bucket_blocks_public_access_unless_the_server_has_no_such_ap
 
 
 @pytest.mark.integration
-def test_bootstrap_restricts_the_audit_bucket(s3_store: S3Store) -> None:
+def test_bootstrap_restricts_the_audit_and_state_buckets(s3_store: S3Store) -> None:
     s3_store.bootstrap()  # idempotent: the stack already ran it
     client, config = s3_store.client, s3_store.config
     names = {b["Name"] for b in client.list_buckets()["Buckets"]}
-    assert {config.bucket, config.audit_bucket} <= names
+    assert {config.bucket, config.audit_bucket, config.state_bucket} <= names
     stranger = boto3.client(
         "s3",
         endpoint_url=config.endpoint_url,
@@ -142,7 +147,10 @@ def test_bootstrap_restricts_the_audit_bucket(s3_store: S3Store) -> None:
         ]["SSEAlgorithm"]
         == "AES256"
     )
-    assert client.get_bucket_versioning(Bucket=config.audit_bucket)["Status"] == "Enabled"
+    for restricted in (config.audit_bucket, config.state_bucket):
+        assert client.get_bucket_versioning(Bucket=restricted)["Status"] == "Enabled"
+        rule = client.get_bucket_encryption(Bucket=restricted)["ServerSideEncryptionConfiguration"]
+        assert rule["Rules"][0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
 
 
 @pytest.mark.integration

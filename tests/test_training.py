@@ -23,6 +23,7 @@ from dpmerge.artifacts import load_model_dir
 from dpmerge.data import DatasetSplits, RowDataset, Split, load_dataset
 from dpmerge.data.datasets import FASHION_MNIST_ROOT
 from dpmerge.evaluation import evaluate
+from dpmerge.formatting import epsilon_text
 from dpmerge.models import build_model, check_weights_match, model_spec
 from dpmerge.training import (
     GRAD_SAMPLE_MODES,
@@ -380,6 +381,7 @@ def test_cli_trains_and_writes_the_model_directory(
         *("--dataset", "digits", "--model", "logreg", "--target-epsilon", "4"),
         *("--delta", "1e-6", "--epochs", "1", "--batch-size", "128", "--seed", "1"),
         *("--noise-seed", "5", "--batch-seed", "6", "--out", str(out), "--no-progress"),
+        "--json",
     )
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
@@ -390,6 +392,35 @@ def test_cli_trains_and_writes_the_model_directory(
     assert document["record"]["noise_lineage"] == "noise-seed-5"
     assert (out / "weights.safetensors").is_file()
     assert json.loads((out / "metrics.json").read_text())["steps"] == summary["steps"] == 11
+
+
+def test_cli_prints_the_privacy_it_spent_and_checks_delta_against_n(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The summary names σ, q, T, n, ε under both accountants at δ and the accuracies; δ is
+    refused at 1/n or more (nothing written) and warned about above 1/(10·n)."""
+    common = ("--dataset", "digits", "--model", "logreg", "--noise-multiplier", "2")
+    common += ("--epochs", "1", "--batch-size", "128", "--no-progress")
+    n = load_dataset("digits").dataset_size
+    refused = tmp_path / "refused"
+    assert dpmerge.cli.main(["train", *common, "--delta", f"{1 / n}", "--out", str(refused)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is not below 1/n = {1 / n:.3g} for n = {n:,}" in err
+    assert not refused.exists()
+    out = tmp_path / "cand"
+    delta = 1 / (5 * n)  # below 1/n, above 1/(10·n)
+    assert dpmerge.cli.main(["train", *common, "--delta", f"{delta}", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert printed.err.startswith(f"dpmerge: warning: δ = {delta:g} is above 1/(10·n)")
+    privacy = json.loads((out / "record.json").read_text())["privacy"]
+    lines = printed.out.splitlines()
+    assert lines[0].startswith("trained ") and lines[0].endswith(f" → {out}")
+    assert f"over n = {n:,} rows" in lines[1] and "σ = 2" in lines[1]
+    assert lines[2] == (
+        f"  ε = {epsilon_text(privacy['epsilon_pld'])} (PLD), "
+        f"{epsilon_text(privacy['epsilon_rdp'])} (RDP) at δ = {delta:g}, add-or-remove-one"
+    )
+    assert lines[3].startswith("  validation accuracy 0.") and "test accuracy 0." in lines[3]
 
 
 @pytest.mark.parametrize(
@@ -430,7 +461,7 @@ def test_cli_options_are_the_declared_parameters(
     (train,) = parser._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
     options = {action.dest: action for action in train._actions}
     declared = [*declared_parameters(TrainConfig), *declared_parameters(RunOptions)]
-    assert set(options) == {"help", "out"} | {p.name for p in declared}
+    assert set(options) == {"help", "out", "json"} | {p.name for p in declared}
     for parameter in declared:
         assert options[parameter.name].help.endswith(parameter.help)
         assert options[parameter.name].choices == parameter.choices

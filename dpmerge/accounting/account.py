@@ -4,12 +4,11 @@ docs/design.md#structured-bound)."""
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 
 from dpmerge.accounting import pld as pld_mod
 from dpmerge.accounting.bounds import PairBound, PrivacyReport
+from dpmerge.accounting.delta import check_delta
 from dpmerge.accounting.generic import generic_bound
 from dpmerge.accounting.records import Candidate, require_same_dataset
 from dpmerge.accounting.rs import rs_bound
@@ -22,14 +21,6 @@ MAX_CANDIDATES = 64
 """Most candidates one accounting or calibration considers. Each needs its own PLD (up to
 ~0.7 s at the fine grid) and generic calibration enumerates subsets; a larger file fails fast
 with this limit rather than running for hours."""
-
-
-def check_delta(delta: float) -> float:
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real):
-        raise RecordError(f"δ must be a number, got {type(delta).__name__}")
-    if not (math.isfinite(delta) and 0 < delta < 1):
-        raise RecordError(f"δ must lie in (0, 1), got {delta}")
-    return float(delta)
 
 
 def check_candidates(candidates: Sequence[Candidate]) -> str:

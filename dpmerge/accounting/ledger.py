@@ -9,24 +9,21 @@ For an RS release every candidate with π_i > 0 counts as used, and for a mixtur
 of either rung: the drawn index is secret, and a ledger that counted only what was drawn would
 publish it.
 
-The ledger is a JSON file of entries; appending is atomic (write to a temporary file, rename).
+Where the ledger is kept, and how concurrent writers and damage are handled, is the
+release-state store's business (``dpmerge.state.serving``, docs/design.md#release-state); this
+module is only the arithmetic.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from dpmerge.accounting.bounds import PairBound, PrivacyReport
 from dpmerge.accounting.generic import release_units, units_bound
 from dpmerge.accounting.records import Candidate, candidate_from_dict
-from dpmerge.errors import RecordError, RefusalError
-from dpmerge.formatting import epsilon_text
+from dpmerge.errors import RecordError
 
 
 @dataclass(frozen=True)
@@ -70,13 +67,12 @@ def release_for(release_id: str, candidates: Sequence[Candidate], report: Privac
     """The ledger entry of any merge — RS, LC or mixture — from its privacy report: the
     candidates ``report.used_candidates`` names (for a mixture, every member of either rung;
     which rung was drawn stays secret)."""
-    used = set(report.used_candidates)
     if [c.name for c in candidates] != list(report.names):
         raise RecordError("the report was computed for other candidates")
-    chosen = [c for c in candidates if c.name in used]
-    if not chosen:
-        raise RecordError("a release uses at least one candidate")
-    return Release(release_id, chosen[0].dataset, str(report.method), tuple(chosen))
+    used = set(report.used_candidates)
+    return release_of(
+        release_id, str(report.method), candidates, [float(c.name in used) for c in candidates]
+    )
 
 
 def cumulative_bound(releases: Sequence[Release], delta: float) -> PairBound:
@@ -91,49 +87,3 @@ def cumulative_bound(releases: Sequence[Release], delta: float) -> PairBound:
                     f"two different candidates are named {candidate.name!r} in the ledger"
                 )
     return units_bound(release_units(list(union.values())), delta)
-
-
-class ReleaseLedger:
-    """Releases per dataset, persisted as JSON, with an optional cumulative cap."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-
-    def releases(self, dataset: str | None = None) -> list[Release]:
-        if not self.path.exists():
-            return []
-        try:
-            entries = json.loads(self.path.read_text())["releases"]
-        except (json.JSONDecodeError, KeyError) as error:
-            raise RecordError(f"release ledger {self.path} is malformed: {error}") from None
-        releases = [Release.from_dict(e) for e in entries]
-        return [r for r in releases if dataset is None or r.dataset == dataset]
-
-    def cumulative(self, dataset: str, delta: float) -> PairBound | None:
-        releases = self.releases(dataset)
-        return cumulative_bound(releases, delta) if releases else None
-
-    def check(self, release: Release, delta: float, cap: float | None) -> PairBound:
-        """The cumulative bound after adding ``release``; ``RefusalError`` above ``cap``."""
-        others = [r for r in self.releases(release.dataset) if r.release_id != release.release_id]
-        bound = cumulative_bound([*others, release], delta)
-        if cap is not None and bound.epsilon > cap:
-            raise RefusalError(
-                f"release {release.release_id!r} would raise the cumulative ε of dataset "
-                f"{release.dataset!r} to {epsilon_text(bound.epsilon)} "
-                f"(δ = {delta:g}, {bound.accountant}) "
-                f"above the cap {cap:g}"
-            )
-        return bound
-
-    def record(self, release: Release, delta: float, cap: float | None = None) -> PairBound:
-        """Check ``release`` against ``cap`` and append it (idempotent by release id)."""
-        bound = self.check(release, delta, cap)
-        entries = [r for r in self.releases() if r.release_id != release.release_id]
-        entries.append(release)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle, staging = tempfile.mkstemp(prefix=".ledger.", dir=self.path.parent)
-        with os.fdopen(handle, "w") as stream:
-            json.dump({"releases": [r.to_dict() for r in entries]}, stream, indent=2)
-        os.replace(staging, self.path)
-        return bound

@@ -14,7 +14,6 @@ independence or sampling scheme would understate ε.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -33,7 +32,13 @@ from pydantic import (
     model_validator,
 )
 
-from dpmerge.documents import describe_validation_error, read_item_list, shorten
+from dpmerge.documents import (
+    describe_validation_error,
+    load_json,
+    read_item_list,
+    shorten,
+    unknown_key,
+)
 from dpmerge.errors import RecordError
 from dpmerge.vocabulary import Neighbouring, Optimizer, Sampling
 
@@ -201,15 +206,18 @@ def candidate_from_dict(data: Mapping[str, Any]) -> Candidate:
         "epsilon" in data or "rdp_orders" in data or data.get("kind") == "label"
     )
     if not is_record and not is_label:
+        known = {*MechanismRecord.model_fields, *PrivacyLabel.model_fields}
+        unknown = next((k for k in data if k not in known), None)
+        hint = "" if unknown is None else f"; {unknown_key(unknown, known)}"
         raise RecordError(
             f"{where}: neither a DP-SGD record (needs {', '.join(_RECORD_FIELDS)}) "
-            "nor a privacy label (needs name, epsilon, delta, dataset)"
+            f"nor a privacy label (needs name, epsilon, delta, dataset){hint}"
         )
     model = MechanismRecord if is_record else PrivacyLabel
     try:
         return model.model_validate(dict(data))
     except ValidationError as error:
-        raise RecordError(describe_validation_error(where, error)) from None
+        raise RecordError(describe_validation_error(where, error, model)) from None
 
 
 def candidates_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Candidate, ...]:
@@ -227,7 +235,7 @@ def candidates_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Candidate
 def load_candidates(path: str | Path) -> tuple[Candidate, ...]:
     """Read a candidates file: ``{"candidates": [{...}, ...]}`` (the CLI's format)."""
     return candidates_from_dicts(
-        read_item_list(path, "candidates", what="candidates", parse=json.loads)
+        read_item_list(path, "candidates", what="candidates", parse=load_json)
     )
 
 

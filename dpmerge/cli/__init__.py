@@ -2,7 +2,10 @@
 
 Each subcommand lives in its own module exposing ``register(subparsers)``; the module's
 handler returns the process exit code. Errors dpmerge raises on purpose print one line on
-stderr: exit 2 for bad input or a refused analysis, 3 for an infeasible target.
+stderr (echoed input escaped), and the exit status comes from the error's type through one
+table, :func:`dpmerge.exits.exit_code`: 1 an outage, 2 bad input or a refusal, 3 an infeasible
+target, 4 not promoted; Ctrl-C ends quietly with 130. Options are parsed strictly
+(:mod:`dpmerge.cli.parsing`).
 
 Only the module of the command being run is imported (torch, MLflow and dp_accounting take
 seconds to import), so ``dpmerge --help`` and every command start fast. The library's commands
@@ -19,9 +22,10 @@ import importlib
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import NoReturn
 
-from dpmerge.errors import DPMergeError, InfeasibleTargetError
+from dpmerge.cli.parsing import Parser
+from dpmerge.errors import DPMergeError
+from dpmerge.vocabulary import ExitCode
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "account": (
@@ -34,24 +38,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("dpmerge.cli.models", "evaluate a model directory on a split"),
     "candidates": ("dpmerge.cli.models", "print the candidates file of candidate directories"),
     "registry": ("dpmerge.cli.registry", "the MLflow model registry"),
-    "ledger": ("dpmerge.cli.ledger", "the release ledger (rebuild it from the registry)"),
+    "ledger": ("dpmerge.cli.ledger", "the release ledger (add back what a rollback lost)"),
+    "state": ("dpmerge.cli.ledger", "the release-state store (restore a damaged document)"),
+    "verify": ("dpmerge.cli.verify", "check a release's signature and files before serving it"),
 }
 """Command name → (module defining it, one-line help)."""
 
-EXIT_BAD_INPUT = 2
-EXIT_INFEASIBLE = 3
-EXIT_BROKEN_PIPE = 141
-"""As a shell reports a command killed by SIGPIPE (128 + 13)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """Bad options print one line (``dpmerge: error: <command>: …``), exit 2, like every other
-    refusal; ``--help`` shows the usage."""
-
-    def error(self, message: str) -> NoReturn:
-        command = self.prog.removeprefix("dpmerge").strip()
-        where = f"{command}: " if command else ""
-        self.exit(EXIT_BAD_INPUT, f"dpmerge: error: {where}{message}\n")
+EXIT_BAD_INPUT = ExitCode.REFUSED
+"""Kept for callers that name it; every status is an :class:`~dpmerge.vocabulary.ExitCode`."""
 
 
 def build_parser(
@@ -59,7 +53,7 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     """The parser with ``command``'s module registered; the others appear by name and help."""
     table = {**COMMANDS, **(extra_commands or {})}
-    parser = _Parser(
+    parser = Parser(
         prog="dpmerge",
         description="Differentially private model merging: account, calibrate, train, merge.",
     )
@@ -80,18 +74,28 @@ def main(
     argv: Sequence[str] | None = None, extra_commands: Mapping[str, tuple[str, str]] | None = None
 ) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(extra_commands, _command(argv)).parse_args(argv)
     try:
+        args = build_parser(extra_commands, _command(argv)).parse_args(argv)
         return int(args.handler(args) or 0)
-    except InfeasibleTargetError as error:
-        print(f"dpmerge: infeasible: {error}", file=sys.stderr)
-        return EXIT_INFEASIBLE
-    except DPMergeError as error:
-        print(f"dpmerge: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except BrokenPipeError:  # the reader went away (``dpmerge … | head``): stop quietly
+    except (DPMergeError, KeyboardInterrupt, BrokenPipeError) as error:
+        return _ended(error)
+
+
+def _ended(error: BaseException) -> int:
+    """One line on stderr for an error dpmerge raised on purpose, nothing for a closed pipe,
+    ``interrupted`` for Ctrl-C; the status from :func:`dpmerge.exits.exit_code`."""
+    from dpmerge.exits import exit_code
+    from dpmerge.formatting import printable
+
+    code = exit_code(error)
+    if isinstance(error, BrokenPipeError):  # the reader went away (``dpmerge … | head``)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+    elif isinstance(error, KeyboardInterrupt):
+        print("dpmerge: interrupted", file=sys.stderr)
+    else:
+        label = "infeasible" if code == ExitCode.INFEASIBLE else "error"
+        print(f"dpmerge: {label}: {printable(str(error))}", file=sys.stderr)
+    return int(code)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,17 @@ only with ``--tune-weights``. The drawn index (RS, mixture) is never printed: it
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from dpmerge.accounting.calibration import Calibration, calibrate
+from dpmerge.accounting.delta import delta_check_for
 from dpmerge.accounting.records import candidates_from_dicts, candidates_to_document
 from dpmerge.artifacts import ModelDir, ModelSpec, load_model_dir
-from dpmerge.cli.common import float_list, fmt, positive_float, print_json
+from dpmerge.cli.common import float_list, fmt, positive_float, print_json, probability
 from dpmerge.data import DATASET_NAMES, DatasetSplits, Split, load_dataset
 from dpmerge.errors import DatasetError, InputError
 from dpmerge.evaluation import MergeAccuracy, evaluate, expected_accuracy
@@ -57,7 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     chosen.add_argument(
         "--target-epsilon", type=positive_float, help="calibrate the weights to this ε"
     )
-    merge.add_argument("--delta", type=positive_float, default=1e-5)
+    merge.add_argument(
+        "--delta",
+        type=probability,
+        default=1e-5,
+        help="δ of the reported ε (default 1e-5; refused at 1/n or more for the n training rows)",
+    )
     merge.add_argument(
         "--bound",
         choices=("generic", "structured"),
@@ -182,6 +189,7 @@ def _merge(args: argparse.Namespace) -> int:
     if args.method == Method.MIXTURE and args.target_epsilon is None:
         raise InputError("--method mixture is calibrated: give --target-epsilon, not --weights")
     dirs = [read_candidate_dir(p) for p in args.inputs]
+    delta_check = delta_check_for([d.record for d in dirs], args.delta)
     data = _load_data(args) if args.dataset else None
     calibration = _calibrate(args, dirs, data) if args.target_epsilon is not None else None
     metrics: Metrics | None = None
@@ -210,6 +218,8 @@ def _merge(args: argparse.Namespace) -> int:
         audit_notes=audit_notes,
         device=args.device,
     )
+    if delta_check.warning:  # after the work: a refusal stays the one line printed
+        print(f"dpmerge: {delta_check.warning}", file=sys.stderr)
     if args.json:
         document = {
             "path": str(result.path),

@@ -1,11 +1,16 @@
 """``dpmerge registry ls|show``: candidates and merged releases with their privacy, policy,
-target and aliases; one version's privacy card. ``quarantine`` and ``sign``: the repairs for a
-candidate whose record fails verification (docs/design.md#security).
+target, aliases and what each alias serves now; one version's privacy card (a release's public
+card, or with ``--internal`` its internal card from the release-state store), or what a
+revoked alias was revoked by. ``quarantine``: take a version out of use (recorded in the
+release-state store, docs/design.md#release-state). ``verify``: compare MLflow with the
+release-state store and the signatures, and with ``--repair`` repair what is safe to repair.
 
 Read-only and quick: the registry is found as every command finds it (:mod:`dpmerge.locate`:
-``--tracking-uri``, ``$MLFLOW_TRACKING_URI``, a running local stack, the embedded state) and
-read through :mod:`dpmerge.registry.catalog`, without importing MLflow or torch. Nothing is
-created: with no registry anywhere the command says where it looked (exit 2).
+``--tracking-uri`` or ``--home``, ``$MLFLOW_TRACKING_URI``, the local stack, the embedded
+state), named in the output (``registry: <uri> (<kind>; from <where>)``, and ``"registry"`` in
+the JSON), and read through :mod:`dpmerge.registry.catalog`, without importing MLflow or torch.
+Nothing is created: with no registry anywhere the command says where it looked (exit 2); a
+local stack that is recorded but stopped is named with ``dpmerge stack up`` (exit 1).
 """
 
 from __future__ import annotations
@@ -13,19 +18,21 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
-import tempfile
+from typing import Any
 
-from dpmerge.errors import InputError
-from dpmerge.formatting import epsilon_text, number_text
-from dpmerge.locate import locate_registry
-from dpmerge.registry.catalog import Catalog, open_catalog
+from dpmerge.errors import InputError, RefusalError
+from dpmerge.formatting import cut, epsilon_text, number_text, printable
+from dpmerge.locate import Located, locate_registry
+from dpmerge.registry.catalog import open_catalog
+from dpmerge.registry.tags import ROLE_MERGED
 from dpmerge.registry.versions import VersionSummary
+from dpmerge.state.releases import read_release
 
 TRACKING_HELP = (
-    "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else a running local stack, else "
+    "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the local stack, else "
     "the embedded state $DPMERGE_HOME or ./.dpmerge)"
 )
+HOME_HELP = "use the embedded state in this directory (instead of --tracking-uri)"
 _REFERENCE = re.compile(
     r"^(?P<name>[^@/]+)(?:@(?P<alias>[^@/]+)|/(?P<version>\d+))?$|^@(?P<only>[^@/]+)$"
 )
@@ -64,6 +71,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     show.add_argument("reference", metavar="NAME[@ALIAS|/VERSION] | @ALIAS")
+    show.add_argument(
+        "--internal",
+        action="store_true",
+        help="a release's internal card from the release-state store: its candidates, their "
+        "records, weights and every note (workflow and operators only)",
+    )
     show.set_defaults(handler=_show)
     for sub in (ls, show):
         sub.add_argument("--json", action="store_true", help="machine-readable output")
@@ -71,28 +84,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "quarantine",
         help="take a version out of use (never merged, reused or promoted again)",
         description=(
-            "Mark a candidate or merged version dp.status=quarantined: for a candidate whose "
-            "record fails verification (changed after registration) or was trained with fixed "
-            "seeds. Policy merges then run without it."
+            "Record in the release-state store that a candidate or merged version is out of "
+            "use — for a candidate whose record fails verification (changed after "
+            "registration, unsigned) or was trained with fixed seeds — and tag it "
+            "dp.status=quarantined in MLflow (a projection: the store decides). Policy merges "
+            "then run without it; the repair for a bad candidate is to retrain it."
         ),
     )
-    sign = actions.add_parser(
-        "sign",
-        help="re-sign a candidate whose record matches its run's params (key change, old version)",
-        description=(
-            "Re-sign a candidate registered before record signing or under another key, after "
-            "checking its files against dp.content_hash and its record against the params its "
-            "run logged at registration (MLflow never changes a logged param)."
-        ),
-    )
-    for sub in (quarantine, sign):
-        sub.add_argument("model", help="registered model name")
-        sub.add_argument("version", type=_version, help="version number")
+    quarantine.add_argument("model", help="registered model name")
+    quarantine.add_argument("version", type=_version, help="version number")
     quarantine.add_argument("--reason", default="quarantined by an operator", help="recorded")
     quarantine.set_defaults(handler=_quarantine)
-    sign.set_defaults(handler=_sign)
-    for sub in (ls, show, quarantine, sign):
-        sub.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
+    verify = actions.add_parser(
+        "verify",
+        help="compare MLflow with the release-state store and the signatures (drift)",
+        description=(
+            "One line per finding — an alias not where its serving pointer says, an alias no "
+            "policy owns, a served release whose card or signature does not match, a served "
+            "release the ledger lacks, a release that no longer meets its policy — and exit 1 "
+            "if there is any (0 when everything agrees). --repair moves aliases back, removes "
+            "unmanaged ones, counts unwitnessed releases and re-tags quarantined versions."
+        ),
+    )
+    verify.add_argument("--repair", action="store_true", help="repair what is safe to repair")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.set_defaults(handler=_verify)
+    for sub in (ls, show, quarantine, verify):
+        where = sub.add_mutually_exclusive_group()
+        where.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
+        where.add_argument("--home", default=None, help=HOME_HELP)
 
 
 def _version(text: str) -> str:
@@ -101,46 +121,88 @@ def _version(text: str) -> str:
     return str(int(text))
 
 
-def _registry(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """The writable registry where every command finds it (imports MLflow: repairs only)."""
-    from dpmerge.registry import Registry
+def _located(args: argparse.Namespace) -> Located:
+    return locate_registry(args.tracking_uri, home=args.home)
 
-    return Registry(locate_registry(args.tracking_uri).tracking_uri)
+
+def _workspace(args: argparse.Namespace, located: Located | None = None):  # type: ignore[no-untyped-def]
+    """The registry where every command finds it, with its release-state store."""
+    from dpmerge.policy_merge import Workspace
+
+    return Workspace.of_registry((located or _located(args)).tracking_uri)
 
 
 def _quarantine(args: argparse.Namespace) -> int:
-    _registry(args).quarantine(args.model, args.version, args.reason)
-    print(f"{args.model} v{args.version} quarantined: it is never merged or promoted again")
+    from dpmerge.state.quarantine import quarantine
+
+    located = _located(args)
+    print(located.describe())
+    workspace = _workspace(args, located)
+    registry = workspace.registry()
+    registry.get_version(args.model, args.version)  # it must exist
+    record = quarantine(workspace.state(), args.model, args.version, args.reason)
+    registry.quarantine(args.model, args.version, record.reason)
+    print(
+        f"{args.model} v{args.version} quarantined (recorded in {workspace.state().where}): it "
+        "is never merged, reused or promoted again"
+    )
     return 0
 
 
-def _sign(args: argparse.Namespace) -> int:
-    registry = _registry(args)
-    with tempfile.TemporaryDirectory(prefix="dpmerge-sign-") as scratch:
-        path = registry.download_candidate(args.model, args.version, scratch)
-        registry.sign(args.model, args.version, path)
-    print(f"{args.model} v{args.version} signed with key {registry.keys.key_id}")
-    return 0
+def _verify(args: argparse.Namespace) -> int:
+    from dpmerge.policy_merge.verify import verify
+
+    located = _located(args)
+    workspace = _workspace(args, located)
+    findings = verify(workspace, repair=args.repair)
+    where = {"registry": located.to_dict(), "state": workspace.state().where}
+    if args.json:
+        print(json.dumps({**where, "findings": [f.to_dict() for f in findings]}, indent=2))
+    else:
+        print(located.describe())
+        for finding in findings:
+            print(printable(finding.line()))
+        print(
+            f"{len(findings)} finding(s); state {where['state']}"
+            + ("" if workspace.workflow_key() else " (signatures not checked: no workflow key)")
+        )
+    return 1 if findings else 0
 
 
-def _catalog(args: argparse.Namespace) -> Catalog:
-    located = locate_registry(args.tracking_uri)
-    return open_catalog(located.tracking_uri)
+def _aliases(located: Located) -> list[Any]:
+    """The serving pointers of the registry's release-state store (none when it has none)."""
+    from dpmerge.policy_merge import Workspace
+    from dpmerge.state.serving import every_alias
+
+    return every_alias(Workspace.of_registry(located.tracking_uri).state())
+
+
+def _serves(alias: Any) -> str:
+    flag = "NON-COMPLIANT " if alias.state == "noncompliant" else ""
+    return f"{flag}{alias.alias} ({alias.owner} v{alias.policy_version})"
 
 
 def _list(args: argparse.Namespace) -> int:
-    catalog = _catalog(args)
-    rows = catalog.rows(args.name, internal=args.internal)
+    located = _located(args)
+    rows = open_catalog(located.tracking_uri).rows(args.name, internal=args.internal)
+    serving: dict[tuple[str, str], list[str]] = {}
+    for alias in _aliases(located):
+        if alias.serving is not None:
+            serving.setdefault((alias.model, alias.serving), []).append(_serves(alias))
     if args.json:
-        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        documents = [{**r.to_dict(), "serves": serving.get((r.name, r.version), [])} for r in rows]
+        print(json.dumps({"registry": located.to_dict(), "versions": documents}, indent=2))
         return 0
+    print(located.describe())
     if not rows:
-        print(f"no dpmerge versions registered at {catalog.tracking_uri}")
+        print("no dpmerge versions registered")
         return 0
     header = ("model", "ver", "role", "status", "ε (accountant, δ)", "bound", "policy", "ε*")
-    table = [(*header, "acc", "aliases"), *(_row(r) for r in rows)]
+    table = [(*header, "acc", "aliases", "serves (policy version)")]
+    table += [
+        (*_row(r), printable("; ".join(serving.get((r.name, r.version), [])) or "—")) for r in rows
+    ]
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    print(f"registry: {catalog.tracking_uri}")
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
     return 0
@@ -153,7 +215,7 @@ def _row(r: VersionSummary) -> tuple[str, ...]:
         else "—"
     )
     role = f"{r.role} ({r.method})" if r.method else r.role
-    return (
+    cells = (
         r.name,
         r.version,
         role,
@@ -165,21 +227,92 @@ def _row(r: VersionSummary) -> tuple[str, ...]:
         number_text(r.accuracy) if r.accuracy is not None else "—",
         ",".join(r.aliases) or "—",
     )
+    return tuple(printable(cell) for cell in cells)  # registry writers are not trusted
 
 
 def _show(args: argparse.Namespace) -> int:
     match = _REFERENCE.match(args.reference)
     if match is None:
-        raise InputError(f"expected NAME, NAME@ALIAS or NAME/VERSION, got {args.reference[:80]!r}")
-    detail = _catalog(args).detail(match["name"], match["version"], match["alias"] or match["only"])
+        raise InputError(
+            "expected NAME, NAME@ALIAS, NAME/VERSION or @ALIAS, got "
+            + cut(repr(args.reference), 80)
+        )
+    located = _located(args)
+    alias = match["alias"] or match["only"]
+    pointers = [a for a in _aliases(located) if alias is not None and a.alias == alias]
+    if match["name"]:
+        pointers = [a for a in pointers if a.model == match["name"]]
+    pointer = pointers[0] if len(pointers) == 1 else None
+    if pointer is not None and pointer.serving is None:
+        return _not_serving(pointer, located, args.json)
+    detail = open_catalog(located.tracking_uri).detail(match["name"], match["version"], alias)
+    internal = _internal(args, located, detail) if args.internal else None
     if args.json:
-        print(json.dumps(detail.to_dict(), indent=2))
+        document = {"registry": located.to_dict(), **detail.to_dict()}
+        document["serving_pointer"] = pointer.to_dict() if pointer else None
+        if internal is not None:
+            document["internal"] = internal
+        print(json.dumps(document, indent=2, ensure_ascii=False))
         return 0
     tags = detail.stored.tags
     aliases = ", ".join(detail.aliases) or "none"
-    sys.stdout.write(
+    heading = (
         f"{detail.stored.name} v{detail.stored.version} — {tags.get('dp.role', '?')}, "
-        f"{tags.get('dp.status', '?')}; aliases: {aliases}\n\n"
+        f"{tags.get('dp.status', '?')}; aliases: {aliases}"
     )
-    print(detail.description or "(no description)")
+    print(located.describe())
+    print(printable(heading))
+    if pointer is not None:
+        state = "NON-COMPLIANT (kept by its policy)" if pointer.state == "noncompliant" else ""
+        print(
+            f"{pointer.alias}: serves v{pointer.serving} for policy {pointer.owner} "
+            f"v{pointer.policy_version} since {pointer.since} {state}".rstrip()
+        )
+        if pointer.serving != detail.stored.version:
+            print(
+                f"WARNING: MLflow's alias names v{detail.stored.version}, but the serving "
+                f"pointer says v{pointer.serving}: `dpmerge registry verify --repair` moves it back"
+            )
+    print()
+    card = internal["card"] if internal is not None else detail.description
+    print("\n".join(printable(line) for line in (card or "(no description)").splitlines()))
+    return 0
+
+
+def _internal(args: argparse.Namespace, located: Located, detail: Any) -> dict[str, Any]:
+    """The internal record of the release ``detail`` shows (:mod:`dpmerge.state.releases`)."""
+    stored = detail.stored
+    if stored.tags.get("dp.role") != ROLE_MERGED:
+        raise InputError(f"{stored.name} v{stored.version} is not a release: no internal card")
+    state = _workspace(args, located).state()
+    record = read_release(state, stored.tags.get("dp.content_hash", ""))
+    if record is None:
+        raise RefusalError(
+            f"{stored.name} v{stored.version} has no internal record in the release-state "
+            f"store {state.where}"
+        )
+    return record
+
+
+def _not_serving(pointer: Any, located: Located, as_json: bool) -> int:
+    """An alias that serves nothing: by which policy version, run, when and why."""
+    if as_json:
+        document = {"registry": located.to_dict(), "serving_pointer": pointer.to_dict()}
+        print(json.dumps(document, indent=2, ensure_ascii=False))
+        return 0
+    print(located.describe())
+    if pointer.state == "unset":
+        print(f"{pointer.model}@{pointer.alias}: claimed by policy {pointer.owner}, never served")
+        return 0
+    print(
+        f"{pointer.model}@{pointer.alias}: {pointer.state.upper()} by policy {pointer.owner} "
+        f"v{pointer.policy_version} (run {pointer.run or 'in-process'}) at {pointer.since}"
+    )
+    print(f"  why: {printable(pointer.reason or '(not recorded)')}")
+    previous = [h for h in pointer.history if h.get("version")]
+    if previous:
+        last = previous[-1]
+        print(
+            f"  served before: v{last['version']} (set by policy version {last['policy_version']})"
+        )
     return 0

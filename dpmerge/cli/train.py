@@ -1,15 +1,19 @@
 """``dpmerge train``: train one DP-SGD candidate and write its model directory
 (docs/design.md#mechanism-record).
 
-Every check runs before training, so bad input writes nothing. The output directory holds
-``weights.safetensors``, ``model.json``, ``record.json`` (the mechanism record and its ε under
-PLD and RDP at ``--delta``) and ``metrics.json``. A one-line JSON summary goes to stdout.
+Every check runs before training, so bad input writes nothing; δ is checked against the
+training rows n (refused at δ ≥ 1/n, a warning above 1/(10·n): docs/design.md#mechanism-record).
+The output directory holds ``weights.safetensors``, ``model.json``, ``record.json`` (the
+mechanism record and its ε under PLD and RDP at ``--delta``) and ``metrics.json``. The summary
+on stdout gives σ, q, T, the ε under PLD and RDP at δ and the held-out accuracies (``--json``:
+the same as one JSON line). The command touches no registry.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,10 @@ from typing import Any
 import torch
 
 from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.delta import check_delta_against
+from dpmerge.cli.common import fmt
 from dpmerge.data import load_dataset
+from dpmerge.formatting import epsilon_text
 from dpmerge.training import (
     Parameter,
     RunOptions,
@@ -39,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
     )
     parser.add_argument("--out", required=True, type=Path, help="new model directory")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     for declared in (*declared_parameters(TrainConfig), *declared_parameters(RunOptions)):
         _add_option(parser, declared, DEFAULTS.get(declared.name, declared.default))
     parser.set_defaults(handler=handler)
@@ -75,6 +83,7 @@ def handler(args: argparse.Namespace) -> int:
         raise TrainingConfigError(f"output directory already exists: {args.out}")
     torch.set_num_threads(options.torch_threads)
     data = load_dataset(config.dataset, options.data_root, limit=options.limit)
+    delta_check = check_delta_against(config.delta, data.dataset_size)
     result = train_candidate(config, data)
     out = save_candidate(result, args.out, config.delta)
     privacy = candidate_bound(result.record, config.delta)
@@ -84,11 +93,25 @@ def handler(args: argparse.Namespace) -> int:
         "noise_multiplier": result.record.noise_multiplier,
         "sample_rate": result.record.sample_rate,
         "steps": result.record.steps,
+        "dataset_size": result.record.dataset_size,
         "delta": config.delta,
         "epsilon_pld": privacy.epsilon_pld,
         "epsilon_rdp": privacy.epsilon_rdp,
         "validation_accuracy": result.metrics["validation_accuracy"],
         "test_accuracy": result.metrics["test_accuracy"],
     }
-    print(json.dumps(summary))
+    if delta_check.warning:  # after the work: a refusal stays the one line printed
+        print(f"dpmerge: {delta_check.warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(
+        f"trained {result.record.name} → {out}\n"
+        f"  σ = {summary['noise_multiplier']:.4g}, q = {summary['sample_rate']:.4g}, "
+        f"T = {summary['steps']} steps over n = {summary['dataset_size']:,} rows\n"
+        f"  ε = {epsilon_text(privacy.epsilon_pld)} (PLD), {epsilon_text(privacy.epsilon_rdp)} "
+        f"(RDP) at δ = {config.delta:g}, add-or-remove-one\n"
+        f"  validation accuracy {fmt(summary['validation_accuracy'])}, "
+        f"test accuracy {fmt(summary['test_accuracy'])}"
+    )
     return 0

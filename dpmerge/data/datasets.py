@@ -108,6 +108,20 @@ _LOADERS: dict[DatasetName, tuple[Callable[[Path | None, int | None], RawArrays]
 DATASET_NAMES = values(DatasetName)
 
 
+def preprocessing(name: str) -> str:
+    """How raw images of dataset ``name`` become a model's input, in words (a served model's
+    MLflow metadata and the README say it): channels first, pixels divided by the scale."""
+    if name not in _LOADERS:
+        raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
+    scale = _LOADERS[DatasetName(name)][2]
+    return (
+        f"float32 array (n, channels, height, width): the raw pixel values divided by {scale:g} "
+        "(so in [0, 1]), grey-scale images with one channel"
+        if name != DatasetName.CIFAR10
+        else f"float32 array (n, 3, 32, 32): the raw RGB pixel values divided by {scale:g}"
+    )
+
+
 def load_dataset(
     name: str,
     root: str | Path | None = None,

@@ -1,50 +1,38 @@
-"""Apply a privacy policy to the registered candidates: calibrate, merge, evaluate, register,
-promote (docs/design.md). Library code, no Prefect.
+"""Apply a stored policy version to the registered candidates: calibrate, merge, evaluate,
+count, register, serve (docs/design.md#workflow, docs/design.md#release-state). Library code,
+no Prefect.
 
-:func:`apply_policy` is the state machine that runs the steps below for one policy event and
+:func:`apply_policy` is the state machine that runs the steps below for one policy version and
 says how it ended (:class:`Status`, :class:`PolicyOutcome`); its steps are injectable
 (:class:`PolicySteps`): ``flows/merge.py`` passes Prefect tasks that wrap them.
 
-The steps, in order:
-
-1. :func:`find_candidates` — the ready candidate versions of the policy's dataset (its
-   published, keyed identifier) and model; each loaded candidate is verified against its
-   signature, and candidates trained with fixed seeds are refused.
-2. :func:`load_evaluation_data` — the splits the candidates were trained with (found by their
-   internal fingerprint), for validation utilities (disjoint from training) and test accuracy.
-3. :func:`calibrate_policy` — ``method: auto`` calibrates RS (utilities: the candidates'
-   validation accuracies) and LC (utility: the merged weights' validation accuracy) and keeps
-   the better expected validation accuracy; ties go to LC (no secret draw). Infeasible targets
-   raise :class:`~dpmerge.errors.InfeasibleTargetError` with the reachable range.
-4. :func:`merge_request` — the release's content hash (candidates, method, weights, δ, bound;
-   not the target); :func:`plan_release` reuses a ready version of the same release (a re-run
-   never draws again), else computes the ledger bound the new release's card shows and refuses
-   a release the ledger cap would refuse before anything is merged.
-5. :func:`merge_release` — merge and evaluate; for RS the draw stored for the release is used,
-   or a new one is stored (audit bucket or ``<home>/audit``, create-once) before it is used
-   (:mod:`~dpmerge.policy_merge.draws`). :class:`Release` carries only public facts.
-6. :func:`register_release` — the merged version with its privacy card and the cumulative
-   ledger bound (docs/design.md#release-ledger).
-7. :func:`promote_release` — the ledger cap, then the registry's gates (ε ≤ target, δ, accuracy ≥
-   ``min_accuracy``, card consistent), then the alias; the release enters the ledger only once
-   promoted (if that write fails the alias is put back).
-
-A policy event can arrive late (two events back to back may run in either order): every alias
-change records the event's server-received time on the releases' registered model (tag
-``dp.alias_time.<alias>``) and an older event never moves or removes the alias again (status
-``superseded``); an event dated in the future is refused (:mod:`~dpmerge.policy_merge.events`).
-An alias belongs to the policy that first set it (``dp.alias_owner.<alias>``).
+1. :func:`prepare` — the ready, unquarantined candidate versions of the policy's dataset (its
+   published, keyed identifier) and model, each verified against its signature (fixed-seed
+   candidates refused), and the evaluation split; stops early when another policy owns the
+   alias (refused) or a later version of the policy exists (``superseded``).
+2. :func:`calibrate_policy` — ``method: auto`` keeps the release (RS, LC or the mixture) with
+   the best expected noise proxy, a data-independent choice (docs/design.md#calibration).
+3. :func:`merge_request` and :func:`plan_release` — the release's hash (candidates, method,
+   weights or rungs, δ, bound; not the target); a ready, signed version of it is reused (a
+   rerun never draws again); the ledger cap refuses a new release before anything is merged or
+   drawn.
+4. :func:`merge_release` — merge and evaluate; RS and the mixture use the draw stored for the
+   release (:mod:`~dpmerge.policy_merge.draws`).
+5. :func:`count_release` — the release is counted in the ledger before anything of it is
+   published; :func:`register_release` — its internal record kept in the state store, then the
+   merged version, signed, with its public privacy card.
+6. :func:`serve_release` — the gates on the signed facts, then count-and-point in one
+   conditional write; :func:`enforce` — the serving invariant when nothing new is served;
+   :func:`project` — the MLflow alias follows the serving pointer.
 
 Modules: :mod:`~dpmerge.policy_merge.apply` (the state machine),
 :mod:`~dpmerge.policy_merge.workspace` (where things live),
-:mod:`~dpmerge.policy_merge.candidates` (step 1), :mod:`~dpmerge.policy_merge.evaluation_data`
-(step 2), :mod:`~dpmerge.policy_merge.preparation` (steps 1–2 for one event, cache priming),
-:mod:`~dpmerge.policy_merge.calibration` (step 3), :mod:`~dpmerge.policy_merge.release`
-(steps 4–5), :mod:`~dpmerge.policy_merge.draws`, :mod:`~dpmerge.policy_merge.release_ledger`,
-:mod:`~dpmerge.policy_merge.events`,
-:mod:`~dpmerge.policy_merge.promotion` (steps 6–7, revocation, event order),
-:mod:`~dpmerge.policy_merge.outcome` (statuses and outcomes),
-:mod:`~dpmerge.policy_merge.dry_run` (what a policy would release, without side effects).
+:mod:`~dpmerge.policy_merge.candidates`, :mod:`~dpmerge.policy_merge.evaluation_data`,
+:mod:`~dpmerge.policy_merge.preparation`, :mod:`~dpmerge.policy_merge.calibration`,
+:mod:`~dpmerge.policy_merge.release`, :mod:`~dpmerge.policy_merge.draws`,
+:mod:`~dpmerge.policy_merge.ledger`, :mod:`~dpmerge.policy_merge.promotion`,
+:mod:`~dpmerge.policy_merge.outcome`, :mod:`~dpmerge.policy_merge.dry_run`,
+:mod:`~dpmerge.policy_merge.verify` (drift between MLflow and the release-state store).
 """
 
 from dpmerge.policy_merge.apply import LIBRARY_STEPS, PolicyResult, PolicySteps, apply_policy
@@ -58,11 +46,15 @@ from dpmerge.policy_merge.evaluation_data import (
     EvaluationData,
     load_evaluation_data,
 )
-from dpmerge.policy_merge.events import CLOCK_SKEW, EventTimeError, order_time, parse_time
-from dpmerge.policy_merge.outcome import (
-    PolicyOutcome,
-    Status,
+from dpmerge.policy_merge.ledger import (
+    LedgerIntegrityError,
+    LedgerSummary,
+    count_release,
+    ledger_entry,
+    ledger_summary,
+    rebuild_ledger,
 )
+from dpmerge.policy_merge.outcome import PolicyOutcome, Status
 from dpmerge.policy_merge.preparation import (
     Prepared,
     ReleasePlan,
@@ -72,24 +64,18 @@ from dpmerge.policy_merge.preparation import (
     start_export_warmup,
 )
 from dpmerge.policy_merge.promotion import (
-    PromotionResult,
+    Enforced,
+    Projection,
     Registered,
+    ServeResult,
+    enforce,
     find_release,
-    handle_infeasible,
-    promote_release,
+    project,
     read_card,
     register_release,
+    serve_release,
 )
 from dpmerge.policy_merge.release import MergeRequest, Release, merge_release, merge_request
-from dpmerge.policy_merge.release_ledger import (
-    LedgerEntry,
-    LedgerIntegrityError,
-    ledger_release,
-    ledger_summary,
-    read_ledger,
-    rebuild_ledger,
-    record_release,
-)
 from dpmerge.policy_merge.workspace import (
     Workspace,
     embedded_tracking_uri,
@@ -98,56 +84,54 @@ from dpmerge.policy_merge.workspace import (
 )
 
 __all__ = [
-    "CLOCK_SKEW",
     "DATA_ROOT_ENV",
     "LIBRARY_STEPS",
     "SPLIT_SEED",
     "VALIDATION_FRACTION",
     "CandidatePool",
     "DryRun",
+    "Enforced",
     "EvaluationData",
-    "EventTimeError",
     "Gate",
-    "LedgerEntry",
     "LedgerIntegrityError",
+    "LedgerSummary",
     "MergeRequest",
     "PolicyOutcome",
     "PolicyPlan",
     "PolicyResult",
     "PolicySteps",
     "Prepared",
-    "PromotionResult",
+    "Projection",
     "Registered",
     "Release",
     "ReleasePlan",
+    "ServeResult",
     "Status",
     "Verdict",
     "Workspace",
     "apply_policy",
     "calibrate_policy",
+    "count_release",
     "dry_run",
     "embedded_tracking_uri",
+    "enforce",
     "find_candidates",
     "find_release",
-    "handle_infeasible",
-    "ledger_release",
+    "ledger_entry",
     "ledger_summary",
     "load_candidates",
     "load_evaluation_data",
     "merge_release",
     "merge_request",
-    "order_time",
-    "parse_time",
     "plan_release",
     "prepare",
     "prime_caches",
-    "promote_release",
+    "project",
     "read_card",
-    "read_ledger",
     "rebuild_ledger",
-    "record_release",
     "register_release",
     "remove_tree",
     "resolve_home",
+    "serve_release",
     "start_export_warmup",
 ]

@@ -1,46 +1,65 @@
-"""The policy state machine: one policy event, from the registered candidates to the alias
-(docs/design.md#policies, docs/design.md#workflow).
+"""The policy state machine: one run of one stored policy version, from the registered
+candidates to the alias (docs/design.md#release-state, docs/design.md#workflow).
 
 ::
 
     prepare ──── another policy owns the alias, a record fails verification, a fixed-seed
        │         candidate: refused (an error; nothing changed)
-       │     ─── a later event already set the alias ──────────────────────▶ superseded
-    calibrate ── no merge meets the target: handle_infeasible ─────────────▶ infeasible
-       │                                     (alias revoked or kept; a later event: superseded)
-    plan_release ── a ready version of the same release exists: reuse it ──┐
-       │        ─── the ledger cap refuses it (nothing merged or drawn) ───┼──▶ not_promoted
-    merge (RS: the draw stored for the release) ─▶ register ───────────────┤
-                                                                           ▼
-    promote ── later event: superseded; ledger cap or a registry gate: not_promoted;
-               else promoted (alias moved) or unchanged (it already named this release)
+       │     ─── a later version of the policy exists or changed the alias ──▶ superseded
+    calibrate ── no merge meets the target ──────────────────────────────┐
+       │                                                                  │
+    plan_release ── a ready, signed version of the same release: reuse ─┐ │
+       │        ─── the ledger cap refuses it (nothing merged or drawn) ─┼─┤
+    merge (RS: the draw stored for the release) ─▶ count ─▶ register ───┤ │
+                                                   (cap: refused) ──────┼─┤
+                                                                        ▼ │
+    serve ── gates, then count-and-point in one conditional write ─────┐  │
+       │     (a later version: superseded; a gate, quarantine, cap) ───┼──┤
+       ▼                                                               │  ▼
+    project (MLflow alias := the serving pointer) ◀──── promoted /   enforce: the alias keeps a
+                                                        unchanged    release only if it meets
+                                                                     this version, else revoked
+                                                                     (or kept, flagged) → project
+
+Every step boundary is safe to crash at: a release is counted before anything of it is
+published (registration), the pointer and the ledger change in one write, the MLflow alias
+only follows the pointer, and an RS draw is stored before it is used. A rerun of the same
+version converges (tests/test_crash_recovery.py kills a real process at each boundary).
 
 The steps are injectable (:class:`PolicySteps`): by default the library functions; the
-``merge-on-policy`` flow passes Prefect tasks that wrap them (retries, logging), and tests can
-wrap them to observe or break one. Nothing here imports Prefect.
+``merge-on-policy`` flow passes Prefect tasks that wrap them (retries, logging), and tests wrap
+them to observe, break or kill one. Nothing here imports Prefect.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dpmerge.errors import InfeasibleTargetError
+from dpmerge.errors import InfeasibleTargetError, InputError, RefusalError
 from dpmerge.policies import Policy
-from dpmerge.policy_merge import calibration, preparation, promotion, release
+from dpmerge.policy_merge import calibration, ledger, preparation, promotion, release
 from dpmerge.policy_merge.calibration import PolicyPlan
 from dpmerge.policy_merge.candidates import CandidatePool
 from dpmerge.policy_merge.evaluation_data import EvaluationData
+from dpmerge.policy_merge.ledger import LedgerSummary, ledger_entry
 from dpmerge.policy_merge.outcome import PolicyOutcome, Status
 from dpmerge.policy_merge.preparation import Prepared, ReleasePlan, start_export_warmup
-from dpmerge.policy_merge.promotion import PromotionResult, Registered, superseded_reason
+from dpmerge.policy_merge.promotion import (
+    Enforced,
+    Projection,
+    Registered,
+    ServeResult,
+    superseded_reason,
+)
 from dpmerge.policy_merge.release import MergeRequest, Release, merge_request, spend_note
-from dpmerge.policy_merge.release_ledger import LedgerEntry, ledger_release
 from dpmerge.policy_merge.workspace import Workspace, remove_tree
 from dpmerge.registry import RegisteredCandidate
+from dpmerge.state import CountedRelease, SupersededError
+from dpmerge.state.policies import PolicyVersion
+from dpmerge.vocabulary import Method
 
 Candidates = Sequence[RegisteredCandidate]
 
@@ -49,25 +68,27 @@ Candidates = Sequence[RegisteredCandidate]
 class PolicySteps:
     """The steps :func:`apply_policy` calls, each with its library function's signature."""
 
-    prepare: Callable[[Workspace, Policy, datetime, Path], Prepared] = preparation.prepare
+    prepare: Callable[[Workspace, PolicyVersion, Path], Prepared] = preparation.prepare
     calibrate: Callable[[Policy, Candidates, EvaluationData], PolicyPlan] = (
         calibration.calibrate_policy
     )
-    handle_infeasible: Callable[
-        [Workspace, Policy, CandidatePool, InfeasibleTargetError, datetime], PolicyOutcome
-    ] = promotion.handle_infeasible
-    plan_release: Callable[[Workspace, MergeRequest, LedgerEntry, Policy], ReleasePlan] = (
+    plan_release: Callable[[Workspace, MergeRequest, CountedRelease, Policy], ReleasePlan] = (
         preparation.plan_release
     )
     merge: Callable[
         [Workspace, MergeRequest, Candidates, PolicyPlan, EvaluationData, Path], Release
     ] = release.merge_release
-    register: Callable[[Workspace, MergeRequest, Release, dict[str, Any] | None], Registered] = (
+    count: Callable[[Workspace, CountedRelease, float | None], LedgerSummary] = ledger.count_release
+    register: Callable[[Workspace, MergeRequest, Release, LedgerSummary], Registered] = (
         promotion.register_release
     )
-    promote: Callable[[Workspace, Policy, Registered, LedgerEntry, datetime], PromotionResult] = (
-        promotion.promote_release
-    )
+    serve: Callable[
+        [Workspace, PolicyVersion, Registered, CountedRelease, str | None], ServeResult
+    ] = promotion.serve_release
+    enforce: Callable[
+        [Workspace, PolicyVersion, CandidatePool, Sequence[str], str | None], Enforced
+    ] = promotion.enforce
+    project: Callable[[Workspace, CandidatePool, str], Projection] = promotion.project
     read_card: Callable[[Workspace, str, str], str] = promotion.read_card
 
 
@@ -76,92 +97,164 @@ LIBRARY_STEPS = PolicySteps()
 
 @dataclass(frozen=True)
 class PolicyResult:
-    """What applying a policy did, and the privacy card of its release ("" when no release
-    was reached: superseded before merging, or infeasible)."""
+    """What applying a policy version did, and the privacy card of its release ("" when no
+    release was reached: superseded before merging, or infeasible)."""
 
     outcome: PolicyOutcome
     card: str = ""
+    dataset: str | None = None  # the candidates' published dataset identifier
 
 
 def apply_policy(
-    policy: Policy,
+    version: PolicyVersion,
     workspace: Workspace,
-    occurred: datetime | None = None,
     *,
+    run: str | None = None,
     steps: PolicySteps = LIBRARY_STEPS,
 ) -> PolicyResult:
-    """Apply ``policy`` for an event ordered at ``occurred`` (the server's received time, see
-    :func:`~dpmerge.policy_merge.events.order_time`; default now; an older event never moves
-    the alias back) in a private scratch directory that is removed afterwards."""
-    when = occurred or datetime.now(UTC)
+    """Apply stored policy ``version`` (``run``: the flow run or process doing it, recorded on
+    the alias) in a private scratch directory that is removed afterwards."""
+    if workspace.workflow_key() is None:
+        raise InputError(
+            "applying a policy needs the workflow's key; operators change policies with "
+            "`dpmerge policy set`, and the workflow's runs apply them"
+        )
     workdir = workspace.scratch()
     try:
-        return _apply(policy, workspace, workdir, when, steps)
+        return _Run(version, workspace, workdir, run, steps).apply()
     finally:
         remove_tree(workdir)
 
 
-def _apply(
-    policy: Policy, workspace: Workspace, workdir: Path, when: datetime, steps: PolicySteps
-) -> PolicyResult:
-    # the first torch.export in a process costs seconds (the registry stores pt2 models):
-    # warm it up while the candidates and the split are fetched (I/O, no torch.export there),
-    # and finish before the CPU-bound calibration and the registration
-    warmup = start_export_warmup()
-    try:
-        prepared = steps.prepare(workspace, policy, when, workdir / "candidates")
-    finally:
-        warmup.join()
-    pool = prepared.pool
-    if prepared.superseded_by is not None or prepared.data is None:
-        reason = superseded_reason(str(prepared.superseded_by), str(policy.alias))
-        superseded = PolicyOutcome.of(
-            policy, Status.SUPERSEDED, merged_model=pool.merged_model, reasons=(reason,)
+@dataclass
+class _Run:
+    version: PolicyVersion
+    workspace: Workspace
+    workdir: Path
+    run: str | None
+    steps: PolicySteps
+
+    @property
+    def policy(self) -> Policy:
+        return self.version.policy
+
+    def outcome(self, status: Status, **fields: Any) -> PolicyOutcome:
+        return PolicyOutcome.of(self.version, status, **fields)
+
+    def apply(self) -> PolicyResult:
+        steps = self.steps
+        # the first torch.export in a process costs seconds (the registry stores pt2 models):
+        # warm it up while the candidates and the split are fetched, finish before the
+        # CPU-bound calibration and the registration
+        warmup = start_export_warmup()
+        try:
+            prepared = steps.prepare(self.workspace, self.version, self.workdir / "candidates")
+        finally:
+            warmup.join()
+        pool = prepared.pool
+        if prepared.superseded_by is not None or prepared.data is None:
+            reason = superseded_reason(prepared.superseded_by or 0, self.policy)
+            outcome = self.outcome(
+                Status.SUPERSEDED, merged_model=pool.merged_model, reasons=(reason,)
+            )
+            return PolicyResult(outcome, dataset=pool.dataset)
+        candidates, data = prepared.candidates, prepared.data
+        try:
+            plan = steps.calibrate(self.policy, candidates, data)
+        except InfeasibleTargetError as error:
+            low, high = error.reachable_epsilon_range
+            return self.unmet(
+                pool,
+                Status.INFEASIBLE,
+                (str(error),),
+                {"reachable_epsilon_range": (float(low), float(high))},
+            )
+        request = merge_request(self.policy, pool, candidates, plan)
+        entry = ledger_entry(request, candidates, plan, self.version)
+        report = plan.calibration.report
+        note = spend_note(plan.calibration, self.policy.target_epsilon)
+        facts: dict[str, Any] = dict(
+            merged_model=pool.merged_model,
+            method=plan.method,
+            weights=None if plan.method == Method.MIXTURE else tuple(report.weights),
+            rungs=tuple(
+                {k: r[k] for k in ("probability", "members", "weights")}
+                for r in report.to_dict().get("rungs") or ()
+            ),
+            epsilon=report.epsilon,
+            accountant=report.gating.accountant,
+            bound=report.gating.kind,
+            candidates=tuple(report.names),
+            reachable_epsilon_range=plan.calibration.reachable_epsilon_range,
+            compared=plan.compared,
+            notes=(*prepared.notes, *((note,) if note else ())),
         )
-        return PolicyResult(superseded)
-    candidates, data = prepared.candidates, prepared.data
-    try:
-        plan = steps.calibrate(policy, candidates, data)
-    except InfeasibleTargetError as error:
-        return PolicyResult(steps.handle_infeasible(workspace, policy, pool, error, when))
-    request = merge_request(policy, pool, candidates, plan)
-    entry = ledger_release(request, candidates, plan)
-    planned = steps.plan_release(workspace, request, entry, policy)
-    report = plan.calibration.report
-    note = spend_note(plan.calibration, policy.target_epsilon)
-    release_facts: dict[str, Any] = dict(
-        merged_model=pool.merged_model,
-        method=plan.method,
-        weights=tuple(report.weights),
-        epsilon=report.epsilon,
-        accountant=report.gating.accountant,
-        bound=report.gating.kind,
-        candidates=tuple(report.names),
-        reachable_epsilon_range=plan.calibration.reachable_epsilon_range,
-        compared=plan.compared,
-        notes=(note,) if note else (),
-    )
-    if planned.refused:  # a gate known before merging: nothing is merged, drawn or registered
-        refused = PolicyOutcome.of(
-            policy, Status.NOT_PROMOTED, reasons=planned.refused, **release_facts
+        planned = steps.plan_release(self.workspace, request, entry, self.policy)
+        if planned.refused:  # known before merging: nothing is merged, drawn or registered
+            return self.unmet(pool, Status.NOT_PROMOTED, planned.refused, facts)
+        registered, metrics = planned.existing, {}
+        if registered is None:
+            merged = steps.merge(self.workspace, request, candidates, plan, data, self.workdir)
+            merged = replace(merged, internal_notes=prepared.notes)  # δ on the internal card
+            metrics = merged.metrics
+            try:
+                counted = steps.count(self.workspace, entry, self.policy.cumulative_epsilon_cap)
+            except RefusalError as refusal:  # a concurrent release took the room: unpublished
+                return self.unmet(pool, Status.NOT_PROMOTED, (str(refusal),), facts)
+            registered = steps.register(self.workspace, request, merged, counted)
+        facts |= dict(
+            merged_model=registered.name,
+            version=registered.version,
+            reused=registered.reused,
+            test_accuracy=registered.accuracy,
+            validation_accuracy=metrics.get("validation_accuracy"),
         )
-        return PolicyResult(refused)
-    registered, metrics = planned.existing, {}
-    if registered is None:
-        merged = steps.merge(workspace, request, candidates, plan, data, workdir)
-        metrics = merged.metrics
-        registered = steps.register(workspace, request, merged, planned.ledger)
-    promoted = steps.promote(workspace, policy, registered, entry, when)
-    outcome = PolicyOutcome.of(
-        policy,
-        promoted.status,
-        **{**release_facts, "merged_model": registered.name},
-        version=registered.version,
-        previous_version=promoted.previous,
-        reused=registered.reused,
-        test_accuracy=registered.accuracy,
-        validation_accuracy=metrics.get("validation_accuracy"),
-        cumulative_epsilon=promoted.cumulative_epsilon,
-        reasons=promoted.reasons,
-    )
-    return PolicyResult(outcome, steps.read_card(workspace, registered.name, registered.version))
+        served = steps.serve(self.workspace, self.version, registered, entry, self.run)
+        card = steps.read_card(self.workspace, registered.name, registered.version)
+        if served.status == Status.SUPERSEDED:
+            outcome = self.outcome(Status.SUPERSEDED, reasons=served.reasons, **facts)
+            return PolicyResult(outcome, dataset=pool.dataset)
+        if served.status == Status.NOT_PROMOTED:
+            return self.unmet(pool, Status.NOT_PROMOTED, served.reasons, facts, card)
+        projection = steps.project(self.workspace, pool, str(self.policy.alias))
+        outcome = self.outcome(
+            served.status,
+            serving="serving",
+            serving_version=projection.after,
+            previous_version=served.previous,
+            cumulative_epsilon=served.cumulative_epsilon,
+            **facts,
+        )
+        return PolicyResult(outcome, card, pool.dataset)
+
+    def unmet(
+        self,
+        pool: CandidatePool,
+        status: Status,
+        reasons: Sequence[str],
+        facts: dict[str, Any],
+        card: str = "",
+    ) -> PolicyResult:
+        """The run could not serve a compliant new release: keep the serving invariant
+        (:func:`~dpmerge.policy_merge.promotion.enforce`) and say what the alias serves now."""
+        facts = {"merged_model": pool.merged_model, **facts}
+        try:
+            enforced = self.steps.enforce(self.workspace, self.version, pool, reasons, self.run)
+        except SupersededError as later:
+            outcome = self.outcome(
+                Status.SUPERSEDED,
+                reasons=(*reasons, superseded_reason(later.later, self.policy)),
+                **facts,
+            )
+            return PolicyResult(outcome, card, pool.dataset)
+        projection = self.steps.project(self.workspace, pool, str(self.policy.alias))
+        alias = enforced.alias
+        outcome = self.outcome(
+            status,
+            serving=alias.state.value if alias else None,
+            serving_version=projection.after,
+            revoked_version=projection.before if projection.after is None else None,
+            reasons=(*reasons, enforced.action),
+            **facts,
+        )
+        return PolicyResult(outcome, card, pool.dataset)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dpmerge.errors import RefusalError
+from dpmerge.errors import InputError, RefusalError
 from dpmerge.locate import command
 from dpmerge.publication import FINGERPRINT_MARK, dataset_id, fixed_seed_streams
 from dpmerge.registry import (
@@ -26,9 +26,16 @@ from dpmerge.registry import (
     candidate_content_hash,
 )
 from dpmerge.registry.names import CANDIDATES_SUFFIX, RELEASES_SUFFIX
+from dpmerge.state import StateStore
+from dpmerge.state.quarantine import quarantined
 
 TRAIN_DEPLOYMENT = "train-candidates/train-candidates"
 """The deployment that trains candidates on a server (deployments/prefect.yaml)."""
+
+
+class NoCandidatesError(RegistryError, InputError):
+    """A policy's dataset and model name no usable candidates: none are ready, several
+    trainings match and the policy does not say which, or every one is quarantined."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +62,15 @@ def releases_model_name(candidates_model: str) -> str:
     return f"{stem}-{RELEASES_SUFFIX}"
 
 
-def find_candidates(registry: Registry, dataset: str, model: str) -> CandidatePool:
+def find_candidates(
+    registry: Registry, dataset: str, model: str, state: StateStore | None = None
+) -> CandidatePool:
     """The ready candidates of ``model`` trained on ``dataset``: a dataset name such as
     ``fashion-mnist``, or to pick one among several trainings its published identifier
     ``fashion-mnist-hmac:…`` (or its fingerprint ``…-sha256:…``, turned into the identifier with
-    the workflow's key). Raises :class:`RegistryError` when there are none or the name is
-    ambiguous."""
+    the workflow's key). Versions quarantined in the release-state ``state`` are left out,
+    whatever their MLflow tags say. Raises :class:`RegistryError` when there are none or the
+    name is ambiguous (:class:`NoCandidatesError`)."""
     if FINGERPRINT_MARK in dataset:
         dataset = dataset_id(dataset, registry.keys)
     groups: dict[tuple[str, str], list[str]] = {}
@@ -68,18 +78,26 @@ def find_candidates(registry: Registry, dataset: str, model: str) -> CandidatePo
         if _dataset_matches(dataset, v.tags.get("dp.dataset", "")):
             groups.setdefault((v.name, v.tags["dp.dataset"]), []).append(v.version)
     if not groups:
-        raise RegistryError(
+        raise NoCandidatesError(
             f"no ready candidates of model {model!r} on dataset {dataset!r} at "
             f"{registry.tracking_uri}; train some first: `{command('demo')}` (embedded) or "
             f"`{command('deployment', 'run', TRAIN_DEPLOYMENT, '--watch', tool='prefect')}`"
         )
     if len(groups) > 1:
         listed = ", ".join(f"{fp} ({name})" for name, fp in sorted(groups))
-        raise RegistryError(
+        raise NoCandidatesError(
             f"candidates of {model!r} on {dataset!r} come from several trainings: {listed}; "
             "put one of these identifiers in the policy's dataset to choose"
         )
     (name, identifier), versions = next(iter(groups.items()))
+    if state is not None:
+        out = quarantined(state, name)
+        versions = [v for v in versions if v not in out]
+        if not versions:
+            raise NoCandidatesError(
+                f"every ready candidate of {name} is quarantined ({', '.join(sorted(out))}); "
+                "train new candidates"
+            )
     return CandidatePool(
         registered_model=name,
         merged_model=releases_model_name(name),
@@ -129,8 +147,7 @@ def load_candidates(
         if path is None:
             missing.append(version)
             continue
-        model_dir = registry.verify_candidate(stored, path)
-        found[version] = RegisteredCandidate(pool.registered_model, version, model_dir)
+        found[version] = registry.verify_candidate(stored, path)
     if missing:
         for item in registry.load_candidates(pool.registered_model, missing, dest=dest):
             found[item.version] = item

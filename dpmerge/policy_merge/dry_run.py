@@ -3,10 +3,11 @@
 :func:`dry_run` runs the read-only part of the state machine — find and load the candidates
 and the evaluation split, calibrate, look for an existing release of the same request, read
 the ledger — and evaluates the merge it would release: an LC merge is computed in memory and
-evaluated exactly; for RS nothing is drawn (a draw is a release step that costs privacy and
-must stay secret), and the accuracy reported is the expectation over the draw. It writes no
-version, alias, ledger entry or audit record; only this host's caches (candidate files,
-evaluation splits, PLDs) may be filled, as any run would.
+evaluated exactly; for RS and the mixture nothing is drawn (a draw is a release step that
+costs privacy and must stay secret): every component the draw could release (an RS candidate,
+a mixture's merge) is evaluated and the accuracy reported is the expectation over the draw. It
+writes no version, alias, ledger entry or audit record; only this host's caches (candidate
+files, evaluation splits, PLDs) may be filled, as any run would.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from dpmerge.accounting.delta import delta_check_for
 from dpmerge.artifacts import WEIGHTS_FILE
 from dpmerge.errors import InfeasibleTargetError
 from dpmerge.evaluation import expected_accuracy
@@ -29,12 +31,15 @@ from dpmerge.policy_merge.candidates import (
     refuse_fixed_seeds,
 )
 from dpmerge.policy_merge.evaluation_data import EvaluationData, load_evaluation_data
-from dpmerge.policy_merge.promotion import find_release
+from dpmerge.policy_merge.ledger import ledger_entry, ledger_summary
+from dpmerge.policy_merge.promotion import find_release, unmet
 from dpmerge.policy_merge.release import evaluation_metrics, merge_request
-from dpmerge.policy_merge.release_ledger import LedgerEntry, ledger_release, ledger_summary
 from dpmerge.policy_merge.workspace import Workspace, remove_tree
 from dpmerge.registry import RegisteredCandidate
-from dpmerge.vocabulary import Method
+from dpmerge.state import CountedRelease
+from dpmerge.state.policies import PolicyVersion
+from dpmerge.state.serving import read_state
+from dpmerge.vocabulary import Method, OnNoncompliant
 
 
 class Verdict(StrEnum):
@@ -56,6 +61,26 @@ class Gate:
 
 
 @dataclass(frozen=True)
+class Component:
+    """One release a draw may make: its probability and LC weights over every candidate (RS:
+    one candidate at weight 1; LC: the one merge, probability 1; the mixture: a merge)."""
+
+    probability: float
+    weights: tuple[float, ...]
+
+
+def components(report: dict[str, Any]) -> list[Component]:
+    """The releases ``report`` (a privacy report dict) draws among."""
+    if report["method"] == Method.MIXTURE:
+        return [Component(float(r["probability"]), tuple(r["weights"])) for r in report["rungs"]]
+    weights = tuple(float(w) for w in report["weights"])
+    if report["method"] == Method.LC:
+        return [Component(1.0, weights)]
+    one_hot = [tuple(float(i == j) for j in range(len(weights))) for i in range(len(weights))]
+    return [Component(w, one_hot[i]) for i, w in enumerate(weights) if w > 0]
+
+
+@dataclass(frozen=True)
 class DryRun:
     """The release a policy would get (see the module docstring). JSON-safe; no RS draw."""
 
@@ -69,7 +94,8 @@ class DryRun:
     method: str | None = None
     candidates: tuple[str, ...] = ()
     parents: tuple[str, ...] = ()
-    weights: tuple[float, ...] | None = None
+    weights: tuple[float, ...] | None = None  # RS: π; LC: λ; the mixture: see rungs
+    rungs: tuple[dict[str, Any], ...] = ()  # the mixture's merges: probability, weights, ε
     epsilon: float | None = None
     accountant: str | None = None
     bound: str | None = None
@@ -77,12 +103,13 @@ class DryRun:
     structured_epsilon: float | None = None
     validation_accuracy: float | None = None
     test_accuracy: float | None = None
-    accuracy_is_expected: bool = False  # RS: the expectation over the draw
+    accuracy_is_expected: bool = False  # RS, the mixture: the expectation over the draw
     existing_version: str | None = None
     gates: tuple[Gate, ...] = ()
     reachable_epsilon_range: tuple[float, float] | None = None
     reasons: tuple[str, ...] = ()
     compared: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # δ against the dataset size (a warning, or why unchecked)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -90,19 +117,26 @@ class DryRun:
         data["dry_run"] = True
         return data
 
+    def _shares(self, weights: Any) -> str:
+        return ", ".join(
+            f"{name} v{version} {weight:.4f}"
+            for name, version, weight in zip(self.candidates, self.parents, weights, strict=False)
+            if weight > 0
+        )
+
     def summary(self) -> str:
         """One line for people."""
         head = f"policy {self.policy} (dry run): {self.verdict.value.replace('_', ' ')}"
         if self.verdict == Verdict.INFEASIBLE:
-            return f"{head} — {'; '.join(self.reasons)}"
+            return f"{head} — {'; '.join((*self.reasons, *self.notes))}"
         expected = "expected " if self.accuracy_is_expected else ""
-        shown = ", ".join(
-            f"{name} v{version} {weight:.4f}"
-            for name, version, weight in zip(
-                self.candidates, self.parents, self.weights or (), strict=False
+        shown = self._shares(self.weights or ())
+        if self.rungs:
+            shown = "; ".join(
+                f"merge {j + 1} with probability {r['probability']:.4f} "
+                f"({self._shares(r['weights'])})"
+                for j, r in enumerate(self.rungs)
             )
-            if weight > 0
-        )
         line = (
             f"{head} — {str(self.method).upper()} of {shown}: "
             f"{within_text(self.epsilon, self.target_epsilon)} "
@@ -119,15 +153,18 @@ class DryRun:
         if self.existing_version:
             line += f"; reuses {self.merged_model} v{self.existing_version}"
         failing = [g.detail for g in self.gates if g.passes is not True]
-        return line + (f"; gates: {'; '.join(failing)}" if failing else "; every gate passes")
+        line += f"; gates: {'; '.join(failing)}" if failing else "; every gate passes"
+        return "; ".join((line, *self.notes))
 
 
-def dry_run(policy: Policy, workspace: Workspace) -> DryRun:
-    """What :func:`~dpmerge.policy_merge.apply_policy` would release for ``policy`` now."""
+def dry_run(version: PolicyVersion, workspace: Workspace) -> DryRun:
+    """What :func:`~dpmerge.policy_merge.apply_policy` would release for policy ``version``
+    (a version not stored yet: what storing it would do) now."""
+    policy = version.policy
     registry = workspace.registry()
-    pool = find_candidates(registry, policy.dataset, policy.model)
-    exists = registry.model_exists(pool.merged_model)
-    alias_now = registry.aliases(pool.merged_model).get(str(policy.alias)) if exists else None
+    pool = find_candidates(registry, policy.dataset, policy.model, workspace.state())
+    alias = read_state(workspace.state(), pool.dataset).alias(pool.merged_model, str(policy.alias))
+    alias_now = alias.serving if alias else None
     base = dict(
         policy=policy.name,
         alias=str(policy.alias),
@@ -142,19 +179,17 @@ def dry_run(policy: Policy, workspace: Workspace) -> DryRun:
             registry, pool, scratch, cache_dir=workspace.cache_dir / "candidates"
         )
         refuse_fixed_seeds(candidates)  # what a real run refuses, the dry run refuses too
-        first = candidates[0].model_dir.record
+        records = [c.model_dir.record for c in candidates]
+        delta_check = delta_check_for(records, policy.target_delta)  # δ ≥ 1/n: refused
+        base["notes"] = tuple(n for n in (delta_check.warning, delta_check.note) if n)
+        first = records[0]
         data = load_evaluation_data(  # by the internal fingerprint, as a real run does
             first.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
         )
         try:
             plan = calibrate_policy(policy, candidates, data)
         except InfeasibleTargetError as error:
-            action = (
-                f"alias {policy.alias!r} would be removed (now v{alias_now})"
-                if alias_now and policy.on_infeasible == "revoke"
-                else f"alias {policy.alias!r} would stay"
-                + (f" on v{alias_now}" if alias_now else " unset")
-            )
+            action = _unmet_action(policy, alias)
             low, high = error.reachable_epsilon_range
             return DryRun(
                 verdict=Verdict.INFEASIBLE,
@@ -162,13 +197,26 @@ def dry_run(policy: Policy, workspace: Workspace) -> DryRun:
                 reasons=(str(error), action),
                 **base,
             )
-        return _planned(policy, workspace, pool, candidates, data, plan, base)
+        return _planned(version, workspace, pool, candidates, data, plan, base)
     finally:
         remove_tree(scratch)
 
 
+def _unmet_action(policy: Policy, alias: Any) -> str:
+    """What a run that serves nothing new would do to the alias (the serving invariant)."""
+    serving = alias.serving if alias else None
+    if serving is None:
+        return f"alias {policy.alias!r} would serve nothing"
+    failing = unmet(alias.guarantee, policy)
+    if not failing:
+        return f"alias {policy.alias!r} would keep v{serving}, which meets the policy"
+    if policy.on_noncompliant == OnNoncompliant.KEEP:
+        return f"alias {policy.alias!r} would KEEP v{serving}, flagged non-compliant"
+    return f"alias {policy.alias!r} would be revoked (v{serving}: {'; '.join(failing)})"
+
+
 def _planned(
-    policy: Policy,
+    version: PolicyVersion,
     workspace: Workspace,
     pool: CandidatePool,
     candidates: list[RegisteredCandidate],
@@ -176,16 +224,23 @@ def _planned(
     plan: PolicyPlan,
     base: dict[str, Any],
 ) -> DryRun:
+    policy = version.policy
     calibration, report = plan.calibration, plan.calibration.report
-    weights = tuple(float(w) for w in calibration.weights or ())
-    validation, test = _accuracies(candidates, weights, plan.method, data)
+    report_dict = report.to_dict()
+    drawn = components(report_dict)
+    scores = [_scores(candidates, c.weights, data) for c in drawn]
+    validation, test = (
+        expected_accuracy([s[f"{split}_accuracy"] for s in scores], [c.probability for c in drawn])
+        for split in ("validation", "test")
+    )
     request = merge_request(policy, pool, candidates, plan)
-    existing = find_release(workspace.registry(), request)
+    existing = find_release(workspace, request)
+    entry = ledger_entry(request, candidates, plan, version)
     gates = [
         Gate("epsilon", report.epsilon <= policy.target_epsilon, "ε within the target"),
         Gate("delta", report.delta <= policy.target_delta, "δ within the target"),
-        _accuracy_gate(policy, candidates, weights, plan.method, data, test),
-        _ledger_gate(policy, workspace, ledger_release(request, candidates, plan)),
+        _accuracy_gate(policy, drawn, [s["test_accuracy"] for s in scores]),
+        _ledger_gate(policy, workspace, entry),
     ]
     if any(g.passes is False for g in gates):
         verdict = Verdict.WOULD_NOT_PROMOTE
@@ -198,7 +253,11 @@ def _planned(
         method=plan.method,
         candidates=tuple(report.names),
         parents=request.parents,
-        weights=weights,
+        weights=None if plan.method == Method.MIXTURE else tuple(report.weights),
+        rungs=tuple(
+            {k: r[k] for k in ("probability", "weights", "members", "epsilon")}
+            for r in report_dict.get("rungs") or ()
+        ),
         epsilon=report.epsilon,
         accountant=report.gating.accountant,
         bound=report.gating.kind,
@@ -208,7 +267,7 @@ def _planned(
         else None,
         validation_accuracy=validation,
         test_accuracy=test,
-        accuracy_is_expected=plan.method == Method.RS,
+        accuracy_is_expected=len(drawn) > 1,
         existing_version=existing.version if existing else None,
         gates=tuple(gates),
         reachable_epsilon_range=calibration.reachable_epsilon_range,
@@ -217,52 +276,28 @@ def _planned(
     )
 
 
-def _scores(candidate: RegisteredCandidate, data: EvaluationData) -> dict[str, Any]:
-    return evaluation_metrics(data)(candidate.model_dir.spec, candidate.model_dir.weights)
+def _scores(
+    candidates: list[RegisteredCandidate], weights: tuple[float, ...], data: EvaluationData
+) -> dict[str, Any]:
+    """The metrics of the LC merge of ``candidates`` at ``weights`` (merged in memory)."""
+    files = [c.model_dir.path / WEIGHTS_FILE for c in candidates]
+    merged = linear_combination(files, weights)
+    return evaluation_metrics(data, validation=True)(candidates[0].model_dir.spec, merged)
 
 
-def _accuracies(
-    candidates: list[RegisteredCandidate],
-    weights: tuple[float, ...],
-    method: str,
-    data: EvaluationData,
-) -> tuple[float, float]:
-    """Validation and test accuracy of the release: LC exactly (merged in memory), RS as the
-    expectation over the draw."""
-    if method == Method.RS:
-        used = [(w, _scores(c, data)) for w, c in zip(weights, candidates, strict=True) if w > 0]
-        probabilities = [w for w, _ in used]
-        return tuple(  # type: ignore[return-value]
-            expected_accuracy([s[f"{split}_accuracy"] for _, s in used], probabilities)
-            for split in ("validation", "test")
-        )
-    spec = candidates[0].model_dir.spec
-    state = linear_combination([c.model_dir.path / WEIGHTS_FILE for c in candidates], weights)
-    scores = evaluation_metrics(data)(spec, state)
-    return scores["validation_accuracy"], scores["test_accuracy"]
-
-
-def _accuracy_gate(
-    policy: Policy,
-    candidates: list[RegisteredCandidate],
-    weights: tuple[float, ...],
-    method: str,
-    data: EvaluationData,
-    test: float,
-) -> Gate:
+def _accuracy_gate(policy: Policy, drawn: list[Component], tests: list[float]) -> Gate:
+    """The accuracy minimum over the release's components: passes, fails, or (a draw between
+    components on both sides) fails with the probability shown."""
     floor = policy.min_accuracy
-    if method != Method.RS:
-        passes = test >= floor
-        return Gate("accuracy", passes, f"test accuracy {number_text(test)} vs minimum {floor:g}")
-    below = sum(
-        w
-        for w, c in zip(weights, candidates, strict=True)
-        if w > 0 and _scores(c, data)["test_accuracy"] < floor
-    )
+    if len(drawn) == 1:
+        passes = tests[0] >= floor
+        detail = f"test accuracy {number_text(tests[0])} vs minimum {floor:g}"
+        return Gate("accuracy", passes, detail)
+    below = sum(c.probability for c, t in zip(drawn, tests, strict=True) if t < floor)
     if below == 0:
-        return Gate("accuracy", True, f"every candidate RS may draw meets {floor:g}")
+        return Gate("accuracy", True, f"every release the draw may make meets {floor:g}")
     if below >= 1 - 1e-12:
-        return Gate("accuracy", False, f"no candidate RS may draw meets {floor:g}")
+        return Gate("accuracy", False, f"no release the draw may make meets {floor:g}")
     return Gate(
         "accuracy",
         None,
@@ -270,13 +305,13 @@ def _accuracy_gate(
     )
 
 
-def _ledger_gate(policy: Policy, workspace: Workspace, entry: LedgerEntry) -> Gate:
+def _ledger_gate(policy: Policy, workspace: Workspace, entry: CountedRelease) -> Gate:
     """The ledger's cap, read only (checked as a promotion checks it; nothing is written)."""
     cap = policy.cumulative_epsilon_cap
-    summary, refusal = ledger_summary(workspace, entry, policy.target_delta, cap)
-    if refusal is not None:
-        return Gate("ledger", False, refusal)
-    shown = f"cumulative ε = {epsilon_text(summary['epsilon'])}" + (
+    summary = ledger_summary(workspace, entry, cap)
+    if summary.refusal is not None:
+        return Gate("ledger", False, summary.refusal)
+    shown = f"cumulative ε = {epsilon_text(summary.epsilon)}" + (
         f" ≤ cap {cap:g}" if cap is not None else " (no cap)"
     )
     return Gate("ledger", True, shown)

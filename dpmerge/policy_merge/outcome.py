@@ -8,7 +8,11 @@ from enum import StrEnum
 from typing import Any
 
 from dpmerge.formatting import number_text, within_text
-from dpmerge.policies import Policy
+from dpmerge.state.policies import PolicyVersion
+from dpmerge.vocabulary import ServingState
+
+SEQUENCES = ("weights", "rungs", "candidates", "reachable_epsilon_range", "reasons")
+"""The outcome's tuple fields (lists in JSON)."""
 
 
 class Status(StrEnum):
@@ -16,9 +20,9 @@ class Status(StrEnum):
 
     PROMOTED = "promoted"  # a release passed the gates; the alias moved to it
     UNCHANGED = "unchanged"  # the alias already named this release
-    NOT_PROMOTED = "not_promoted"  # registered, a gate failed; the alias stayed
-    INFEASIBLE = "infeasible"  # no merge meets the target; the alias revoked or kept
-    SUPERSEDED = "superseded"  # a later policy event already set the alias; nothing touched
+    NOT_PROMOTED = "not_promoted"  # a gate (or the cap) refused the release
+    INFEASIBLE = "infeasible"  # no merge meets the target
+    SUPERSEDED = "superseded"  # a later version of the policy exists; nothing touched
 
 
 @dataclass(frozen=True)
@@ -30,12 +34,16 @@ class PolicyOutcome:
     alias: str
     target_epsilon: float
     target_delta: float
+    policy_version: int | None = None
+    serving: str | None = None  # the alias's ServingState after the run
+    serving_version: str | None = None  # the version the alias names after the run
     merged_model: str | None = None
     version: str | None = None
     previous_version: str | None = None
     reused: bool = False
     method: str | None = None
-    weights: tuple[float, ...] | None = None
+    weights: tuple[float, ...] | None = None  # RS: π; LC: λ; the mixture: see rungs
+    rungs: tuple[dict[str, Any], ...] = ()  # the mixture's merges: probability, members, λ
     epsilon: float | None = None
     accountant: str | None = None
     bound: str | None = None
@@ -50,29 +58,38 @@ class PolicyOutcome:
     compared: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, policy: Policy, status: Status, **fields: Any) -> PolicyOutcome:
-        """``policy``'s outcome (its name, alias and targets) with ``status`` and ``fields``."""
+    def of(cls, stored: PolicyVersion, status: Status, **fields: Any) -> PolicyOutcome:
+        """The outcome of ``stored`` policy version (its name, alias, targets) with ``status``."""
+        policy = stored.policy
         return cls(
             policy=policy.name,
             status=status,
             alias=str(policy.alias),
             target_epsilon=policy.target_epsilon,
             target_delta=policy.target_delta,
+            policy_version=stored.version,
             **fields,
         )
+
+    @property
+    def compliant(self) -> bool:
+        """Whether the alias serves a release that meets this policy version after the run
+        (superseded runs leave that to the later version)."""
+        return self.status == Status.SUPERSEDED or self.serving == ServingState.SERVING
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PolicyOutcome:
         """The inverse of :meth:`to_dict` (e.g. read back from a run's artifact)."""
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        for key in ("weights", "candidates", "reachable_epsilon_range", "reasons"):
+        for key in SEQUENCES:
             if fields.get(key) is not None:
                 fields[key] = tuple(fields[key])
         return cls(**{**fields, "status": Status(fields["status"])})
 
     def summary(self) -> str:
         """One line for people: the status, the release and its ε (rounded up), the alias."""
-        head = f"policy {self.policy}: {self.status.value.replace('_', ' ')}"
+        number = f" v{self.policy_version}" if self.policy_version else ""
+        head = f"policy {self.policy}{number}: {self.status.value.replace('_', ' ')}"
         release = ""
         if self.version:
             release = (
@@ -87,7 +104,6 @@ class PolicyOutcome:
             Status.PROMOTED: f"alias {alias} → v{self.version}"
             + (f" (was v{self.previous_version})" if self.previous_version else ""),
             Status.UNCHANGED: f"alias {alias} already names v{self.version}",
-            Status.NOT_PROMOTED: f"alias {alias} left as it was",
         }
         parts = [*self.reasons, *([tails[self.status]] if self.status in tails else [])]
         if not parts:
@@ -97,7 +113,7 @@ class PolicyOutcome:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["status"] = self.status.value
-        for key in ("weights", "candidates", "reachable_epsilon_range", "reasons", "notes"):
+        for key in (*SEQUENCES, "notes"):
             if data[key] is not None:
                 data[key] = list(data[key])
         return data

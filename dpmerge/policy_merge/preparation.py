@@ -9,12 +9,12 @@ from __future__ import annotations
 import threading
 from contextlib import suppress
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from dpmerge.accounting.delta import delta_check_for
+from dpmerge.errors import UnsupportedError
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.candidates import (
     CandidatePool,
@@ -23,16 +23,15 @@ from dpmerge.policy_merge.candidates import (
     refuse_fixed_seeds,
 )
 from dpmerge.policy_merge.evaluation_data import EvaluationData, load_evaluation_data
-from dpmerge.policy_merge.promotion import (
-    Registered,
-    check_alias_owner,
-    find_release,
-    superseded_by,
-)
+from dpmerge.policy_merge.ledger import LedgerSummary, ledger_summary
+from dpmerge.policy_merge.promotion import Registered, find_release
 from dpmerge.policy_merge.release import MergeRequest
-from dpmerge.policy_merge.release_ledger import LedgerEntry, ledger_summary
 from dpmerge.policy_merge.workspace import Workspace, remove_tree
 from dpmerge.registry import RegisteredCandidate
+from dpmerge.state import AliasOwnershipError, CountedRelease
+from dpmerge.state import policies as stored_policies
+from dpmerge.state.policies import PolicyVersion
+from dpmerge.state.serving import read_state
 
 
 def start_export_warmup() -> threading.Thread:
@@ -60,7 +59,7 @@ def prime_caches(workspace: Workspace, dataset: str, model: str) -> CandidatePoo
 
     workspace.use_caches()
     registry = workspace.registry()
-    pool = find_candidates(registry, dataset, model)
+    pool = find_candidates(registry, dataset, model, workspace.state())
     scratch = workspace.scratch()
     try:
         candidates = load_candidates(
@@ -74,7 +73,7 @@ def prime_caches(workspace: Workspace, dataset: str, model: str) -> CandidatePoo
         )
         for record in records:
             for discretisation in (pld_mod.FINE_DISCRETISATION, pld_mod.COARSE_DISCRETISATION):
-                with suppress(ValueError):  # an RDP-only label has no PLD
+                with suppress(UnsupportedError):  # an RDP-only label has no PLD
                     pld_mod.candidate_pld(record, discretisation)
     finally:
         remove_tree(scratch)
@@ -83,56 +82,88 @@ def prime_caches(workspace: Workspace, dataset: str, model: str) -> CandidatePoo
 
 @dataclass(frozen=True)
 class Prepared:
-    """What a policy merge works on: the pool, and unless a later event already set the
-    alias (``superseded_by``), the loaded candidates and the evaluation split."""
+    """What a policy merge works on: the pool, and unless a later version of the policy
+    already exists or changed the alias (``superseded_by``: that version), the loaded
+    candidates and the evaluation split."""
 
     pool: CandidatePool
-    superseded_by: str | None = None
+    superseded_by: int | None = None
     candidates: tuple[RegisteredCandidate, ...] = ()
     data: EvaluationData | None = None
+    notes: tuple[str, ...] = ()  # for the card: δ against the number of training rows
 
 
-def prepare(workspace: Workspace, policy: Policy, occurred: datetime, dest: str | Path) -> Prepared:
-    """Steps 1–2 for ``policy``: find the candidates; refuse an alias another policy owns
-    (:class:`~dpmerge.registry.AliasOwnershipError`); stop if a later event already set the
-    alias; else load the candidates (cached by content hash, each verified against its
-    signature), refuse fixed-seed candidates, and load the evaluation split (found by the
-    candidates' internal fingerprint)."""
+def later_version(workspace: Workspace, version: PolicyVersion, pool: CandidatePool) -> int | None:
+    """A later version of the policy than ``version`` — stored, or already recorded on the
+    alias — else ``None``: a run for an older version changes nothing."""
+    newest = stored_policies.latest(workspace.state(), version.name)
+    later = newest.version if newest is not None and newest.version > version.version else None
+    alias = read_state(workspace.state(), pool.dataset).alias(
+        pool.merged_model, str(version.policy.alias)
+    )
+    if alias is not None and alias.policy_version > version.version:
+        later = max(later or 0, alias.policy_version)
+    return later
+
+
+def check_owner(workspace: Workspace, pool: CandidatePool, policy: Policy) -> None:
+    """Refuse (:class:`~dpmerge.state.AliasOwnershipError`) a policy that names an alias
+    another policy owns, before anything is loaded or changed."""
+    alias = read_state(workspace.state(), pool.dataset).alias(pool.merged_model, str(policy.alias))
+    if alias is not None and alias.owner != policy.name:
+        raise AliasOwnershipError(
+            f"alias {policy.alias!r} of {pool.merged_model} belongs to policy {alias.owner!r}; "
+            f"policy {policy.name!r} may not change it (give the policy its own alias, e.g. "
+            f"'policy-{policy.name}')"
+        )
+
+
+def prepare(workspace: Workspace, version: PolicyVersion, dest: str | Path) -> Prepared:
+    """Steps 1–2 for ``version`` of a policy: find the candidates (quarantined ones left
+    out); refuse an alias another policy owns; stop if a later version of the policy exists or
+    already changed the alias; else load the candidates (cached by content hash, each verified
+    against its signature), refuse fixed-seed candidates, and load the evaluation split (found
+    by the candidates' internal fingerprint)."""
+    policy = version.policy
     registry = workspace.registry()
-    pool = find_candidates(registry, policy.dataset, policy.model)
-    check_alias_owner(registry, pool.merged_model, policy)
-    later = superseded_by(registry, pool.merged_model, str(policy.alias), occurred)
+    pool = find_candidates(registry, policy.dataset, policy.model, workspace.state())
+    check_owner(workspace, pool, policy)
+    later = later_version(workspace, version, pool)
     if later is not None:
         return Prepared(pool, superseded_by=later)
     candidates = load_candidates(registry, pool, dest, cache_dir=workspace.cache_dir / "candidates")
     refuse_fixed_seeds(candidates)
-    first = candidates[0].model_dir.record
+    records = [c.model_dir.record for c in candidates]
+    delta = delta_check_for(records, policy.target_delta)  # δ ≥ 1/n: refused (DeltaError)
+    first = records[0]
     data = load_evaluation_data(
         first.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
     )
-    return Prepared(pool, None, tuple(candidates), data)
+    notes = tuple(n for n in (delta.warning, delta.note) if n)
+    return Prepared(pool, None, tuple(candidates), data, notes)
 
 
 @dataclass(frozen=True)
 class ReleasePlan:
-    """Either the ready version of this release registered before (``existing``: reused,
-    nothing is merged), or the cumulative ledger bound the new release's card will show, or
-    why the ledger cap refuses the new release (``refused``: nothing is merged or drawn)."""
+    """Either the ready, signed version of this release registered before (``existing``:
+    reused, nothing is merged), or the cumulative ledger bound the new release's card will
+    show, or why the ledger cap refuses the new release (``refused``: nothing is merged or
+    drawn)."""
 
     existing: Registered | None = None
-    ledger: dict[str, Any] | None = None
+    ledger: LedgerSummary | None = None
     refused: tuple[str, ...] = ()
 
 
 def plan_release(
-    workspace: Workspace, request: MergeRequest, entry: LedgerEntry, policy: Policy
+    workspace: Workspace, request: MergeRequest, entry: CountedRelease, policy: Policy
 ) -> ReleasePlan:
-    """The ready version of this release if one exists (then nothing is merged; its gates are
-    checked at promotion), else the ledger bound for the new release's card, checked against
-    the cap before any merge, draw or registration."""
-    found = find_release(workspace.registry(), request)
+    """The ready version of this release if one exists, is signed by the workflow and is not
+    quarantined (then nothing is merged; its gates are checked when it is served), else the
+    ledger bound for the new release's card, checked against the cap before any merge, draw
+    or registration."""
+    found = find_release(workspace, request)
     if found is not None:
         return ReleasePlan(existing=found)
-    cap = policy.cumulative_epsilon_cap
-    summary, refusal = ledger_summary(workspace, entry, policy.target_delta, cap)
-    return ReleasePlan(ledger=summary, refused=(refusal,) if refusal else ())
+    summary = ledger_summary(workspace, entry, policy.cumulative_epsilon_cap)
+    return ReleasePlan(ledger=summary, refused=(summary.refusal,) if summary.refusal else ())

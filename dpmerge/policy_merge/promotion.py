@@ -1,61 +1,124 @@
-"""Registration and promotion (steps 6–7), revocation when the target is infeasible, alias
-ownership (an alias belongs to the policy that first set it), the event order of alias changes
-(the registry's ``dp.alias_time.<alias>``: server-received times, docs/design.md#security), and
-the card of a registered release."""
+"""Registration, serving and the serving invariant (steps 6–7, docs/design.md#release-state).
+
+* :func:`register_release` registers a counted release with its privacy card;
+* :func:`serve_release` checks the registry's gates on the release's signed facts, then counts
+  it (if it is not yet) and points the policy's alias at it in **one** conditional write to the
+  release-state store;
+* :func:`enforce` keeps the serving invariant when a run could not serve a compliant release
+  (infeasible target, a failed gate, the cap): the alias keeps its release only if that release
+  meets the policy's *current* version; otherwise it is revoked, or — if the policy says
+  ``on_noncompliant: keep`` — kept and flagged non-compliant;
+* :func:`project` makes the MLflow alias name what the serving pointer says (the alias is a
+  projection of the pointer: moved after it, and repaired from it by every later run and by
+  ``dpmerge registry verify``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import suppress
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
 
-from dpmerge.errors import InfeasibleTargetError, RefusalError
+from dpmerge.errors import RefusalError
+from dpmerge.formatting import epsilon_text
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.candidates import CandidatePool
-from dpmerge.policy_merge.events import trusted
-from dpmerge.policy_merge.outcome import PolicyOutcome, Status
+from dpmerge.policy_merge.ledger import LedgerSummary
+from dpmerge.policy_merge.outcome import Status
 from dpmerge.policy_merge.release import MergeRequest, Release
-from dpmerge.policy_merge.release_ledger import LedgerEntry, ledger_summary, record_release
 from dpmerge.policy_merge.workspace import Workspace
-from dpmerge.registry import (
-    AliasOwnershipError,
-    GateError,
-    Registry,
-    RegistryError,
-    StoredVersion,
-    tag_float,
-)
+from dpmerge.registry import GateError, RegistryError, ReleaseFacts
+from dpmerge.registry.tags import SERVED_TAG
+from dpmerge.state import AliasState, CountedRelease, Guarantee, SupersededError
+from dpmerge.state import serving as state_serving
+from dpmerge.state.policies import PolicyVersion
+from dpmerge.state.quarantine import quarantined
+from dpmerge.state.releases import keep_release
+from dpmerge.vocabulary import GatingBound, OnNoncompliant, ServingState
 
 
 @dataclass(frozen=True)
 class Registered:
-    """A ready merged version of a merge request (new, or reused from an earlier run)."""
+    """A ready, signed merged version of a merge request (new, or reused from an earlier run)."""
 
     name: str
     version: str
     reused: bool
-    epsilon: float | None
+    epsilon: float
     accuracy: float | None
     content_hash: str
 
     @classmethod
-    def of(cls, stored: StoredVersion, *, reused: bool, content_hash: str) -> Registered:
+    def of(cls, facts: ReleaseFacts, *, reused: bool) -> Registered:
         return cls(
-            name=stored.name,
-            version=stored.version,
-            reused=reused,
-            epsilon=tag_float(stored.tags.get("dp.epsilon")),
-            accuracy=tag_float(stored.tags.get("dp.accuracy")),
-            content_hash=content_hash,
+            facts.name, facts.version, reused, facts.epsilon, facts.accuracy, facts.content_hash
         )
 
 
+def find_release(workspace: Workspace, request: MergeRequest) -> Registered | None:
+    """The ready version of this exact request registered before, if it is signed by the
+    workflow and not quarantined (a version planted under the release hash by someone without
+    the workflow's key, or one whose tags were changed, is never reused)."""
+    registry = workspace.registry()
+    name = request.pool.merged_model
+    out = quarantined(workspace.state(), name)
+    found = registry.find_ready_version(name, request.content_hash, exclude=out)
+    return None if found is None else Registered.of(registry.release_facts(found), reused=True)
+
+
+def register_release(
+    workspace: Workspace, request: MergeRequest, release: Release, ledger: LedgerSummary
+) -> Registered:
+    """Register ``release`` (already counted) as the request's merged version, its cards
+    showing ``ledger``: its internal record is kept in the state store first, then the version
+    is registered with its public card (docs/design.md#release-state)."""
+    registry = workspace.registry()
+    prepared = registry.prepare_merged(
+        release.path,
+        parents=request.parents,
+        policy=request.policy,
+        parent_model=request.pool.registered_model,
+        name=request.pool.merged_model,
+        ledger=ledger.card(),
+        notes=release.notes,
+        internal_notes=release.internal_notes,
+    )
+    if prepared.content_hash != request.content_hash:  # the two hashes must agree
+        raise RegistryError(f"{prepared.name}: the release's hash differs from the request's")
+    keep_release(workspace.state(), prepared.internal())
+    registered = registry.register_merged(
+        prepared, started_ms=release.started_ms, ended_ms=release.ended_ms
+    )
+    stored = registry.get_version(registered.name, registered.version)
+    return Registered.of(registry.release_facts(stored), reused=registered.reused)
+
+
+def read_card(workspace: Workspace, name: str, version: str) -> str:
+    """The public privacy card (Markdown) of a registered merged version."""
+    return workspace.registry().card_text(name, version)
+
+
+def unmet(guarantee: Guarantee | None, policy: Policy) -> list[str]:
+    """Why a served release with ``guarantee`` does not meet ``policy`` (empty: it does)."""
+    if guarantee is None:
+        return ["the alias serves no release"]
+    reasons = []
+    if guarantee.epsilon > policy.target_epsilon:
+        reasons.append(
+            f"its ε = {epsilon_text(guarantee.epsilon)} exceeds ε* = {policy.target_epsilon:g}"
+        )
+    if guarantee.delta > policy.target_delta:
+        reasons.append(f"its δ = {guarantee.delta:g} exceeds δ* = {policy.target_delta:g}")
+    if guarantee.accuracy is None or guarantee.accuracy < policy.min_accuracy:
+        reasons.append(f"its accuracy {guarantee.accuracy} is below {policy.min_accuracy:g}")
+    if policy.gating_bound == GatingBound.GENERIC and guarantee.bound == GatingBound.STRUCTURED:
+        reasons.append("it is gated by the structured bound; the policy asks for the generic one")
+    return reasons
+
+
 @dataclass(frozen=True)
-class PromotionResult:
-    """What :func:`promote_release` did: its status, the version the alias named before,
-    why it was not promoted, and the cumulative ledger ε once recorded."""
+class ServeResult:
+    """What :func:`serve_release` did: its status, the version the alias served before, why
+    it did not serve, and the ledger's cumulative ε once counted."""
 
     status: Status
     previous: str | None = None
@@ -63,153 +126,152 @@ class PromotionResult:
     cumulative_epsilon: float | None = None
 
 
-def find_release(registry: Registry, request: MergeRequest) -> Registered | None:
-    """The ready version of this exact request, if one was registered before."""
-    found = registry.find_ready_version(request.pool.merged_model, request.content_hash)
-    if found is None:
-        return None
-    return Registered.of(found, reused=True, content_hash=request.content_hash)
-
-
-def register_release(
+def serve_release(
     workspace: Workspace,
-    request: MergeRequest,
-    release: Release,
-    ledger: Mapping[str, Any] | None,
-) -> Registered:
-    """Register ``release`` as the request's merged version, its card showing ``ledger``."""
-    registry = workspace.registry()
-    registered = registry.register_merged(
-        release.path,
-        parents=request.parents,
-        policy=request.policy,
-        parent_model=request.pool.registered_model,
-        name=request.pool.merged_model,
-        ledger=ledger,
-        notes=release.notes,
-        started_ms=release.started_ms,
-        ended_ms=release.ended_ms,
-    )
-    if registered.content_hash != request.content_hash:  # the two hashes must agree
-        raise RegistryError(
-            f"{registered.name} v{registered.version}: content hash differs from the request's"
-        )
-    stored = registry.get_version(registered.name, registered.version)
-    return Registered.of(stored, reused=registered.reused, content_hash=registered.content_hash)
-
-
-def read_card(workspace: Workspace, name: str, version: str) -> str:
-    """The privacy card (Markdown) of a registered merged version."""
-    return workspace.registry().card_text(name, version)
-
-
-def superseded_by(registry: Registry, name: str, alias: str, occurred: datetime) -> str | None:
-    """The time of a *later* policy event that already set ``alias``, else ``None``. A
-    recorded time in the future is not trusted (it would freeze the alias)."""
-    applied = registry.alias_time(name, alias)
-    if applied is not None and applied > occurred and trusted(applied):
-        return applied.isoformat()
-    return None
-
-
-def check_alias_owner(registry: Registry, name: str, policy: Policy) -> None:
-    """Refuse (:class:`AliasOwnershipError`) a policy that names an alias another policy owns,
-    before anything is read or changed."""
-    alias = str(policy.alias)
-    owner = registry.alias_owner(name, alias) if registry.model_exists(name) else None
-    if owner is not None and owner != policy.name:
-        raise AliasOwnershipError(
-            f"alias {alias!r} of {name} belongs to policy {owner!r}; policy {policy.name!r} "
-            f"may not change it (give the policy its own alias, e.g. 'policy-{policy.name}')"
-        )
-
-
-def superseded_reason(later: str, alias: str) -> str:
-    return f"a later policy event ({later}) already set {alias!r}"
-
-
-def promote_release(
-    workspace: Workspace,
-    policy: Policy,
+    version: PolicyVersion,
     registered: Registered,
-    entry: LedgerEntry,
-    occurred: datetime,
-) -> PromotionResult:
-    """Gates, alias, ledger.
-
-    Order: a later event already applied → ``superseded``; the alias claimed for the policy
-    (another policy's alias is refused); the ledger cap (docs/design.md#release-ledger); the
-    registry's gates (:meth:`Registry.promote`); then the release is recorded in the ledger
-    (a conditional write that keeps concurrent releases; the cap is checked again against
-    them) and marked released in the registry. If recording fails or the cap now refuses, the
-    alias is moved back: a release is never served without being counted."""
+    entry: CountedRelease,
+    run: str | None,
+) -> ServeResult:
+    """Gates, then count-and-point in one conditional write (see the module docstring).
+    ``superseded`` when a later version of the policy already changed the alias;
+    ``not_promoted`` when a gate, the quarantine or the ledger cap refuses."""
+    policy = version.policy
     registry = workspace.registry()
-    alias = str(policy.alias)
-    later = superseded_by(registry, registered.name, alias, occurred)
-    if later is not None:
-        return PromotionResult(Status.SUPERSEDED, reasons=(superseded_reason(later, alias),))
-    registry.claim_alias(registered.name, alias, policy.name)
-    delta, cap = policy.target_delta, policy.cumulative_epsilon_cap
-    _, refusal = ledger_summary(workspace, entry, delta, cap)
-    if refusal is not None:
-        return PromotionResult(Status.NOT_PROMOTED, reasons=(refusal,))
+    model = registered.name
     try:
-        promotion = registry.promote(
-            registered.name,
+        facts = registry.check_gates(
+            model,
             registered.version,
-            alias,
             target_epsilon=policy.target_epsilon,
-            target_delta=delta,
+            target_delta=policy.target_delta,
             min_accuracy=policy.min_accuracy,
         )
     except GateError as gate:
-        return PromotionResult(Status.NOT_PROMOTED, reasons=gate.reasons)
+        return ServeResult(Status.NOT_PROMOTED, reasons=gate.reasons)
+    if registered.version in quarantined(workspace.state(), model):
+        return ServeResult(Status.NOT_PROMOTED, reasons=(f"v{registered.version} is quarantined",))
+    guarantee = Guarantee(facts.epsilon, facts.delta, facts.bound, facts.accountant, facts.accuracy)
     try:
-        bound = record_release(workspace, entry, delta, cap)
-    except RefusalError as refusal_now:  # a concurrent release took the room under the cap
-        registry.undo_promotion(promotion)
-        return PromotionResult(Status.NOT_PROMOTED, reasons=(f"release ledger: {refusal_now}",))
-    except BaseException:
-        with suppress(RegistryError):  # best effort: the original error is the news
-            registry.undo_promotion(promotion)
-        raise
-    registry.mark_released(registered.name, registered.version)
-    registry.mark_alias_time(registered.name, alias, occurred)
-    status = Status.PROMOTED if promotion.changed else Status.UNCHANGED
-    return PromotionResult(status, promotion.previous, (), bound.epsilon)
+        served = state_serving.serve(
+            workspace.state(),
+            entry,
+            model=model,
+            alias=str(policy.alias),
+            version=registered.version,
+            guarantee=guarantee,
+            cap=policy.cumulative_epsilon_cap,
+            run=run,
+        )
+    except SupersededError as later:
+        return ServeResult(Status.SUPERSEDED, reasons=(superseded_reason(later.later, policy),))
+    except RefusalError as refusal:  # a concurrent release took the room under the cap
+        return ServeResult(Status.NOT_PROMOTED, reasons=(str(refusal),))
+    status = Status.PROMOTED if served.changed else Status.UNCHANGED
+    return ServeResult(status, served.before.serving, (), served.cumulative.epsilon)
 
 
-def handle_infeasible(
+def superseded_reason(later: int, policy: Policy) -> str:
+    return f"version {later} of policy {policy.name} already exists or changed {policy.alias!r}"
+
+
+@dataclass(frozen=True)
+class Enforced:
+    """The alias after :func:`enforce`, and what it did (one line)."""
+
+    alias: AliasState | None
+    action: str
+
+
+def enforce(
     workspace: Workspace,
-    policy: Policy,
+    version: PolicyVersion,
     pool: CandidatePool,
-    error: InfeasibleTargetError,
-    occurred: datetime,
-) -> PolicyOutcome:
-    """``on_infeasible``: ``revoke`` removes the policy's alias (a model that violates the
-    current policy must not stay served), ``keep`` leaves it. Nothing is registered."""
-    registry = workspace.registry()
-    alias = str(policy.alias)
-    low, high = error.reachable_epsilon_range
-    base: dict[str, Any] = dict(
-        merged_model=pool.merged_model, reachable_epsilon_range=(float(low), float(high))
+    reasons: Sequence[str],
+    run: str | None,
+) -> Enforced:
+    """The serving invariant for a run that served nothing new (``reasons``: why): after it,
+    the policy's alias serves a release that meets ``version``, or nothing — unless the
+    policy keeps non-compliant models, which are then flagged. Raises
+    :class:`~dpmerge.state.SupersededError` when a later version already changed the alias."""
+    policy = version.policy
+    store, alias = workspace.state(), str(policy.alias)
+    state_serving.claim(store, pool.dataset, pool.merged_model, alias, policy.name)
+    current = state_serving.read_state(store, pool.dataset).alias(pool.merged_model, alias)
+    assert current is not None  # claimed above
+    if current.serving is None:
+        after = state_serving.touch(
+            store,
+            pool.dataset,
+            model=pool.merged_model,
+            alias=alias,
+            policy=policy.name,
+            policy_version=version.version,
+        )
+        was = "revoked" if current.state == ServingState.REVOKED else "not set"
+        return Enforced(after, f"alias {alias!r} serves nothing ({was})")
+    failing = unmet(current.guarantee, policy)
+    if not failing:
+        after = state_serving.touch(
+            store,
+            pool.dataset,
+            model=pool.merged_model,
+            alias=alias,
+            policy=policy.name,
+            policy_version=version.version,
+        )
+        return Enforced(after, f"alias {alias!r} keeps v{current.serving}, which meets the policy")
+    keep = policy.on_noncompliant == OnNoncompliant.KEEP
+    why = "; ".join([*reasons, *failing])
+    _, after = state_serving.withdraw(
+        store,
+        pool.dataset,
+        model=pool.merged_model,
+        alias=alias,
+        policy=policy.name,
+        policy_version=version.version,
+        state=ServingState.NONCOMPLIANT if keep else ServingState.REVOKED,
+        reason=f"v{current.serving} does not meet version {version.version}: {why}",
+        run=run,
     )
-    later = superseded_by(registry, pool.merged_model, alias, occurred)
-    if later is not None:
-        reasons = (superseded_reason(later, alias), str(error))
-        return PolicyOutcome.of(policy, Status.SUPERSEDED, reasons=reasons, **base)
-    revoked = None
-    if policy.on_infeasible == "revoke" and registry.model_exists(pool.merged_model):
-        registry.claim_alias(pool.merged_model, alias, policy.name)
-        revoked = registry.revoke(pool.merged_model, alias)
-        registry.mark_alias_time(pool.merged_model, alias, occurred)
     action = (
-        f"alias {alias!r} removed (was v{revoked})"
-        if revoked
-        else "alias kept"
-        if policy.on_infeasible == "keep"
-        else f"alias {alias!r} was not set"
+        f"alias {alias!r} KEEPS v{current.serving}, which does NOT meet the policy "
+        f"({'; '.join(failing)}): kept because the policy says on_noncompliant: keep"
+        if keep
+        else f"alias {alias!r} revoked (was v{current.serving}: {'; '.join(failing)})"
     )
-    return PolicyOutcome.of(
-        policy, Status.INFEASIBLE, revoked_version=revoked, reasons=(str(error), action), **base
+    return Enforced(after, action)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """What :func:`project` did to the MLflow alias: the version it named before and now."""
+
+    before: str | None
+    after: str | None
+
+
+def project(workspace: Workspace, pool: CandidatePool, alias: str) -> Projection:
+    """Make the MLflow alias name what the serving pointer says (remove it when the pointer
+    serves nothing), and show what it serves as a registered-model tag, ε rounded up."""
+    record = state_serving.read_state(workspace.state(), pool.dataset).alias(
+        pool.merged_model, alias
+    )
+    registry = workspace.registry()
+    if record is None or not registry.model_exists(pool.merged_model):
+        return Projection(None, None)  # nothing registered yet: no alias to project
+    before = registry.set_alias(pool.merged_model, alias, record.serving)
+    registry.set_model_tag(pool.merged_model, SERVED_TAG + alias, served_text(record))
+    return Projection(before, record.serving)
+
+
+def served_text(record: AliasState) -> str | None:
+    """What an alias serves, for people (ε rounded up), or ``None`` when it serves nothing."""
+    guarantee = record.guarantee
+    if record.serving is None or guarantee is None:
+        return None
+    flag = "NON-COMPLIANT " if record.state == ServingState.NONCOMPLIANT else ""
+    return (
+        f"{flag}v{record.serving}: ε ≤ {epsilon_text(guarantee.epsilon)} "
+        f"(δ = {guarantee.delta:g}, {guarantee.bound} bound, {guarantee.accountant})"
     )

@@ -25,7 +25,15 @@ from dpmerge.policy_merge.evaluation_data import EvaluationData
 from dpmerge.policy_merge.workspace import Workspace
 from dpmerge.registry import RegisteredCandidate, release_hash
 
-POLICY_REQUEST_KEYS = ("name", "target_epsilon", "target_delta", "dataset", "model", "method")
+POLICY_REQUEST_KEYS = (
+    "name",
+    "target_epsilon",
+    "target_delta",
+    "dataset",
+    "model",
+    "method",
+    "tune_weights",
+)
 """The policy fields recorded with a release (its run's ``policy`` param and its card name the
 policy that first asked for it); they are not part of the release's identity."""
 
@@ -56,14 +64,7 @@ def merge_request(
     """The release identity :meth:`Registry.register_merged` will hash (the same fields)."""
     report = plan.calibration.report.to_dict()
     parents = tuple(c.version for c in candidates)
-    content_hash = release_hash(
-        parent_model=pool.registered_model,
-        parents=parents,
-        method=report["method"],
-        weights=report["weights"],
-        delta=report["delta"],
-        bound=report["bound"],
-    )
+    content_hash = release_hash(parent_model=pool.registered_model, parents=parents, report=report)
     return MergeRequest(pool, parents, policy_document(policy), content_hash)
 
 
@@ -84,8 +85,9 @@ def spend_note(calibration: Calibration, target_epsilon: float) -> str | None:
 @dataclass(frozen=True)
 class Release:
     """A merged model directory ready to register. Public facts only: an RS draw is in the
-    release's audit record, never here. ``notes`` go on the card; ``started_ms``/``ended_ms``
-    time the merge (its MLflow run)."""
+    release's audit record, never here. ``notes`` go on both cards (they follow from the
+    records and the target), ``internal_notes`` (e.g. δ against the training rows' number) on
+    the internal card only; ``started_ms``/``ended_ms`` time the merge (its MLflow run)."""
 
     path: Path
     method: str
@@ -96,16 +98,20 @@ class Release:
     bound: str
     metrics: dict[str, Any]
     notes: tuple[str, ...] = ()
+    internal_notes: tuple[str, ...] = ()
     started_ms: int | None = None
     ended_ms: int | None = None
 
 
-def evaluation_metrics(data: EvaluationData) -> Any:
-    """The merged model's public metrics: validation and test accuracy and loss."""
+def evaluation_metrics(data: EvaluationData, *, validation: bool) -> Any:
+    """A merged model's metrics: test accuracy and loss, and validation's too when
+    ``validation`` (a release publishes them only when its weights were tuned on validation
+    rows, which are then unprotected anyway; docs/design.md#row-protection)."""
+    splits = ("validation", "test") if validation else ("test",)
 
     def metrics(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         result: dict[str, Any] = {}
-        for split_name in ("validation", "test"):
+        for split_name in splits:
             scores = evaluate((spec, weights), getattr(data, split_name))
             result[f"{split_name}_accuracy"] = scores["accuracy"]
             result[f"{split_name}_loss"] = scores["loss"]
@@ -129,6 +135,9 @@ def merge_release(
     calibration = plan.calibration
     started = int(time.time() * 1000)
     names = [c.model_dir.record.name for c in candidates if c.model_dir.record is not None]
+    rungs = calibration.report.to_dict().get("rungs") if calibration.method == "mixture" else None
+    if rungs:  # the mixture draws a merge: the audit record names it by its members
+        names = [f"merge {j + 1}: {' + '.join(r['members'])}" for j, r in enumerate(rungs)]
     notes = {
         "policy": request.policy["id"],
         "parent_model": request.pool.registered_model,
@@ -141,7 +150,7 @@ def merge_release(
         Path(workdir) / "release",
         delta=calibration.delta,
         gating_bound=calibration.report.gating.kind if calibration.method == "lc" else "generic",
-        metrics=evaluation_metrics(data),
+        metrics=evaluation_metrics(data, validation=bool(request.policy["tune_weights"])),
         draw=lambda pi: stored_draw(workspace, request.content_hash, names, pi, notes),
     )
     report = result.report

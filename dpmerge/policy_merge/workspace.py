@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from dpmerge.home import DEFAULT_HOME, HOME_ENV, resolve_home
-from dpmerge.keys import WorkflowKey
-from dpmerge.locate import embedded_tracking_uri
+from dpmerge.keys import KEY_ENV, KEY_FILE_ENV, WorkflowKey
+from dpmerge.locate import Located, embedded_tracking_uri
 from dpmerge.registry import Registry
+from dpmerge.state import LocalBackend, S3Backend, StateStore
 from dpmerge.storage import S3Config, S3Store
 
 __all__ = [
@@ -48,15 +49,50 @@ class Workspace:
         use_s3 = os.environ.get("DPMERGE_S3_ENDPOINT_URL") or os.environ.get("DPMERGE_S3_BUCKET")
         return cls(uri, home_path, S3Config.from_env() if use_s3 else None)
 
+    @classmethod
+    def of_registry(cls, tracking_uri: str, home: str | Path | None = None) -> Workspace:
+        """The workspace of the registry at ``tracking_uri`` (as :mod:`dpmerge.locate` found
+        it): an embedded ``sqlite:///…/mlflow.db`` keeps its state beside its database;
+        another registry uses the environment's state store (S3, else ``home``)."""
+        if tracking_uri.startswith("sqlite:///"):
+            database = Path(tracking_uri.removeprefix("sqlite:///"))
+            return cls(tracking_uri, database.absolute().parent, None)
+        base = cls.from_env(home)
+        return cls(tracking_uri, base.home, base.s3)
+
+    def workflow_key(self) -> WorkflowKey | None:
+        """The workflow's secret key (docs/design.md#security): ``$DPMERGE_SECRET_KEY`` or
+        ``$DPMERGE_SECRET_KEY_FILE``; embedded (no S3), else ``<home>/secret.key``, generated on
+        first use. On a stack the key reaches only the workflow's processes, through their
+        environment: a shell without it (an operator's) gets ``None`` and never a local key."""
+        if os.environ.get(KEY_ENV) or os.environ.get(KEY_FILE_ENV) or self.s3 is None:
+            return WorkflowKey.from_env(self.home)
+        return None
+
+    def located(self) -> Located:
+        """The registry this workspace uses, named as every command names it
+        (:meth:`dpmerge.locate.Located.describe`)."""
+        from_env = os.environ.get("MLFLOW_TRACKING_URI") == self.tracking_uri
+        source = "$MLFLOW_TRACKING_URI" if from_env else f"the embedded state ({self.home})"
+        return Located.at(self.tracking_uri, source)
+
     def registry(self) -> Registry:
-        """The registry, with the workflow's secret key (``$DPMERGE_SECRET_KEY``, else
-        ``<home>/secret.key``, docs/design.md#security)."""
+        """The registry, with the workflow's secret key where this process has it; without
+        it (an operator's shell) signatures are verified with the release public key
+        (``$DPMERGE_RELEASE_PUBLIC_KEY``) and nothing can be signed."""
         if self.tracking_uri.startswith("sqlite:///"):
             self.home.mkdir(parents=True, exist_ok=True)
-        return Registry(self.tracking_uri, keys=WorkflowKey.from_env(self.home))
+        key = self.workflow_key()
+        return Registry(self.tracking_uri, keys=key, public_key=None if key else "")
 
     def store(self) -> S3Store | None:
         return S3Store(self.s3) if self.s3 is not None else None
+
+    def state(self) -> StateStore:
+        """The release-state store: the stack's state bucket, else ``<home>/state``."""
+        store = self.store()
+        backend = S3Backend(store) if store is not None else LocalBackend(self.home / "state")
+        return StateStore(backend, self.workflow_key())
 
     def private_dir(self, name: str) -> Path:
         path = self.home / name

@@ -14,17 +14,19 @@ the dpmerge model directory from which :meth:`Registry.load_candidates` rebuilds
 (:mod:`~dpmerge.registry.connection`). Metrics go to the run; the privacy record to version
 tags (``dp.*``, key scalars only) and JSON artifacts.
 
-Safety rules. A version is written fully, verified, and only then tagged
-``dp.status=ready``; a failure after creation tags it ``dp.status=failed``. Promotion moves an
-alias only to a ready merged version whose gates pass, so an alias never points at a failed or
-half-registered version. ``dp.content_hash`` makes registration idempotent: for a merge it
-hashes the *release* (parent versions, method, weights, δ, bound), never the weights (an RS
-output equals one candidate's weights, so a weight hash would leak the drawn index) nor the
-target. A candidate's registration signs its content hash with the workflow's key, and loading
-a candidate verifies the signature: a record changed in the artifact store is refused. An alias
-belongs to the policy that first set it (``dp.alias_owner.<alias>``).
-The merge record is reduced to its public keys before logging, and no tag, description or
-artifact receives the RS draw.
+Safety rules. A version is written fully, verified, and only then tagged ``dp.status=ready``; a
+failure after creation tags it ``dp.status=failed``. The gates (:meth:`Registry.check_gates`)
+read only signed facts, and an alias is set only as the projection of a serving pointer in the
+release-state store (docs/design.md#release-state), so it never names a failed, half-registered
+or unsigned version. ``dp.content_hash`` makes registration idempotent: for a merge it hashes
+the *release* (parent versions, method, weights, δ, bound), never the weights (an RS output
+equals one candidate's weights, so a weight hash would leak the drawn index) nor the target. A
+candidate's registration signs its content hash with the workflow's key, and loading a candidate
+verifies the signature: a record changed in the artifact store is refused. A merged version's
+registration signs its facts (release hash, ε, δ, bound, accuracy, …), so a tag changed
+afterwards or a version planted by someone without the key is never reused or promoted. The
+merge record is reduced to its public keys before logging, and no tag, description or artifact
+receives the RS draw.
 
 The same code serves an MLflow server (``http://127.0.0.1:5000``, artifacts proxied to S3) and
 the embedded default (a ``sqlite:///`` file with local artifacts).
@@ -33,7 +35,8 @@ This package is the only code that talks to MLflow: its client is private, calle
 dpmerge's own dataclasses (:class:`StoredVersion`, …), never an MLflow entity, and MLflow's
 failures arrive as :class:`RegistryError` — as :class:`RegistryUnavailableError` (a
 :class:`~dpmerge.errors.TransientError`) when their type, error code or HTTP status says they
-are temporary (docs/design.md#registry).
+are temporary, as :class:`RegistryFailureError` (an outage or a bug) when the server failed
+otherwise (docs/design.md#registry).
 
 Modules: :mod:`~dpmerge.registry.adapter` (the :class:`Registry`: registration, promotion,
 aliases, reports), :mod:`~dpmerge.registry.queries` (its reads),
@@ -58,10 +61,10 @@ _EXPORTS = {
     "Registry": "adapter",
     "CARD_JSON": "connection",
     "CARD_MARKDOWN": "connection",
-    "AliasOwnershipError": "errors",
     "GateError": "errors",
     "RecordIntegrityError": "errors",
     "RegistryError": "errors",
+    "RegistryFailureError": "errors",
     "RegistryUnavailableError": "errors",
     "candidate_content_hash": "names",
     "candidate_model_name": "names",
@@ -75,7 +78,7 @@ _EXPORTS = {
     "STATUS_READY": "tags",
     "STATUS_REGISTERING": "tags",
     "tag_float": "tags",
-    "Promotion": "versions",
+    "ReleaseFacts": "versions",
     "RegisteredCandidate": "versions",
     "RegisteredVersion": "versions",
     "StoredVersion": "versions",
@@ -91,15 +94,15 @@ __all__ = [
     "STATUS_QUARANTINED",
     "STATUS_READY",
     "STATUS_REGISTERING",
-    "AliasOwnershipError",
     "GateError",
-    "Promotion",
     "RecordIntegrityError",
     "RegisteredCandidate",
     "RegisteredVersion",
     "Registry",
     "RegistryError",
+    "RegistryFailureError",
     "RegistryUnavailableError",
+    "ReleaseFacts",
     "StoredVersion",
     "VersionSummary",
     "candidate_content_hash",
@@ -123,10 +126,10 @@ if TYPE_CHECKING:
     from dpmerge.registry.adapter import Registry
     from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
     from dpmerge.registry.errors import (
-        AliasOwnershipError,
         GateError,
         RecordIntegrityError,
         RegistryError,
+        RegistryFailureError,
         RegistryUnavailableError,
     )
     from dpmerge.registry.names import (
@@ -146,9 +149,9 @@ if TYPE_CHECKING:
         tag_float,
     )
     from dpmerge.registry.versions import (
-        Promotion,
         RegisteredCandidate,
         RegisteredVersion,
+        ReleaseFacts,
         StoredVersion,
         VersionSummary,
     )

@@ -10,7 +10,6 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,33 +18,38 @@ from mlflow.exceptions import MlflowException
 from pydantic import BaseModel
 from torch import nn
 
+from dpmerge import manifests
 from dpmerge.artifacts import RECORD_FILE, WEIGHTS_FILE, ModelDir, ModelSpec, load_model_dir
 from dpmerge.errors import DPMergeError, RecordError
 from dpmerge.formatting import epsilon_text
 from dpmerge.keys import WorkflowKey
 from dpmerge.privacy_card import PrivacyCard
-from dpmerge.publication import dataset_name, public_record, signature
-from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
+from dpmerge.publication import dataset_name, public_record
+from dpmerge.registry.connection import (
+    CANDIDATES_EXPERIMENT,
+    CARD_JSON,
+    CARD_MARKDOWN,
+    RELEASES_EXPERIMENT,
+)
 from dpmerge.registry.errors import (
-    AliasOwnershipError,
     GateError,
     RegistryError,
     registry_error,
 )
-from dpmerge.registry.merged import MergedDir
+from dpmerge.registry.merged import MergedDir, MergedRelease
 from dpmerge.registry.names import (
     candidate_content_hash,
     candidate_model_name,
+    card_digest,
     merged_model_name,
 )
 from dpmerge.registry.queries import RegistryQueries
 from dpmerge.registry.tags import (
-    ALIAS_OWNER_TAG,
-    ALIAS_TIME_TAG,
     FAILURE_TAG,
     KEY_ID_TAG,
+    MANIFEST_TAG,
+    PUBLISHED_RECORD_TAG,
     REGISTERING_BY_TAG,
-    RELEASED_TAG,
     ROLE_CANDIDATE,
     ROLE_MERGED,
     SIGNATURE_TAG,
@@ -53,12 +57,17 @@ from dpmerge.registry.tags import (
     STATUS_READY,
     STATUS_REGISTERING,
     scalar_metrics,
+    signed_facts,
     tag_float,
+    tag_value,
     tag_values,
 )
-from dpmerge.registry.versions import Promotion, RegisteredVersion, StoredVersion
+from dpmerge.registry.versions import (
+    RegisteredVersion,
+    ReleaseFacts,
+    StoredVersion,
+)
 
-CANDIDATES_EXPERIMENT, RELEASES_EXPERIMENT = "dpmerge-candidates", "dpmerge-releases"
 EXPERIMENTS = {
     ROLE_CANDIDATE: (CANDIDATES_EXPERIMENT, "candidates"),
     ROLE_MERGED: (RELEASES_EXPERIMENT, "releases"),
@@ -132,13 +141,14 @@ class Registry(RegistryQueries):
         tracking_uri: str | None = None,
         *,
         keys: WorkflowKey | None = None,
+        public_key: str | None = None,
         artifact_root: str | None = None,
         build_module: ModuleBuilder | None = None,
         accuracy_keys: Sequence[str] = ("test_accuracy", "accuracy"),
         ready_timeout_s: float = 300.0,
         stale_registration_s: float = 900.0,
     ) -> None:
-        super().__init__(tracking_uri, artifact_root, keys)
+        super().__init__(tracking_uri, artifact_root, keys, public_key)
         self.accuracy_keys = tuple(accuracy_keys)
         self.ready_timeout_s = ready_timeout_s
         self.stale_registration_s = stale_registration_s
@@ -194,8 +204,9 @@ class Registry(RegistryQueries):
                 "dp.clip_norm": getattr(record, "clip_norm", None),
                 "dp.noise_lineage": getattr(public, "noise_lineage", None),
                 "dp.batch_lineage": getattr(public, "batch_lineage", None),
-                SIGNATURE_TAG: signature(content_hash, keys),
-                KEY_ID_TAG: keys.key_id,
+                PUBLISHED_RECORD_TAG: json.dumps(
+                    public.model_dump(mode="json", exclude_none=True), sort_keys=True
+                ),
                 **self._accuracy_tags(loaded.metrics),
             }
         )
@@ -227,7 +238,7 @@ class Registry(RegistryQueries):
             card=None,
         )
 
-    def register_merged(
+    def prepare_merged(
         self,
         model_dir: str | Path,
         *,
@@ -237,44 +248,62 @@ class Registry(RegistryQueries):
         name: str | None = None,
         ledger: Mapping[str, Any] | None = None,
         notes: Sequence[str] = (),
-        started_ms: int | None = None,
-        ended_ms: int | None = None,
-    ) -> RegisteredVersion:
-        """Register a merged directory with its privacy card (idempotent on the release hash:
-        candidates, method, weights, δ and bound, never the target).
+        internal_notes: Sequence[str] = (),
+    ) -> MergedRelease:
+        """Check a merged directory for registration and describe it: its identity (the
+        release hash: candidates, method, weights, δ and bound, never the target), its public
+        card and its internal record (:mod:`dpmerge.registry.merged`). Registers nothing.
 
         ``parents`` are the candidate versions (of ``parent_model``, default the candidates'
         registered model) the merge used, one per report candidate. ``policy`` (a
         ``dpmerge.policies.Policy`` or a mapping) needs ``target_epsilon`` and ``target_delta``;
-        its ``name`` (or ``id``) is shown on the card as the policy that asked for the release.
+        its ``name`` (or ``id``) is shown on the cards as the policy that asked for the release.
         ``ledger`` is the cumulative release bound to show (see :func:`build_privacy_card`),
-        ``notes`` go on the card; the run spans ``started_ms``..``ended_ms`` (the merge).
-        """
+        ``notes`` go on both cards, ``internal_notes`` on the internal one only."""
         if isinstance(policy, BaseModel):
             policy = policy.model_dump(mode="json")
         merged = MergedDir.read(model_dir, policy, self.keys)
         dataset, model = merged.dataset, merged.loaded.spec.name
         parent_model = parent_model or candidate_model_name(dataset, model)
         versions = self._parent_versions(parent_model, [str(p) for p in parents], merged.names)
-        content_hash = merged.request_hash(parent_model, versions)
         name = name or merged_model_name(dataset, model)
-        card = merged.card(name, versions, ledger, notes)
-        tags = merged.tags(parent_model, versions, self._accuracy_tags(merged.loaded.metrics))
+        return MergedRelease(
+            merged,
+            name,
+            parent_model,
+            versions,
+            merged.request_hash(parent_model, versions),
+            merged.public_card(name, ledger, notes),
+            merged.internal_card(name, versions, ledger, (*internal_notes, *notes)),
+        )
+
+    def register_merged(
+        self,
+        release: MergedRelease,
+        *,
+        started_ms: int | None = None,
+        ended_ms: int | None = None,
+    ) -> RegisteredVersion:
+        """Register ``release`` (from :meth:`prepare_merged`) with its public card, idempotent
+        on its release hash; the run spans ``started_ms``..``ended_ms`` (the merge)."""
+        merged, card = release.merged, release.public
+        tags = merged.tags(self._accuracy_tags(merged.loaded.metrics))
+        tags["dp.card_digest"] = card_digest(card.description(), card.data)
         requester = f"policy-{merged.policy_id}" if merged.policy_id else "merge"
         run = RunInfo(
             name=f"{requester} ε*={merged.target_epsilon:g}",
             metrics=scalar_metrics(merged.loaded.metrics) | _privacy_metrics(tags),
-            dataset=dataset,
+            dataset=merged.dataset,
             started_ms=started_ms,
             ended_ms=ended_ms,
         )
         return self._register(
-            name,
+            release.name,
             merged.loaded,
-            content_hash=content_hash,
+            content_hash=release.content_hash,
             run=run,
             tags=tags,
-            params=merged.params(parent_model, tags),
+            params=merged.params(),
             record_bytes=merged.public_record(),
             description=card.description(),
             card=card,
@@ -313,6 +342,9 @@ class Registry(RegistryQueries):
         description: str,
         card: PrivacyCard | None,
     ) -> RegisteredVersion:
+        """Log, sign and register one version: its manifest (:mod:`dpmerge.manifests`) covers
+        its facts (every ``dp.*`` tag but the lifecycle ones), its content hash, its logged
+        model and the digest of every file of it, signed with the workflow's Ed25519 key."""
         existing = self.find_ready_version(name, content_hash)
         if existing is not None:
             return RegisteredVersion(
@@ -325,9 +357,17 @@ class Registry(RegistryQueries):
         run_id = self._start_run(experiment_id, run, role, content_hash)
         version: str | None = None
         try:
-            model_id, source, files = self._log_model(
-                run_id, experiment_id, self._module(loaded), loaded, record_bytes, card, role
+            model_id, source, files, digests = self._log_model(
+                run_id,
+                experiment_id,
+                self._module(loaded),
+                loaded,
+                record_bytes,
+                card,
+                role,
+                run.dataset,
             )
+            tags = {**tags, **self._signature(name, model_id, content_hash, tags, digests)}
             self._log_run(run_id, model_id, run, params, card)
             with self._errors(f"registering {name}"):
                 created = self._client.create_model_version(
@@ -353,8 +393,8 @@ class Registry(RegistryQueries):
             if version is not None:
                 self._mark_failed(name, version)
             self._end_run(run_id, "FAILED")
-            if isinstance(error, DPMergeError | KeyboardInterrupt):
-                raise
+            if isinstance(error, DPMergeError) or not isinstance(error, Exception):
+                raise  # ours, or a cancellation (Ctrl-C, Prefect's TerminationSignal): as it is
             raise registry_error(f"registering {name} failed: {error}", error) from error
         self._end_run(run_id, "FINISHED", run.ended_ms)
         first = self.find_ready_version(name, content_hash)
@@ -417,6 +457,27 @@ class Registry(RegistryQueries):
         except MlflowException:
             self._client.log_inputs(run_id, datasets=[dataset])
 
+    def _signature(
+        self,
+        name: str,
+        model_id: str,
+        content_hash: str,
+        tags: Mapping[str, str],
+        digests: dict[str, str],
+    ) -> dict[str, str]:
+        """The tags that sign a version being registered (see :meth:`_register`)."""
+        manifest = manifests.Manifest(
+            model=name,
+            logged_model=model_id,
+            release=content_hash,
+            facts=signed_facts({**tags, "dp.content_hash": content_hash}),
+            files=digests,
+            card_digest=tags.get("dp.card_digest", ""),
+        )
+        text, signed = manifests.sign(manifest, self.keys)
+        key_id = manifests.fingerprint(manifests.public_key_hex(self.keys))
+        return {MANIFEST_TAG: text, SIGNATURE_TAG: signed, KEY_ID_TAG: key_id}
+
     def _retire_abandoned(self, name: str, content_hash: str) -> None:
         """Mark failed every version of this content left ``registering`` by a registration
         that died: by a process of this host that is gone, or longer ago than
@@ -449,42 +510,6 @@ class Registry(RegistryQueries):
             self._client.set_model_version_tag(name, str(version), FAILURE_TAG, reason[:1000])
         return stored
 
-    def sign(self, name: str, version: str | int, model_dir: str | Path) -> str:
-        """Re-sign candidate ``version`` (one registered before record signing, or under
-        another key) after checking that ``model_dir`` (its downloaded files) hashes to its
-        ``dp.content_hash`` and that its record, as published, equals the params its run logged
-        at registration (MLflow never changes a logged param). Returns the signature."""
-        stored = self.get_version(name, version)
-        if stored.tags.get("dp.role") != ROLE_CANDIDATE:
-            raise RegistryError(f"{name} v{version} is not a candidate")
-        content_hash = candidate_content_hash(model_dir)
-        if content_hash != stored.tags.get("dp.content_hash"):
-            raise RegistryError(f"{name} v{version}: its files do not match dp.content_hash")
-        loaded = load_model_dir(model_dir)
-        if loaded.record is None:
-            raise RegistryError(f"{name} v{version}: no candidate record")
-        logged = self._run_params(stored.run_id) if stored.run_id else {}
-        published = public_record(loaded.record, self.keys).model_dump(
-            mode="json", exclude_none=True
-        )
-        raw = loaded.record.model_dump(mode="json", exclude_none=True)
-        matches = [
-            all(logged.get(k) == str(v) for k, v in document.items())
-            for document in (published, raw)
-        ]
-        if not any(matches):
-            differ = sorted(k for k, v in raw.items() if logged.get(k) != str(v))
-            raise RegistryError(
-                f"{name} v{version}: its record disagrees with the params its run logged at "
-                f"registration ({', '.join(differ[:5])}); quarantine it: "
-                f"`dpmerge registry quarantine {name} {version}`"
-            )
-        tag = signature(content_hash, self.keys)
-        with self._errors(f"signing {name} v{version}"):
-            self._client.set_model_version_tag(name, str(version), SIGNATURE_TAG, tag)
-            self._client.set_model_version_tag(name, str(version), KEY_ID_TAG, self.keys.key_id)
-        return tag
-
     def _accuracy_tags(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """``dp.accuracy`` from the first of ``accuracy_keys`` present, and which key it was."""
         flat = scalar_metrics(metrics)
@@ -504,117 +529,86 @@ class Registry(RegistryQueries):
             ) from None
         return module.eval()
 
-    # --- promotion ---------------------------------------------------------------------
+    # --- releases: gates and aliases --------------------------------------------------
 
-    def promote(
+    def release_facts(self, stored: StoredVersion) -> ReleaseFacts:
+        """The signed facts of merged version ``stored`` (gating ε, δ, bound, accuracy, …);
+        :class:`~dpmerge.manifests.ReleaseSignatureError` when its manifest does not verify
+        under the workflow's public key or its tags differ from it: a tag changed after
+        registration, or a version planted by someone without the workflow's key."""
+        try:
+            self.manifest(stored)
+        except manifests.ReleaseSignatureError as error:
+            raise manifests.ReleaseSignatureError(
+                f"{stored.name} v{stored.version}: {error}; it is never reused or promoted — "
+                f"take it out of use with `dpmerge registry quarantine {stored.name} "
+                f"{stored.version}`"
+            ) from None
+        return ReleaseFacts.of(stored)
+
+    def stored_card_digest(self, stored: StoredVersion) -> str:
+        """The digest of the card as MLflow holds it now (the description and the run's
+        ``privacy_card.json``), to compare with the signed ``dp.card_digest``."""
+        if not stored.run_id:
+            return ""
+        description = self.card_text(stored.name, stored.version)
+        return card_digest(description, self._run_json(stored.run_id, CARD_JSON))
+
+    def check_gates(
         self,
         name: str,
         version: str | int,
-        alias: str,
         *,
         target_epsilon: float,
-        min_accuracy: float | None,
-        target_delta: float | None = None,
+        target_delta: float,
+        min_accuracy: float,
         timeout_s: float | None = None,
-    ) -> Promotion:
-        """Move ``alias`` to ``version`` once it is READY and its gates pass: a ready merged
-        version, gating ε ≤ ``target_epsilon`` (and δ ≤ ``target_delta`` if given), accuracy
-        ≥ ``min_accuracy`` (``None``: no accuracy gate), its stored card agreeing with its tags.
-        Raises :class:`GateError` and leaves the alias where it was otherwise."""
+    ) -> ReleaseFacts:
+        """The signed facts of ``version`` once it is READY, if it passes every gate: a ready
+        merged version, gating ε ≤ ``target_epsilon``, δ ≤ ``target_delta``, accuracy ≥
+        ``min_accuracy``, its stored privacy card agreeing with its signed ε. Raises
+        :class:`GateError` listing each failed gate. Changes nothing."""
         version = str(version)
         mv = self._wait_ready(name, version, timeout_s or self.ready_timeout_s)
-        tags, reasons = mv.tags, []
-        if tags.get("dp.role") != ROLE_MERGED:
-            reasons.append(f"role is {tags.get('dp.role')!r}, only merged versions are released")
-        if tags.get("dp.status") != STATUS_READY:
-            reasons.append(f"dp.status is {tags.get('dp.status')!r}, not {STATUS_READY!r}")
-        epsilon, delta = tag_float(tags.get("dp.epsilon")), tag_float(tags.get("dp.delta"))
-        if epsilon is None or epsilon > target_epsilon:
-            reasons.append(f"gating ε = {epsilon} exceeds the target {target_epsilon:g}")
-        if target_delta is not None and (delta is None or delta > target_delta):
-            reasons.append(f"δ = {delta} exceeds the target {target_delta:g}")
-        if min_accuracy is not None:
-            accuracy = tag_float(tags.get("dp.accuracy"))
-            if accuracy is None or accuracy < min_accuracy:
-                reasons.append(f"accuracy {accuracy} is below the minimum {min_accuracy:g}")
+        stored = StoredVersion.of(mv)
+        facts = self.release_facts(stored)
+        reasons = []
+        if facts.role != ROLE_MERGED:
+            reasons.append(f"role is {facts.role!r}, only merged versions are released")
+        if stored.tags.get("dp.status") != STATUS_READY:
+            reasons.append(f"dp.status is {stored.tags.get('dp.status')!r}, not {STATUS_READY!r}")
+        reasons += facts.unmet(target_epsilon, target_delta, min_accuracy)
         if not reasons and mv.run_id:
             card = self._run_json(mv.run_id, CARD_JSON)
-            if card.get("guarantee", {}).get("epsilon") != epsilon:
-                reasons.append("the stored privacy card disagrees with the version's tags")
+            if card.get("guarantee", {}).get("epsilon") != facts.epsilon:
+                reasons.append("the stored privacy card disagrees with the version's signed ε")
         if reasons:
             raise GateError(name, version, reasons)
+        return facts
+
+    def set_alias(self, name: str, alias: str, version: str | None) -> str | None:
+        """Point ``alias`` of ``name`` at ``version`` (``None``: remove it); returns the version
+        it named before. Only the projection of a serving pointer
+        (docs/design.md#release-state) calls this."""
         previous = self._aliases(name).get(alias)
         if previous == version:
-            return Promotion(name, alias, version, previous, changed=False)
-        with self._errors(f"setting alias {alias!r} on {name} v{version}"):
-            self._client.set_registered_model_alias(name, alias, version)
-        return Promotion(name, alias, version, previous, changed=True)
-
-    def revoke(self, name: str, alias: str) -> str | None:
-        """Remove ``alias`` (policy ``on_infeasible=revoke``); returns the version it named."""
-        previous = self._aliases(name).get(alias)
-        if previous is not None:
-            with self._errors(f"removing alias {alias!r} from {name}"):
+            return previous
+        with self._errors(f"setting alias {alias!r} of {name} to {version}"):
+            if version is None:
                 self._client.delete_registered_model_alias(name, alias)
+            else:
+                self._client.set_registered_model_alias(name, alias, version)
         return previous
 
-    def undo_promotion(self, promotion: Promotion) -> None:
-        """Put the alias back where ``promotion`` found it (removed if it named no version): a
-        promotion whose release could not be recorded in the ledger is undone."""
-        if not promotion.changed:
-            return
-        with self._errors(f"restoring alias {promotion.alias!r} of {promotion.name}"):
-            if promotion.previous is None:
-                self._client.delete_registered_model_alias(promotion.name, promotion.alias)
+    def set_model_tag(self, name: str, key: str, value: str | None) -> None:
+        """Set (``None``: delete) a tag of registered model ``name`` (display only: nothing
+        reads these tags to decide anything)."""
+        with self._errors(f"tagging {name}"):
+            if value is None:
+                if key in (self._model_tags(name) or {}):
+                    self._client.delete_registered_model_tag(name, key)
             else:
-                self._client.set_registered_model_alias(
-                    promotion.name, promotion.alias, promotion.previous
-                )
-
-    def claim_alias(self, name: str, alias: str, policy: str) -> None:
-        """Record ``policy`` as the owner of ``alias`` of ``name`` unless it has one;
-        :class:`AliasOwnershipError` when another policy owns it. Called before any alias change,
-        so a policy can never move or remove another policy's alias (docs/design.md#security)."""
-        owner = self.alias_owner(name, alias)
-        if owner is not None and owner != policy:
-            raise AliasOwnershipError(
-                f"alias {alias!r} of {name} belongs to policy {owner!r}; policy {policy!r} may "
-                f"not change it (give the policy its own alias, e.g. 'policy-{policy}')"
-            )
-        if owner is None:
-            with self._errors(f"recording the owner of alias {alias!r} of {name}"):
-                self._client.set_registered_model_tag(name, ALIAS_OWNER_TAG + alias, policy)
-            owner = self.alias_owner(name, alias)  # two first claims at once: one tag wins
-            if owner != policy:
-                raise AliasOwnershipError(
-                    f"alias {alias!r} of {name} was just claimed by {owner!r}"
-                )
-
-    def mark_released(self, name: str, version: str | int) -> None:
-        """Record that the release ledger counts this merged version (``dp.released``): a ledger
-        that later lacks it is known to be damaged, not empty."""
-        with self._errors(f"tagging {name} v{version} as released"):
-            self._client.set_model_version_tag(name, str(version), RELEASED_TAG, "true")
-
-    def alias_time(self, name: str, alias: str) -> datetime | None:
-        """The time of the policy event that last changed ``alias`` of ``name`` (the tag
-        ``dp.alias_time.<alias>``); ``None`` if none did or there is no such model."""
-        stamp = (self._model_tags(name) or {}).get(ALIAS_TIME_TAG + alias)
-        if not stamp:
-            return None
-        try:
-            moment = datetime.fromisoformat(stamp)
-        except ValueError:
-            message = f"{name}: tag {ALIAS_TIME_TAG}{alias} is not a time: {stamp!r}"
-            raise RegistryError(message) from None
-        return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-    def mark_alias_time(self, name: str, alias: str, occurred: datetime) -> None:
-        """Record that the policy event at ``occurred`` changed ``alias`` of ``name``."""
-        with self._errors(f"tagging {name} with the policy time"):
-            self._client.set_registered_model_tag(
-                name, ALIAS_TIME_TAG + alias, occurred.isoformat()
-            )
+                self._client.set_registered_model_tag(name, key, tag_value(value))
 
     # --- reports -----------------------------------------------------------------------
 

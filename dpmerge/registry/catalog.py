@@ -27,12 +27,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpmerge.registry.errors import RegistryError, RegistryUnavailableError
+from dpmerge.formatting import cut
+from dpmerge.registry.errors import (
+    TEMPORARY_HTTP_STATUS,
+    RegistryError,
+    RegistryFailureError,
+    RegistryUnavailableError,
+)
 from dpmerge.registry.filters import search_filter
 from dpmerge.registry.tags import ROLE_CANDIDATE, ROLE_MERGED, STATUS_READY
 from dpmerge.registry.versions import StoredVersion, VersionSummary
 
 ROLES = (ROLE_CANDIDATE, ROLE_MERGED)
+SQLITE_BUSY_CODES = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
+"""sqlite's result codes for a database another connection holds: worth retrying."""
 REST_TIMEOUT_S = 10.0
 DELETED_STAGE = "Deleted_Internal"  # MLflow's SQL store keeps deleted versions with this stage
 
@@ -166,8 +174,13 @@ class RestCatalog(Catalog):
     """An MLflow server, through its REST API (authentication from ``MLFLOW_TRACKING_TOKEN``
     or ``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``, as MLflow's client reads them)."""
 
-    def _get(self, path: str, **query: str) -> dict[str, Any] | None:
-        """The JSON answer; ``None`` for RESOURCE_DOES_NOT_EXIST."""
+    def _get(
+        self, path: str, *, hidden_is_absent: bool = False, **query: str
+    ) -> dict[str, Any] | None:
+        """The JSON answer; ``None`` for RESOURCE_DOES_NOT_EXIST, and with
+        ``hidden_is_absent`` for 403 too: MLflow's auth app answers 403 for a registered model
+        the user has no grant on, existing or not (it judges the name before the store is
+        asked), so to that user both are "no such model" (docs/stack.md#roles-and-permissions)."""
         url = f"{self.tracking_uri.rstrip('/')}/api/2.0/mlflow/{path}"
         request = urllib.request.Request(f"{url}?{urllib.parse.urlencode(query)}")
         for header, value in _auth_headers().items():
@@ -177,12 +190,15 @@ class RestCatalog(Catalog):
                 return json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as error:
             body = error.read().decode(errors="replace")
-            if error.code == 404 and "RESOURCE_DOES_NOT_EXIST" in body:
+            if error.code == 404 and _error_code(body) == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            if error.code == 403 and hidden_is_absent:
                 return None
             message = f"MLflow server {self.tracking_uri}: {path} answered HTTP {error.code}"
-            if error.code in (429, 503, 504):
+            if error.code in TEMPORARY_HTTP_STATUS:
                 raise RegistryUnavailableError(message) from None
-            raise RegistryError(f"{message}: {body[:200]}") from None
+            kind = RegistryError if error.code < 500 else RegistryFailureError
+            raise kind(f"{message}: {cut(body, 200)}") from None
         except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
             raise RegistryUnavailableError(
@@ -206,12 +222,22 @@ class RestCatalog(Catalog):
                 return found
 
     def aliases(self, name: str) -> dict[str, str]:
-        model = (self._get("registered-models/get", name=name) or {}).get("registered_model", {})
+        answer = self._get("registered-models/get", hidden_is_absent=True, name=name)
+        model = (answer or {}).get("registered_model", {})
         return {a["alias"]: str(a["version"]) for a in model.get("aliases", [])}
 
     def description(self, name: str, version: str) -> str | None:
         found = self._get("model-versions/get", name=name, version=version)
         return None if found is None else found.get("model_version", {}).get("description", "")
+
+
+def _error_code(body: str) -> str | None:
+    """The ``error_code`` of MLflow's JSON error answer, ``None`` when the body is not one."""
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return None
+    return document.get("error_code") if isinstance(document, dict) else None
 
 
 def _auth_headers() -> dict[str, str]:
@@ -241,11 +267,10 @@ class SqliteCatalog(Catalog):
         try:
             with sqlite3.connect(f"{self.path.absolute().as_uri()}?mode=ro", uri=True) as db:
                 return db.execute(sql, params).fetchall()
-        except sqlite3.OperationalError as error:
-            if "locked" in str(error) or "busy" in str(error):
-                raise RegistryUnavailableError(f"{self.path}: {error}") from None
-            raise RegistryError(f"{self.path} is not an MLflow database ({error})") from None
         except sqlite3.DatabaseError as error:
+            code = getattr(error, "sqlite_errorcode", None)
+            if code is not None and code & 0xFF in SQLITE_BUSY_CODES:  # an extended code's primary
+                raise RegistryUnavailableError(f"{self.path}: {error}") from None
             raise RegistryError(f"{self.path} is not an MLflow database ({error})") from None
 
     def search(self, role: str, name: str | None = None) -> list[StoredVersion]:

@@ -8,7 +8,8 @@ API, so no global tracking URI is read or changed).
 A version holds an MLflow ``pytorch`` model in the ``pt2`` format (``torch.export``: no pickle,
 loadable without dpmerge, dynamic batch dimension from a batch-4 input example) and, in its
 ``extra_files/``, the dpmerge model directory (``weights.safetensors``, ``model.json``,
-``record.json``, ``metrics.json``, ``privacy.json``; merges also their privacy card).
+``record.json``, ``metrics.json``; merges their public privacy card and a public merge record,
+never the full privacy report, which names the candidates).
 """
 
 from __future__ import annotations
@@ -34,20 +35,27 @@ from mlflow.entities import LoggedModelStatus
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
+from mlflow.models.signature import ModelSignature
+from mlflow.types.schema import Schema, TensorSpec
 from torch import nn
 
 from dpmerge.artifacts import (
     METRICS_FILE,
     MODEL_FILE,
-    PRIVACY_FILE,
     RECORD_FILE,
     WEIGHTS_FILE,
     ModelDir,
 )
+from dpmerge.data.datasets import DATASET_NAMES, preprocessing
 from dpmerge.environment import probe
+from dpmerge.formatting import cut
 from dpmerge.locate import command
+from dpmerge.manifests import file_digests
 from dpmerge.privacy_card import PrivacyCard
+from dpmerge.publication import dataset_name
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
+from dpmerge.registry.grants import EXPERIMENT, REGISTERED_MODEL, grant_read
+from dpmerge.registry.readers import configured_readers
 from dpmerge.registry.tags import FAILURE_TAG, ROLE_CANDIDATE, STATUS_FAILED, tag_float
 from dpmerge.registry.versions import StoredVersion
 
@@ -55,6 +63,11 @@ MODEL_ARTIFACT = "model"
 EXTRA_DIR = "extra_files"  # where mlflow.pytorch.log_model puts extra_files
 CARD_MARKDOWN, CARD_JSON = "privacy_card.md", "privacy_card.json"
 INPUT_EXAMPLE_BATCH = 4  # > 1 so that pt2 export keeps the batch dimension dynamic
+SERVER_ARTIFACT_ROOT = "mlflow-artifacts:"  # a server's proxied artifact store
+CANDIDATES_EXPERIMENT, RELEASES_EXPERIMENT = "dpmerge-candidates", "dpmerge-releases"
+
+MESSAGE_LIMIT = 300
+"""MLflow's messages are cut to this many characters: an error stays one readable line."""
 
 _PT2_EXPORT_LOCK = threading.Lock()
 """Saving a pt2 model runs ``torch.export``, which is not thread-safe: two registrations from
@@ -91,7 +104,14 @@ class MlflowConnection:
     def __init__(self, tracking_uri: str | None, artifact_root: str | None) -> None:
         bound_client_retries()
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
-        self._client = MlflowClient(self.tracking_uri, self.tracking_uri)
+        with self._errors("opening the registry"):  # MLflow refuses some URIs right here
+            try:
+                self._client = MlflowClient(self.tracking_uri, self.tracking_uri)
+            except ImportError as error:  # a database URI whose driver is not installed
+                raise RegistryError(
+                    f"opening the registry at {self.tracking_uri}: it needs the Python package "
+                    f"{error.name or 'of its database driver'}, which is not installed"
+                ) from None
         self.artifact_root = artifact_root or _default_artifact_root(self.tracking_uri)
         self._experiment_ids: dict[str, str] = {}
         if self.tracking_uri.startswith(("http://", "https://")):
@@ -102,48 +122,62 @@ class MlflowConnection:
         try:
             yield
         except MlflowException as error:
-            message = f"{action} at {self.tracking_uri}: {error.message}"
+            message = f"{action} at {self.tracking_uri}: {cut(error.message, MESSAGE_LIMIT)}"
             raise registry_error(message, error) from None
         except (requests.exceptions.RequestException, ConnectionError, TimeoutError) as error:
             message = f"{action} at {self.tracking_uri}: {type(error).__name__}: {error}"
             raise registry_error(message, error) from None
 
     def _experiment(self, name: str, prefix: str) -> str:
-        """The id of experiment ``name``, created on first use with its artifacts under
-        ``<artifact root>/<prefix>`` (candidates and releases apart, so that storage
-        permissions can differ: docs/design.md#rs-secrecy)."""
+        """The id of experiment ``name``, created on first use with its artifacts apart from
+        every other experiment's (candidates and releases apart, so that permissions can
+        differ: docs/design.md#rs-secrecy): under ``<artifact root>/<prefix>``, or on a server
+        under the experiment's id (``mlflow-artifacts:/<id>``), the path by which MLflow's auth
+        app judges a proxied artifact request (a path not led by an experiment id gets the
+        server's default permission, none, even for the experiment's owner). The configured
+        readers (:mod:`~dpmerge.registry.readers`) get READ on an experiment this creates."""
         if name not in self._experiment_ids:
-            location = f"{self.artifact_root.rstrip('/')}/{prefix}" if self.artifact_root else None
+            location = None
+            if self.artifact_root and self.artifact_root != SERVER_ARTIFACT_ROOT:
+                location = f"{self.artifact_root.rstrip('/')}/{prefix}"
             with self._errors(f"opening experiment {name!r}"):
                 found = self._client.get_experiment_by_name(name)
                 if found is None:
                     try:
-                        self._experiment_ids[name] = self._client.create_experiment(
-                            name, artifact_location=location
-                        )
+                        created = self._client.create_experiment(name, artifact_location=location)
                     except MlflowException as error:
                         if error.error_code != "RESOURCE_ALREADY_EXISTS":
                             raise
                         found = self._client.get_experiment_by_name(name)
+                    else:
+                        readers = configured_readers().get(name, ())
+                        grant_read(self.tracking_uri, EXPERIMENT, created, readers)
+                        self._experiment_ids[name] = created
                 if found is not None:
                     self._experiment_ids[name] = found.experiment_id
         return self._experiment_ids[name]
 
     def _ensure_registered_model(self, name: str, role: str) -> None:
-        try:
-            self._client.create_registered_model(
-                name,
-                tags={"dp.kind": "candidates" if role == ROLE_CANDIDATE else "releases"},
-                description=(
-                    "dpmerge candidates (internal)"
-                    if role == ROLE_CANDIDATE
-                    else "dpmerge merged releases; see each version's privacy card"
-                ),
-            )
-        except MlflowException as error:
-            if error.error_code != "RESOURCE_ALREADY_EXISTS":
-                message = f"creating registered model {name}: {error.message}"
-                raise registry_error(message, error) from None
+        """Create registered model ``name`` unless it exists; the readers of its versions'
+        experiment get READ on one this creates."""
+        with self._errors(f"creating registered model {name}"):
+            try:
+                self._client.create_registered_model(
+                    name,
+                    tags={"dp.kind": "candidates" if role == ROLE_CANDIDATE else "releases"},
+                    description=(
+                        "dpmerge candidates (internal)"
+                        if role == ROLE_CANDIDATE
+                        else "dpmerge merged releases; see each version's privacy card"
+                    ),
+                )
+            except MlflowException as error:
+                if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                return
+            experiment = CANDIDATES_EXPERIMENT if role == ROLE_CANDIDATE else RELEASES_EXPERIMENT
+            readers = configured_readers().get(experiment, ())
+            grant_read(self.tracking_uri, REGISTERED_MODEL, name, readers)
 
     def _version(self, name: str, version: str) -> ModelVersion:
         try:
@@ -154,11 +188,13 @@ class MlflowConnection:
             raise registry_error(f"reading {name} v{version}: {error.message}", error) from None
 
     def _model_tags(self, name: str) -> dict[str, str] | None:
-        """The registered model's tags; ``None`` when there is no such model."""
+        """The registered model's tags; ``None`` when there is no such model this user can see
+        (MLflow's auth app answers PERMISSION_DENIED for a name the user has no grant on,
+        existing or not: docs/stack.md#roles-and-permissions)."""
         try:
             return dict(self._client.get_registered_model(name).tags)
         except MlflowException as error:
-            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            if error.error_code in ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED"):
                 return None
             message = f"reading registered model {name}: {error.message}"
             raise registry_error(message, error) from None
@@ -223,15 +259,30 @@ class MlflowConnection:
         record_bytes: bytes,
         card: PrivacyCard | None,
         role: str,
-    ) -> tuple[str, str, list[str]]:
+        dataset: str,
+    ) -> tuple[str, str, list[str], dict[str, str]]:
         """Save ``module`` as a pt2 model with the dpmerge files as extra files and upload it
-        as a logged model of the run. Returns model id, artifact location, files.
+        as a logged model of the run. Returns model id, artifact location, the dpmerge files
+        and the SHA-256 of every file uploaded (what a release's manifest signs).
 
         The input example (pt2 export traces with it and stores it) is random, drawn
         independently of everything: an RS release's weights are one candidate's, and a
         deterministic export would make their pt2 files, and so their S3 ETags, identical
-        (docs/design.md#rs-secrecy)."""
+        (docs/design.md#rs-secrecy). The model's signature states its input (a float32 tensor
+        (n, *input shape)) and output (logits), its metadata how raw images of ``dataset`` (a
+        published identifier) become that input, so a consumer can serve it as it is."""
         rng = np.random.default_rng(secrets.randbits(64))
+        signature = ModelSignature(
+            inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *loaded.spec.input_shape))]),
+            outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, loaded.spec.num_classes))]),
+        )
+        name = dataset_name(dataset)
+        shape = ", ".join(str(d) for d in loaded.spec.input_shape)
+        metadata = {  # a dataset without a loader (a test's) has only its shape to say
+            "input": preprocessing(name) if name in DATASET_NAMES else f"float32 (n, {shape})",
+            "output": f"float32 logits (n, {loaded.spec.num_classes}): the predicted class is "
+            "the argmax",
+        }
         example = rng.random((INPUT_EXAMPLE_BATCH, *loaded.spec.input_shape), dtype=np.float32)
         with self._errors("creating the logged model"):
             logged = self._client.create_logged_model(
@@ -252,10 +303,13 @@ class MlflowConnection:
                             artifact_path=MODEL_ARTIFACT, run_id=run_id, model_id=logged.model_id
                         ),
                         input_example=example,
+                        signature=signature,
+                        metadata=metadata,
                         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
                         extra_files=[str(f) for f in files],
                         serialization_format="pt2",
                     )
+                digests = file_digests(model_path)
                 with self._errors("uploading the logged model"):
                     self._client.log_model_artifacts(logged.model_id, str(model_path))
         except BaseException:
@@ -264,7 +318,7 @@ class MlflowConnection:
             raise
         with self._errors("finalising the logged model"):
             self._client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
-        return logged.model_id, logged.artifact_location, [f.name for f in files]
+        return logged.model_id, logged.artifact_location, [f.name for f in files], digests
 
     def _verify(
         self,
@@ -296,10 +350,12 @@ class MlflowConnection:
 def _stage_files(
     staging: Path, loaded: ModelDir, record_bytes: bytes, card: PrivacyCard | None
 ) -> list[Path]:
-    """Copy a model directory's files to ``staging``, with ``record_bytes`` as its record."""
+    """Copy a model directory's files to ``staging``, with ``record_bytes`` as its record. A
+    merge's ``privacy.json`` (the full report: it names the candidates) is not published; its
+    public card is."""
     staging.mkdir(parents=True, exist_ok=True)
     files = []
-    for name in (WEIGHTS_FILE, MODEL_FILE, METRICS_FILE, PRIVACY_FILE):
+    for name in (WEIGHTS_FILE, MODEL_FILE, METRICS_FILE):
         source = loaded.path / name
         if source.is_file():
             (staging / name).write_bytes(source.read_bytes())
@@ -315,7 +371,7 @@ def _stage_files(
 
 def _default_artifact_root(tracking_uri: str) -> str | None:
     if tracking_uri.startswith(("http://", "https://")):
-        return "mlflow-artifacts:"
+        return SERVER_ARTIFACT_ROOT
     if not tracking_uri.startswith("sqlite:///"):
         return None
     database = Path(tracking_uri.removeprefix("sqlite:///")).resolve()

@@ -1,6 +1,8 @@
-"""The registry's errors: a failed or refused operation, a temporary failure of the tracking
-server or its database (told apart by :func:`registry_error` from the failure's type, MLflow
-error code or HTTP status), and a refused promotion."""
+"""The registry's errors: a refused operation (bad input: a version, alias or model that is not
+there, a request the tracking server rejects), a failure of the tracking server or its
+database, temporary or not (told apart by :func:`registry_error` from the failure's type, MLflow
+error code or HTTP status), and a refused promotion. What each means for a command's exit
+status follows from its bases (:mod:`dpmerge.exits`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,13 @@ from collections.abc import Sequence
 
 import requests
 
-from dpmerge.errors import DPMergeError, InputError, IntegrityError, TransientError
+from dpmerge.errors import (
+    DPMergeError,
+    IntegrityError,
+    NotPromotedError,
+    OutageError,
+    TransientError,
+)
 
 TEMPORARY_HTTP_STATUS = frozenset({429, 503, 504})
 """HTTP statuses of a temporary failure. MLflow maps its error codes onto them:
@@ -30,16 +38,17 @@ exception's chain of causes."""
 
 
 class RegistryError(DPMergeError):
-    """A registry operation failed or was refused; the message names model and version."""
+    """A registry operation was refused; the message names model and version."""
 
 
-class RegistryUnavailableError(RegistryError, TransientError):
+class RegistryFailureError(RegistryError, OutageError):
+    """The tracking server or its database failed (an HTTP 5xx, an error that is not MLflow's
+    answer to the request): an outage or a bug, not bad input."""
+
+
+class RegistryUnavailableError(RegistryFailureError, TransientError):
     """The tracking server or its database failed temporarily (unreachable, timed out, 429,
     503, 504, a locked sqlite database): worth retrying."""
-
-
-class AliasOwnershipError(RegistryError, InputError):
-    """A policy named an alias that another policy owns (docs/design.md#security)."""
 
 
 class RecordIntegrityError(RegistryError, IntegrityError):
@@ -47,7 +56,7 @@ class RecordIntegrityError(RegistryError, IntegrityError):
     (changed after registration, unsigned, or signed with another key)."""
 
 
-class GateError(RegistryError):
+class GateError(RegistryError, NotPromotedError):
     """Promotion refused: a gate failed. The alias was not moved."""
 
     def __init__(self, name: str, version: str, reasons: Sequence[str]) -> None:
@@ -56,9 +65,11 @@ class GateError(RegistryError):
 
 
 def registry_error(message: str, error: BaseException) -> RegistryError:
-    """``message`` as a :class:`RegistryUnavailableError` when ``error`` — by its type, MLflow
-    error code or HTTP status, on its whole chain of causes — is a temporary failure, else as a
-    :class:`RegistryError`."""
+    """``message`` as the error ``error`` is, found from its type, MLflow error code or HTTP
+    status on its whole chain of causes: :class:`RegistryUnavailableError` for a temporary
+    failure; :class:`RegistryError` for MLflow's answer that the request itself is wrong (a 4xx:
+    invalid, not found, denied); :class:`RegistryFailureError` for anything else (a 5xx, or a
+    failure that is not MLflow's answer at all)."""
     from mlflow.exceptions import MlflowException  # here: reading the registry imports no MLflow
 
     seen: set[int] = set()
@@ -72,4 +83,6 @@ def registry_error(message: str, error: BaseException) -> RegistryError:
         if temporary_status or isinstance(cause, TEMPORARY_ERRORS):
             return RegistryUnavailableError(message)
         cause = cause.__cause__ or cause.__context__
-    return RegistryError(message)
+    if isinstance(error, MlflowException) and error.get_http_status_code() < 500:
+        return RegistryError(message)
+    return RegistryFailureError(message)

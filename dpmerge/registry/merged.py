@@ -1,9 +1,13 @@
-"""A merged model directory on its way into the registry: its checks, the release's hash, the
-privacy card, the ``dp.*`` tags, the run params and the public merge record. No MLflow calls.
-The merge record is reduced to its public keys, so no tag, param, card or artifact receives the
-RS draw; the candidates' records in it, the card and the tags carry the keyed dataset
-identifier and keyed lineages, never the training-data fingerprint or a seed
-(:mod:`dpmerge.publication`)."""
+"""A merged model directory on its way into the registry: its checks, the release's hash, its two
+privacy cards, the ``dp.*`` tags, the run params and the merge record. No MLflow calls.
+
+What MLflow receives is public — a consumer of the release may read it
+(docs/design.md#release-state): the public card, the guarantee's tags, the test accuracy, and a
+merge record of the method and counts only. The candidates' versions, their records (keyed
+dataset identifier and keyed lineages, never a fingerprint or seed: :mod:`dpmerge.publication`),
+the weights or rungs, the full privacy report and the internal card form the release's internal
+record (:meth:`MergedRelease.internal`), which the workflow keeps in the release-state store.
+Neither ever holds the RS draw."""
 
 from __future__ import annotations
 
@@ -17,12 +21,14 @@ from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.artifacts import ModelDir, load_model_dir
 from dpmerge.keys import WorkflowKey
 from dpmerge.privacy_card import CardCandidate, PrivacyCard, build_privacy_card
+from dpmerge.public_card import build_public_card
 from dpmerge.publication import public_record
 from dpmerge.registry.errors import RegistryError
 from dpmerge.registry.names import release_hash
 from dpmerge.registry.tags import ROLE_MERGED, tag_values
 
-PUBLIC_MERGE_KEYS = ("method", "weights", "bound", "calibration")
+INTERNAL_MERGE_KEYS = ("method", "weights", "rungs", "bound", "calibration")
+PUBLIC_POLICY_KEYS = ("name", "target_epsilon", "target_delta", "method", "tune_weights")
 
 
 @dataclass(frozen=True)
@@ -80,17 +86,17 @@ class MergedDir:
 
     def request_hash(self, parent_model: str, versions: Mapping[str, str]) -> str:
         """The release's identity; ``versions``: candidate name -> parent version."""
-        report = self.report
         return release_hash(
-            parent_model=parent_model,
-            parents=[versions[n] for n in self.names],
-            method=report["method"],
-            weights=report["weights"],
-            delta=report["delta"],
-            bound=report["bound"],
+            parent_model=parent_model, parents=[versions[n] for n in self.names], report=self.report
         )
 
-    def card(
+    @property
+    def tuned(self) -> bool:
+        """Whether validation accuracy tuned the LC weights (the policy's ``tune_weights``;
+        RS has no weights to tune)."""
+        return bool(self.policy.get("tune_weights")) and self.report["method"] != "rs"
+
+    def internal_card(
         self,
         name: str,
         versions: Mapping[str, str],
@@ -107,12 +113,27 @@ class MergedDir:
             ledger=ledger,
             metrics=self.loaded.metrics,
             notes=notes,
+            tuned=self.tuned,
         )
 
-    def tags(
-        self, parent_model: str, versions: Mapping[str, str], accuracy: Mapping[str, Any]
-    ) -> dict[str, str]:
-        """The version's ``dp.*`` tags; ``accuracy``: the ``dp.accuracy`` tags."""
+    def public_card(
+        self, name: str, ledger: Mapping[str, Any] | None, notes: Sequence[str] = ()
+    ) -> PrivacyCard:
+        return build_public_card(
+            self.report,
+            target_epsilon=self.target_epsilon,
+            target_delta=self.target_delta,
+            model_name=name,
+            policy_id=self.policy_id,
+            ledger=ledger,
+            metrics=self.loaded.metrics,
+            notes=notes,
+            tuned=self.tuned,
+        )
+
+    def tags(self, accuracy: Mapping[str, Any]) -> dict[str, str]:
+        """The version's ``dp.*`` tags (public: the guarantee, never a candidate);
+        ``accuracy``: the ``dp.accuracy`` tags."""
         report = self.report
         bounds = report.get("bounds", {})
         generic, structured = bounds.get("generic") or {}, bounds.get("structured") or {}
@@ -120,9 +141,6 @@ class MergedDir:
             {
                 "dp.role": ROLE_MERGED,
                 "dp.method": report["method"],
-                "dp.weights": json.dumps([float(w) for w in report["weights"]]),
-                "dp.parents": ",".join(versions[n] for n in self.names),
-                "dp.parent_model": parent_model,
                 "dp.gating_bound": report["bound"],
                 "dp.epsilon": report["epsilon"],
                 "dp.delta": report["delta"],
@@ -141,29 +159,78 @@ class MergedDir:
             }
         )
 
-    def params(self, parent_model: str, tags: Mapping[str, str]) -> dict[str, Any]:
-        """The run's params (``tags``: this version's, for parents and weights)."""
+    def params(self) -> dict[str, Any]:
+        """The run's params: the method, bound, δ and the public fields of the policy."""
         report = self.report
+        policy = {k: self.policy[k] for k in PUBLIC_POLICY_KEYS if k in self.policy}
         return {
             "method": report["method"],
             "bound": report["bound"],
             "delta": report["delta"],
-            "parent_model": parent_model,
-            "parents": tags["dp.parents"],
-            "weights": tags["dp.weights"],
-            "policy": json.dumps(dict(self.policy), sort_keys=True, default=str),
+            "policy": json.dumps(policy, sort_keys=True, default=str),
         }
 
     def public_record(self) -> bytes:
-        """The record file stored with the version: the merge's public keys, and each
-        candidate's record as published (keyed dataset identifier and lineages) with its own
-        bound."""
-        public = {k: self.merge[k] for k in PUBLIC_MERGE_KEYS if k in self.merge}
-        public["candidates"] = [
+        """The record file stored with the version: the method, its gating bound and how many
+        candidates (and merges) it combined."""
+        report = self.report
+        merge = {
+            "method": report["method"],
+            "bound": report["bound"],
+            "delta": report["delta"],
+            "candidates": len(report.get("used_candidates") or report["candidates"]),
+        }
+        if report.get("rungs"):
+            merge["merges"] = len(report["rungs"])
+        return json.dumps({"merge": merge}, indent=2).encode()
+
+    def internal_record(self) -> dict[str, Any]:
+        """The merge record as the internal record keeps it: method, weights or rungs, bound,
+        calibration, and each candidate's record as published with its own bound."""
+        internal = {k: self.merge[k] for k in INTERNAL_MERGE_KEYS if k in self.merge}
+        internal["candidates"] = [
             {
                 "record": record.model_dump(mode="json", exclude_none=True),
                 **({"privacy": dict(privacy)} if privacy is not None else {}),
             }
             for record, privacy in self.records
         ]
-        return json.dumps({"merge": public}, indent=2).encode()
+        return internal
+
+
+@dataclass(frozen=True)
+class MergedRelease:
+    """A merged directory checked and described for registration as ``name``: its parents
+    (candidate name -> version of ``parent_model``), its identity and its two cards."""
+
+    merged: MergedDir
+    name: str
+    parent_model: str
+    versions: dict[str, str]
+    content_hash: str
+    public: PrivacyCard
+    internal_card: PrivacyCard
+
+    @property
+    def parents(self) -> list[str]:
+        """The candidate versions, in the report's order."""
+        return [self.versions[n] for n in self.merged.names]
+
+    def internal(self) -> dict[str, Any]:
+        """The release's internal record (see the module docstring)."""
+        merged = self.merged
+        return {
+            "release": self.content_hash,
+            "model": self.name,
+            "dataset": merged.dataset,
+            "parent_model": self.parent_model,
+            "parents": self.parents,
+            "candidates": merged.names,
+            "used_candidates": list(merged.report.get("used_candidates") or merged.names),
+            "method": merged.report["method"],
+            "policy": dict(merged.policy),
+            "report": merged.report,
+            "merge": merged.internal_record(),
+            "card": self.internal_card.markdown,
+            "card_data": self.internal_card.data,
+        }

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,33 +69,37 @@ def _dir_hash(path: Path, files: Sequence[str]) -> str:
     return digest.hexdigest()
 
 
+def card_digest(description: str, card: Any) -> str:
+    """The digest a merged version's signature covers of its privacy card: the Markdown shown
+    as the version's description and the card's JSON (an edited card no longer matches)."""
+    digest = hashlib.sha256(description.encode())
+    digest.update(b"\0" + _canonical(card))
+    return digest.hexdigest()
+
+
 def candidate_content_hash(path: str | Path) -> str:
     """Identity of a candidate directory: its weights, architecture and record files."""
     return _dir_hash(Path(path), (WEIGHTS_FILE, MODEL_FILE, RECORD_FILE))
 
 
-def release_hash(
-    *,
-    parent_model: str,
-    parents: Sequence[str],
-    method: str,
-    weights: Sequence[float],
-    delta: float,
-    bound: str,
-) -> str:
-    """Identity of a release; ``parents`` in the order of ``weights``. Independent of the
-    merged weights (for RS it carries nothing about the draw) and of the policy and target
-    that asked for it (the same merge is one release, whoever asks)."""
-    return hashlib.sha256(
-        _canonical(
-            {
-                "schema": "dpmerge.release/1",
-                "parent_model": parent_model,
-                "parents": [str(v) for v in parents],
-                "method": method,
-                "weights": [float(w) for w in weights],
-                "delta": float(delta),
-                "bound": bound,
-            }
-        )
-    ).hexdigest()
+def release_hash(*, parent_model: str, parents: Sequence[str], report: Mapping[str, Any]) -> str:
+    """Identity of a release: the candidates (``parents``, in the order of the privacy
+    ``report``'s candidates), its method, weights (a mixture: its rungs' odds and weights), δ
+    and gating bound. Independent of the merged weights (for RS and the mixture it carries
+    nothing about the draw) and of the policy and target that asked for it (the same merge is
+    one release, whoever asks)."""
+    identity: dict[str, Any] = {
+        "schema": "dpmerge.release/1",
+        "parent_model": parent_model,
+        "parents": [str(v) for v in parents],
+        "method": report["method"],
+        "weights": [float(w) for w in report.get("weights") or ()],
+        "delta": float(report["delta"]),
+        "bound": report["bound"],
+    }
+    if report.get("rungs"):
+        identity["rungs"] = [
+            {"probability": float(r["probability"]), "weights": [float(w) for w in r["weights"]]}
+            for r in report["rungs"]
+        ]
+    return hashlib.sha256(_canonical(identity)).hexdigest()

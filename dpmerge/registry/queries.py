@@ -6,28 +6,41 @@ checked against their content hash and their signature). Every search goes throu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import re
+from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 import mlflow
 
-from dpmerge.artifacts import ModelDir, load_model_dir
+from dpmerge import manifests
+from dpmerge.accounting.records import candidate_from_dict
+from dpmerge.artifacts import load_model_dir
+from dpmerge.errors import InputError
 from dpmerge.keys import WorkflowKey
-from dpmerge.publication import signature_ok
 from dpmerge.registry.catalog import summaries
 from dpmerge.registry.connection import EXTRA_DIR, MlflowConnection
 from dpmerge.registry.errors import RecordIntegrityError, RegistryError
 from dpmerge.registry.filters import search_filter
 from dpmerge.registry.names import candidate_content_hash, slug
 from dpmerge.registry.tags import (
-    ALIAS_OWNER_TAG,
-    RELEASED_TAG,
+    MANIFEST_TAG,
+    PUBLISHED_RECORD_TAG,
     ROLE_CANDIDATE,
     ROLE_MERGED,
     SIGNATURE_TAG,
     STATUS_READY,
 )
-from dpmerge.registry.versions import RegisteredCandidate, StoredVersion, VersionSummary
+from dpmerge.registry.versions import (
+    RegisteredCandidate,
+    StoredVersion,
+    VersionSummary,
+)
+
+MODEL_URI = re.compile(
+    r"^models:/(?P<name>[^@/]+)(?:@(?P<alias>[A-Za-z0-9_-]+)|/(?P<version>[1-9][0-9]*))$"
+)
 
 
 class RegistryQueries(MlflowConnection):
@@ -36,16 +49,35 @@ class RegistryQueries(MlflowConnection):
     :meth:`WorkflowKey.from_env`), which verifies candidate signatures."""
 
     def __init__(
-        self, tracking_uri: str | None, artifact_root: str | None, keys: WorkflowKey | None
+        self,
+        tracking_uri: str | None,
+        artifact_root: str | None,
+        keys: WorkflowKey | None,
+        public_key: str | None = None,
     ) -> None:
         super().__init__(tracking_uri, artifact_root)
         self._keys = keys
+        self._public_key = public_key
 
     @property
     def keys(self) -> WorkflowKey:
+        """The workflow's secret key, to sign (default: loaded on first use); a registry made
+        with only a ``public_key`` (an operator's, a consumer's) has none."""
         if self._keys is None:
+            if self._public_key is not None:
+                raise InputError(
+                    "this needs the workflow's secret key, which only the workflow role holds"
+                )
             self._keys = WorkflowKey.from_env()
         return self._keys
+
+    @property
+    def public_key(self) -> str:
+        """The key every signature is verified with: the public half of the workflow's key,
+        or for a registry without it the one given (``""``: ``$DPMERGE_RELEASE_PUBLIC_KEY``)."""
+        if self._keys is None and self._public_key is not None:
+            return self._public_key or manifests.configured_public_key()
+        return manifests.public_key_hex(self.keys)
 
     def get_version(self, name: str, version: str | int) -> StoredVersion:
         """Version ``version`` of ``name`` with its tags; :class:`RegistryError` if missing."""
@@ -62,33 +94,55 @@ class RegistryQueries(MlflowConnection):
     def model_exists(self, name: str) -> bool:
         return self._model_tags(name) is not None
 
-    def alias_owner(self, name: str, alias: str) -> str | None:
-        """The policy that owns ``alias`` of ``name``: the owner recorded when a policy first set
-        it, else (an alias set before owners were recorded) the policy of the version it names;
-        ``None`` for an alias nobody set."""
-        tags = self._model_tags(name)
-        if tags is None:
-            return None
-        if tags.get(ALIAS_OWNER_TAG + alias):
-            return tags[ALIAS_OWNER_TAG + alias]
-        version = self._aliases(name).get(alias)
-        return self.get_version(name, version).tags.get("dp.policy") if version else None
-
-    def find_ready_version(self, name: str, content_hash: str) -> StoredVersion | None:
-        """The ready version of ``name`` with this content hash (a release already registered:
-        a flow can check this before merging, so RS draws once per release)."""
+    def find_ready_version(
+        self, name: str, content_hash: str, *, exclude: Collection[str] = ()
+    ) -> StoredVersion | None:
+        """The first ready version of ``name`` with this content hash whose signature
+        verifies, versions in ``exclude`` (quarantined) left out: a release already registered,
+        which a flow reuses instead of merging (so RS draws once per release). A version whose
+        tags were changed after registration, or one planted without the workflow's key, is
+        never returned."""
         found = self._search(search_filter(name, {"dp.content_hash": content_hash}))
-        ready = [v for v in found if v.tags.get("dp.status") == STATUS_READY]
+        ready = [
+            v
+            for v in found
+            if v.tags.get("dp.status") == STATUS_READY
+            and v.version not in exclude
+            and self.signed(v)
+        ]
         return min(ready, key=lambda v: int(v.version)) if ready else None
+
+    def signed(self, stored: StoredVersion) -> bool:
+        """Whether ``stored`` carries the workflow's signature (its manifest verifies)."""
+        try:
+            self.manifest(stored)
+        except manifests.ReleaseSignatureError:
+            return False
+        return True
+
+    def manifest(self, stored: StoredVersion, public_key: str | None = None) -> manifests.Manifest:
+        """The signed manifest of version ``stored``, verified under ``public_key`` (default
+        :attr:`public_key`) and against the version's tags;
+        :class:`~dpmerge.manifests.ReleaseSignatureError` otherwise."""
+        tags = stored.tags
+        key = public_key or self.public_key
+        manifest = manifests.verify(tags.get(MANIFEST_TAG), tags.get(SIGNATURE_TAG), key)
+        manifests.check_facts(manifest, tags)
+        if (manifest.model, manifest.release) != (stored.name, tags.get("dp.content_hash")):
+            raise manifests.ReleaseSignatureError(
+                f"the manifest of {stored.name} v{stored.version} is another release's"
+            )
+        return manifest
 
     def versions_with_hash(self, name: str, content_hash: str) -> list[StoredVersion]:
         """Every version of ``name`` with this content hash, whatever its status."""
         return self._search(search_filter(name, {"dp.content_hash": content_hash}))
 
-    def released_versions(self, dataset: str | None = None) -> list[StoredVersion]:
-        """The merged versions (of ``dataset``, a published identifier, if given) that a release
-        ledger recorded (tag ``dp.released``): the ledger must hold them all."""
-        tags = {"dp.role": ROLE_MERGED, RELEASED_TAG: "true"}
+    def merged_versions(self, dataset: str | None = None) -> list[StoredVersion]:
+        """Every merged version (of ``dataset``, a published identifier, if given), whatever
+        its status: each one whose signature verifies had its evaluation published, so the
+        release ledger must count it (docs/design.md#release-ledger)."""
+        tags = {"dp.role": ROLE_MERGED}
         if dataset is not None:
             tags["dp.dataset"] = dataset
         return self._search(search_filter(tags=tags))
@@ -118,10 +172,11 @@ class RegistryQueries(MlflowConnection):
         ]
         return summaries(found, self._aliases, internal=internal)
 
-    def verify_candidate(self, stored: StoredVersion, path: Path) -> ModelDir:
-        """Load the candidate directory ``path`` of version ``stored`` after checking that its
-        files hash to the version's ``dp.content_hash`` and that this hash carries the
-        workflow's signature; :class:`RecordIntegrityError` (with the repair) otherwise."""
+    def verify_candidate(self, stored: StoredVersion, path: Path) -> RegisteredCandidate:
+        """The candidate directory ``path`` of version ``stored``, loaded after checking that
+        its files hash to the version's ``dp.content_hash`` and that its manifest — content
+        hash, record as published, every signed tag — verifies under :attr:`public_key`;
+        :class:`RecordIntegrityError` (with the repair) otherwise."""
         where = f"{stored.name} v{stored.version}"
         content_hash = candidate_content_hash(path)
         if content_hash != stored.tags.get("dp.content_hash"):
@@ -129,14 +184,16 @@ class RegistryQueries(MlflowConnection):
                 f"{where}: its files do not match dp.content_hash; "
                 f"{repair_hint(stored.name, stored.version)}"
             )
-        if not signature_ok(content_hash, stored.tags.get(SIGNATURE_TAG), self.keys):
-            why = "unsigned" if not stored.tags.get(SIGNATURE_TAG) else "signature mismatch"
+        try:
+            self.manifest(stored)
+        except manifests.ReleaseSignatureError as error:
             raise RecordIntegrityError(
-                f"{where}: its record fails verification ({why}; key {self.keys.key_id}, "
-                f"signed with {stored.tags.get('dp.key_id', 'no key')}); "
+                f"{where}: its record fails verification ({error}; signed with key "
+                f"{stored.tags.get('dp.key_id', 'none')}); "
                 f"{repair_hint(stored.name, stored.version)}"
-            )
-        return load_model_dir(path)
+            ) from None
+        published = candidate_from_dict(json.loads(stored.tags[PUBLISHED_RECORD_TAG]))
+        return RegisteredCandidate(stored.name, stored.version, load_model_dir(path), published)
 
     def load_candidates(
         self,
@@ -160,9 +217,59 @@ class RegistryQueries(MlflowConnection):
             if tags.get("dp.role") != ROLE_CANDIDATE or tags.get("dp.status") != STATUS_READY:
                 raise RegistryError(f"{name} v{version} is not a ready candidate version")
             path = self.download_candidate(name, version, root)
-            model_dir = self.verify_candidate(stored, path)
-            result.append(RegisteredCandidate(name, version, model_dir))
+            result.append(self.verify_candidate(stored, path))
         return result
+
+    def download_model(self, name: str, version: str | int, dest: str | Path) -> Path:
+        """Every file of a version's MLflow model (what ``mlflow.pyfunc.load_model`` loads),
+        downloaded under ``dest`` (not verified)."""
+        mv = self._version(name, str(version))
+        with self._errors(f"downloading {name} v{version}"):
+            return Path(
+                mlflow.artifacts.download_artifacts(
+                    artifact_uri=mv.source,
+                    dst_path=str(Path(dest) / f"{slug(name, 80)}-v{version}-model"),
+                    tracking_uri=self.tracking_uri,
+                )
+            )
+
+    def verified_model(
+        self, name: str, version: str | int, dest: str | Path, public_key: str
+    ) -> tuple[manifests.Manifest, Path]:
+        """A release's manifest and model files, downloaded under ``dest`` and checked against
+        its Ed25519 signature under ``public_key`` (tags and every file);
+        :class:`~dpmerge.manifests.ReleaseSignatureError` when anything differs."""
+        stored = self.get_version(name, version)
+        manifest = self.manifest(stored, public_key)
+        root = self.download_model(name, version, dest)
+        manifests.check_files(manifest, root)
+        return manifest, root
+
+    def resolve(self, model_uri: str) -> tuple[str, str]:
+        """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` as (name, version);
+        :class:`RegistryError` for another form or an alias the model does not have."""
+        match = MODEL_URI.match(model_uri)
+        if match is None:
+            raise RegistryError(
+                f"expected models:/NAME@ALIAS or models:/NAME/VERSION, got {model_uri[:120]!r}"
+            )
+        name, alias, version = match["name"], match["alias"], match["version"]
+        if alias is not None:
+            aliases = self._aliases(name) if self.model_exists(name) else {}
+            if alias not in aliases:
+                raise RegistryError(f"{name} has no alias {alias!r} this user can see")
+            version = aliases[alias]
+        return name, str(version)
+
+    def load_verified(self, model_uri: str, dest: str | Path, public_key: str) -> Any:
+        """The release ``model_uri`` names as an MLflow pyfunc model, loaded from ``dest`` only
+        after its files and tags were checked against its signature under ``public_key``
+        (docs/design.md#security); :class:`~dpmerge.manifests.ReleaseSignatureError` when they
+        differ: swapped weights are never loaded."""
+        name, version = self.resolve(model_uri)
+        _, root = self.verified_model(name, version, dest, public_key)
+        with self._errors(f"loading {model_uri}"):
+            return mlflow.pyfunc.load_model(str(root))
 
     def download_candidate(self, name: str, version: str | int, dest: str | Path) -> Path:
         """The dpmerge files of a version, downloaded under ``dest`` (not verified)."""
@@ -178,10 +285,10 @@ class RegistryQueries(MlflowConnection):
 
 
 def repair_hint(name: str, version: str) -> str:
-    """What to do about a candidate whose record fails verification."""
+    """What to do about a candidate whose record fails verification. Nothing re-signs a
+    record after the fact from data an insider can write: only the training that produced a
+    record signs it (docs/design.md#security)."""
     return (
-        f"if its record was changed after registration, take it out of use with "
-        f"`dpmerge registry quarantine {name} {version}` (and retrain); if it predates record "
-        f"signing or the workflow key changed, check it against its run's params and re-sign "
-        f"it with `dpmerge registry sign {name} {version}`"
+        f"take it out of use with `dpmerge registry quarantine {name} {version}` and retrain "
+        "the candidate (only the training that produced a record signs it)"
     )

@@ -13,10 +13,20 @@ ROLE_CANDIDATE, ROLE_MERGED = "candidate", "merged"
 STATUS_REGISTERING, STATUS_READY, STATUS_FAILED = "registering", "ready", "failed"
 STATUS_QUARANTINED = "quarantined"  # taken out of use by an operator (a record that failed)
 TAG_VALUE_LIMIT = 5000  # bytes every MLflow backend stores for a tag value
-ALIAS_TIME_TAG = "dp.alias_time."  # + alias: on a registered model, the event time of its change
-ALIAS_OWNER_TAG = "dp.alias_owner."  # + alias: on a registered model, the policy that owns it
-RELEASED_TAG = "dp.released"  # "true" on a merged version once the release ledger counts it
-SIGNATURE_TAG, KEY_ID_TAG = "dp.signature", "dp.key_id"  # a candidate's record signature
+SIGNATURE_TAG, KEY_ID_TAG = "dp.signature", "dp.key_id"  # a version's signature, its key
+MANIFEST_TAG = "dp.manifest"  # a merged version's signed manifest (dpmerge.manifests)
+PUBLISHED_RECORD_TAG = "dp.published_record"  # a candidate's record as published (JSON)
+LIFECYCLE_TAGS = frozenset(
+    {"dp.status", "dp.failure", "dp.registering_by", SIGNATURE_TAG, MANIFEST_TAG, KEY_ID_TAG}
+)
+"""The ``dp.*`` tags that may change after registration (status, why, who registers) or that
+carry the signature itself; every other ``dp.*`` tag is a signed fact."""
+SERVED_TAG = "dpmerge.serves."  # + alias: on a registered model, what the alias serves (display)
+MLFLOW_ALIAS_LIMIT = 255  # MLflow's MAX_REGISTERED_MODEL_ALIAS_LENGTH
+MLFLOW_TAG_KEY_LIMIT = 250  # MLflow's MAX_MODEL_REGISTRY_TAG_KEY_LENGTH
+ALIAS_LIMIT = min(MLFLOW_ALIAS_LIMIT, MLFLOW_TAG_KEY_LIMIT - len(SERVED_TAG))
+"""Longest alias a policy may own: MLflow's own limit, and short enough that the registered
+model's tag showing what it serves (``dpmerge.serves.<alias>``) fits MLflow's tag-key limit."""
 FAILURE_TAG = "dp.failure"  # why a version was marked failed or quarantined
 REGISTERING_BY_TAG = "dp.registering_by"  # host:pid of the process registering a version
 
@@ -31,6 +41,11 @@ def tag_value(value: Any) -> str:
 def tag_values(values: Mapping[str, Any]) -> dict[str, str]:
     """The tags of ``values`` that are set, as strings."""
     return {k: tag_value(v) for k, v in values.items() if v is not None}
+
+
+def signed_facts(tags: Mapping[str, str]) -> dict[str, str]:
+    """The tags a version's signature covers: its ``dp.*`` tags but the lifecycle ones."""
+    return {k: v for k, v in tags.items() if k.startswith("dp.") and k not in LIFECYCLE_TAGS}
 
 
 def tag_float(value: Any) -> float | None:

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from dpmerge.registry.tags import ROLE_CANDIDATE, tag_float
 
-if TYPE_CHECKING:  # neither is imported to read the registry (``dpmerge registry ls``)
+if TYPE_CHECKING:  # none is imported to read the registry (``dpmerge registry ls``)
     from mlflow.entities.model_registry import ModelVersion
 
+    from dpmerge.accounting.records import Candidate
     from dpmerge.artifacts import ModelDir
 
 
@@ -40,20 +41,58 @@ class RegisteredVersion:
 
 @dataclass(frozen=True)
 class RegisteredCandidate:
-    """A ready candidate version and its model directory, downloaded and checked."""
+    """A ready candidate version, its model directory (downloaded and checked) and its record
+    as published (keyed dataset identifier and lineages, from its signed tags: what the release
+    ledger counts, docs/design.md#release-ledger)."""
 
     name: str
     version: str
     model_dir: ModelDir
+    published: Candidate
 
 
 @dataclass(frozen=True)
-class Promotion:
+class ReleaseFacts:
+    """What a merged version promises, from its signed tags
+    (:meth:`~dpmerge.registry.Registry.release_facts`)."""
+
     name: str
-    alias: str
     version: str
-    previous: str | None
-    changed: bool
+    role: str
+    content_hash: str
+    dataset: str
+    epsilon: float
+    delta: float
+    bound: str
+    accountant: str | None
+    accuracy: float | None
+
+    @classmethod
+    def of(cls, stored: StoredVersion) -> ReleaseFacts:
+        tags = stored.tags
+        return cls(
+            name=stored.name,
+            version=stored.version,
+            role=tags.get("dp.role", ""),
+            content_hash=tags.get("dp.content_hash", ""),
+            dataset=tags.get("dp.dataset", ""),
+            epsilon=tag_float(tags.get("dp.epsilon")) or float("inf"),
+            delta=tag_float(tags.get("dp.delta")) or 1.0,
+            bound=tags.get("dp.gating_bound", ""),
+            accountant=tags.get("dp.accountant"),
+            accuracy=tag_float(tags.get("dp.accuracy")),
+        )
+
+    def unmet(self, target_epsilon: float, target_delta: float, min_accuracy: float) -> list[str]:
+        """Why these facts fail a policy's gates (empty: they pass)."""
+        reasons = []
+        if self.epsilon > target_epsilon:
+            reasons.append(f"gating ε = {self.epsilon} exceeds the target {target_epsilon:g}")
+        if self.delta > target_delta:
+            reasons.append(f"δ = {self.delta} exceeds the target {target_delta:g}")
+        if self.accuracy is None or self.accuracy < min_accuracy:
+            reasons.append(f"accuracy {self.accuracy} is below the minimum {min_accuracy:g}")
+        return reasons
 
 
 @dataclass(frozen=True)
@@ -70,7 +109,6 @@ class VersionSummary:
     bound: str | None
     accuracy: float | None
     method: str | None
-    parents: str | None
     aliases: tuple[str, ...]
     policy: str | None = None
     target_epsilon: float | None = None
@@ -93,7 +131,6 @@ class VersionSummary:
             bound=mv.tags.get("dp.gating_bound"),
             accuracy=tag_float(mv.tags.get("dp.accuracy")) if public else None,
             method=mv.tags.get("dp.method"),
-            parents=mv.tags.get("dp.parents"),
             aliases=tuple(sorted(aliases)),
             policy=mv.tags.get("dp.policy"),
             target_epsilon=tag_float(mv.tags.get("dp.target_epsilon")),

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.delta import check_delta_against
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelSpec, save_model_dir
 from dpmerge.data import DatasetSplits
@@ -60,12 +61,14 @@ def train_candidate(config: TrainConfig, data: DatasetSplits) -> TrainResult:
     """Train one DP-SGD candidate on ``data.train`` and record what ran.
 
     With ``config.checkpoint_path`` set, an existing checkpoint of the same run is resumed and
-    a checkpoint is written every ``checkpoint_every`` steps and at the end.
+    a checkpoint is written every ``checkpoint_every`` steps and at the end. A δ of 1/n or more
+    for the n training rows is refused (:func:`~dpmerge.accounting.delta.check_delta_against`).
     """
     if config.dataset != data.name:
         raise TrainingConfigError(
             f"config is for dataset {config.dataset.value!r} but the data is {data.name!r}"
         )
+    check_delta_against(config.delta, data.dataset_size)  # δ ≥ 1/n is refused before training
     device = config.torch_device()
     spec = model_spec(config.model, data)
     plan = plan_mechanism(config, data.dataset_size)

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dpmerge.locate import command, resolve_home
+from dpmerge.locate import command, locate_registry, resolve_home
+from dpmerge.state.policies import set_policy
 from flows.commands.policy import EXIT_CODES, outcome_line, run_policy
 from flows.commands.policy_options import default_dataset
 
@@ -117,7 +118,9 @@ def handle(args: argparse.Namespace) -> int:
     if args.epochs:
         plan["epochs"] = args.epochs
     policy = _example_policy(dataset, args.target_epsilon)
+    located = locate_registry(home=home, create=True)
     print(f"dpmerge demo — state in {home} (MLflow sqlite + artifacts, PREFECT_HOME, ledger)")
+    print(located.describe())
     print(
         f"dataset {dataset}, logistic regression; policy {policy.name!r}: "
         f"(ε*, δ*) = ({policy.target_epsilon:g}, {policy.target_delta:g}), "
@@ -126,15 +129,17 @@ def handle(args: argparse.Namespace) -> int:
 
     from dpmerge import policy_merge as pm
     from dpmerge.registry import RegistryError
-    from flows.report import pareto_report
     from flows.training import train_candidates
 
     workspace = pm.Workspace.from_env()
     start = time.perf_counter()
     existing: tuple[str, ...] = ()
     with contextlib.suppress(RegistryError):
-        existing = pm.find_candidates(workspace.registry(), dataset, "logreg").versions
+        existing = pm.find_candidates(
+            workspace.registry(), dataset, "logreg", workspace.state()
+        ).versions
     trained = not existing or args.retrain
+    frontier = None
     if not trained:
         print(f"[1/4] reusing {len(existing)} registered candidates (--retrain to train new)")
     else:
@@ -143,23 +148,28 @@ def handle(args: argparse.Namespace) -> int:
             f"(σ = {', '.join(f'{s:g}' for s in plan['noise_multipliers'])}, "
             f"{plan['epochs']} epochs each) and registering them …"
         )
-        train_candidates(dataset=dataset, model="logreg", limit=args.limit, **plan)
+        training = train_candidates(dataset=dataset, model="logreg", limit=args.limit, **plan)
+        frontier = training["frontier"]
     _print_candidates(workspace, dataset, policy.target_delta)
     print(
         f"\n[2/4] applying policy {policy.name!r} (calibrate → merge → evaluate → register → "
         "promote) …"
     )
-    outcome = run_policy(policy)
+    change = set_policy(
+        workspace.state(), policy.name, policy.event_payload(), source="dpmerge demo"
+    )
+    outcome = run_policy(change.version)
     print()
     print(outcome_line(outcome))
     if outcome.get("version"):
         card = workspace.registry().card_text(outcome["merged_model"], outcome["version"])
         print("\n[3/4] privacy card of the release\n")
         print(card)
-    if trained:
-        print("\n[4/4] the privacy–utility frontier (RS and LC at 6 targets) → MLflow …")
-        report = pareto_report(dataset=dataset, model="logreg", delta=policy.target_delta)
-        print(f"  logged to MLflow run {report['run_id']} (experiment dpmerge-reports)")
+    if frontier is not None:
+        print("\n[4/4] the privacy–utility frontier (RS and LC at 6 targets), made by training:")
+        print(f"  logged to MLflow run {frontier['run_id']} (experiment dpmerge-reports)")
+    elif trained:
+        print("\n[4/4] frontier: the report failed (see the log above); the candidates stand")
     else:
         print("\n[4/4] frontier: logged when the candidates were trained (--retrain to redo)")
     print(f"\ndone in {time.perf_counter() - start:.0f} s.\n")
@@ -172,7 +182,7 @@ def _print_candidates(workspace: Any, dataset: str, delta: float) -> None:
     from dpmerge.formatting import epsilon_text
 
     registry = workspace.registry()
-    pool = pm.find_candidates(registry, dataset, "logreg")
+    pool = pm.find_candidates(registry, dataset, "logreg", workspace.state())
     rows = [["version", "candidate", "σ", "ε (accountant, δ)", "test accuracy"]]
     for version in pool.versions:
         tags = registry.get_version(pool.registered_model, version).tags
@@ -216,10 +226,9 @@ def _next_steps(home: Path, policy: str, release: str | None) -> str:
         policy,
         "--target-epsilon",
         "3",
-        "--delta",
-        "1e-5",
         *([] if found else ["--home", str(home)]),
     )
+    history = command("policy", "history", policy, *([] if found else ["--home", str(home)]))
     return f"""Look at it (commands run from this directory):
   MLflow UI:  {mlflow} --port 5000
               then http://127.0.0.1:5000 → Models (…-candidates and …-releases, the alias,
@@ -231,4 +240,5 @@ def _next_steps(home: Path, policy: str, release: str | None) -> str:
   Registry:   {command("registry", "ls", *where)}
               {show}
   Policies:   {policy_set} --dry-run   (what it would release)
-              {policy_set}             (apply it here, in-process)"""
+              {policy_set}             (apply it here, in-process)
+              {history}   (every version: who, when, what changed, how it ended)"""

@@ -1,8 +1,9 @@
 """The ``policy set`` options, generated from :class:`dpmerge.policies.Policy` so that the two
 never drift: one ``--field-name`` per field, its help the field's description, ``choices=``
 for the closed vocabularies (the field's enum), numbers parsed as numbers (the model still
-checks the ranges), required where the model requires the field and the command has no
-default of its own (``--dataset``, ``--model``)."""
+checks the ranges). Only ``--name`` is required: ``set`` changes the fields it is given and
+keeps the stored values of the others (docs/design.md#release-state); a new policy needs its
+target, and takes the command's dataset and model defaults (``--dataset``, ``--model``)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
+def _boolean(text: str) -> bool:
+    """``true`` or ``false`` (a given option can also switch a stored ``true`` off)."""
+    if text not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text == "true"
+
+
 def _option(name: str, field: FieldInfo) -> tuple[list[str], dict[str, Any]]:
     flags = [f"--{name.replace('_', '-')}", *ALIASES.get(name, ())]
     kind = _base_type(field.annotation)
@@ -49,16 +57,20 @@ def _option(name: str, field: FieldInfo) -> tuple[list[str], dict[str, Any]]:
     elif kind is float:
         options["type"] = float
         options["metavar"] = "X"
-    if field.is_required() and name not in COMMAND_DEFAULTS:
+    elif kind is bool:
+        options["type"] = _boolean
+        options["metavar"] = "true|false"
+    options["default"] = None
+    if name == "name":
         options["required"] = True
-    else:
-        default = None if field.is_required() else field.get_default()
-        options["default"] = None
-        if default is not None:
-            shown = default.value if isinstance(default, StrEnum) else default
-            options["help"] += f" (default {shown})"
-        elif name in COMMAND_DEFAULTS:
-            options["help"] += f" (default {COMMAND_DEFAULTS[name]()})"
+        return flags, options
+    default = None if field.is_required() else field.get_default()
+    if default is not None:
+        shown = default.value if isinstance(default, StrEnum) else default
+        shown = str(shown).lower() if isinstance(shown, bool) else shown
+        options["help"] += f" (a new policy's default: {shown})"
+    elif name in COMMAND_DEFAULTS:
+        options["help"] += f" (a new policy's default: {COMMAND_DEFAULTS[name]()})"
     return flags, options
 
 
@@ -69,14 +81,14 @@ def add_policy_options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(*flags, **options)
 
 
-def policy_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The policy the options describe: given values, the command's defaults, and the model's
-    own defaults for the rest (an option not given is left out)."""
-    fields: dict[str, Any] = {}
-    for name in Policy.model_fields:
-        value = getattr(args, name)
-        if value is None and name in COMMAND_DEFAULTS:
-            value = COMMAND_DEFAULTS[name]()
-        if value is not None:
-            fields[name] = value
-    return fields
+def given_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields whose options were given (an option not given is left out: ``set`` keeps
+    the stored value)."""
+    return {
+        name: getattr(args, name) for name in Policy.model_fields if getattr(args, name) is not None
+    }
+
+
+def new_policy_defaults() -> dict[str, Any]:
+    """The command's defaults for fields a new policy needs and the model does not default."""
+    return {name: make() for name, make in COMMAND_DEFAULTS.items()}

@@ -22,7 +22,7 @@ from dpmerge.accounting.account import MAX_CANDIDATES, account
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.generic import generic_bound, release_units
-from dpmerge.accounting.ledger import ReleaseLedger, release_of
+from dpmerge.accounting.ledger import cumulative_bound, release_of
 from dpmerge.accounting.structured import ORDERING_SLACK
 from dpmerge.errors import InputError, RecordError, RefusalError
 from dpmerge.vocabulary import UnitKind
@@ -185,15 +185,16 @@ def test_checkpoints_collapse_only_on_an_explicit_run_identity():
     assert account([twin_a, twin_b], "rs", [0.5, 0.5], DELTA).gating.available
 
 
-def test_ledger_over_shared_batch_candidates_is_the_unit_composition(tmp_path):
+def test_ledger_over_shared_batch_candidates_is_the_unit_composition():
     q, steps = 0.01, 600
     a = shared("a", 1.0, sample_rate=q, steps=steps)
     b = shared("b", 1.5, sample_rate=q, steps=steps)
     c = make_record("c", 2.0, sample_rate=q, steps=steps)
-    ledger = ReleaseLedger(tmp_path / "ledger.json")
-    ledger.record(release_of("r1", "rs", [a, b, c], [0.5, 0.0, 0.5]), DELTA)
-    ledger.record(release_of("r2", "lc", [a, b, c], [0.0, 1.0, 0.0]), DELTA)
-    cumulative = ledger.cumulative(a.dataset, DELTA)
+    releases = [
+        release_of("r1", "rs", [a, b, c], [0.5, 0.0, 0.5]),
+        release_of("r2", "lc", [a, b, c], [0.0, 1.0, 0.0]),
+    ]
+    cumulative = cumulative_bound(releases, DELTA)
     pld_eps, rdp_eps = library_epsilons(
         [subsampled(effective_sigma([1.0, 1.5]), q, steps), subsampled(2.0, q, steps)]
     )

@@ -1,0 +1,109 @@
+"""What ``up`` creates inside the running services, through their own APIs
+(docs/stack.md#roles-and-permissions): the MLflow users, the Prefect work pools with job
+templates a caller cannot override, and the workflow key as a Prefect Secret block.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from devstack import credentials as secrets_store
+from devstack.config import StackConfig, StackError, repo_root
+from devstack.credentials import Credentials
+from devstack.roles import SECRET_BLOCK, basic_auth, prefect_headers
+from dpmerge.environment import QUIET, probe
+from dpmerge.vocabulary import StackRole
+
+API_TIMEOUT_S = 30.0
+
+
+def create_mlflow_users(config: StackConfig, creds: Credentials) -> None:
+    """One MLflow user per role, created by the auth app's admin (an existing user gets its
+    password set again, so the state directory's secrets stay the truth)."""
+    admin = basic_auth(secrets_store.MLFLOW_ADMIN, creds.mlflow_admin)
+
+    def call(path: str, method: str, body: dict[str, str]) -> Any:
+        url = f"{config.mlflow_url}/api/2.0/mlflow/users/{path}"
+        return probe(url, method=method, body=body, headers=admin, timeout_s=API_TIMEOUT_S)
+
+    for role in StackRole:
+        body = {"username": role.value, "password": creds.mlflow_users[role.value]}
+        answer = call("create", "POST", body)
+        if not answer.ok and _error_code(answer.body) == "RESOURCE_ALREADY_EXISTS":
+            answer = call("update-password", "PATCH", body)
+        if not answer.ok:
+            raise StackError(
+                f"creating the MLflow user {role.value!r} failed: {answer.error} {answer.body}"
+            )
+
+
+def _error_code(body: Any) -> str | None:
+    return body.get("error_code") if isinstance(body, dict) else None
+
+
+def pool_command(pool: str) -> str:
+    """The one command a pool's flow runs start with: the ``cpu`` pool's runs start from the
+    warm process (flows/warm.py), the ``gpu`` pool's from a fresh engine."""
+    python = sys.executable
+    if pool == "cpu":
+        return f"{python} {repo_root() / 'flows' / 'warm.py'}"
+    return f"{python} -m prefect.engine"
+
+
+def locked_template(pool: str) -> dict[str, Any]:
+    """A ``process`` pool's base job template with no variable at all: command, environment,
+    working directory and labels are fixed here, and the schema admits no job variable, so
+    neither a deployment nor a flow run can change what a worker executes."""
+    return {
+        "job_configuration": {
+            "command": pool_command(pool),
+            "env": dict(QUIET),
+            "labels": {},
+            "name": None,
+            "stream_output": True,
+            "working_dir": None,
+        },
+        "variables": {"type": "object", "properties": {}, "additionalProperties": False},
+    }
+
+
+def ensure_pools(config: StackConfig, creds: Credentials) -> None:
+    """Create the ``process`` pools, or set their template back to :func:`locked_template`."""
+    headers = prefect_headers(creds)
+    for pool in config.pools:
+        template = locked_template(pool)
+        answer = probe(
+            f"{config.prefect_api_url}/work_pools/",
+            method="POST",
+            body={"name": pool, "type": "process", "base_job_template": template},
+            headers=headers,
+            timeout_s=API_TIMEOUT_S,
+        )
+        if answer.status == 409:
+            answer = probe(
+                f"{config.prefect_api_url}/work_pools/{pool}",
+                method="PATCH",
+                body={"base_job_template": template},
+                headers=headers,
+                timeout_s=API_TIMEOUT_S,
+            )
+        if not answer.ok:
+            raise StackError(f"creating work pool {pool!r} failed: {answer.error} {answer.body}")
+
+
+def ensure_secret_block(config: StackConfig, creds: Credentials) -> None:
+    """Save the workflow key (``STATE/secrets/workflow.key``, its backup) as the Prefect Secret
+    block :data:`~devstack.roles.SECRET_BLOCK`, unless the block exists."""
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    settings = {
+        PREFECT_API_URL: config.prefect_api_url,
+        PREFECT_API_AUTH_STRING: creds.prefect_auth,
+    }
+    with temporary_settings(updates=settings):
+        try:
+            Secret.load(SECRET_BLOCK)
+        except ValueError:  # no such block
+            Secret(value=secrets_store.workflow_key(config.state_dir)).save(SECRET_BLOCK)

@@ -1,0 +1,207 @@
+"""The release ledger as a policy merge uses it (docs/design.md#release-ledger): the entry a
+release is counted with, the cumulative bound a card shows, counting before anything of a
+release is published, and the checks that make a damaged ledger fail closed.
+
+The ledger itself lives in the release-state store, in the dataset's signed document
+(:mod:`dpmerge.state.serving`). Two checks keep it honest:
+
+* **signed**: an entry changed outside the workflow fails the document's signature
+  (:class:`~dpmerge.state.StateIntegrityError`, repair ``dpmerge state restore``);
+* **witnessed**: every merged version in MLflow whose release signature verifies had its
+  evaluation published when it was registered, so the ledger must count it; a ledger that lacks
+  one was rolled back or replaced (:class:`LedgerIntegrityError`, repair ``dpmerge ledger
+  rebuild``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dpmerge.accounting.ledger import release_for, release_of
+from dpmerge.accounting.records import candidate_from_dict
+from dpmerge.errors import IntegrityError
+from dpmerge.formatting import epsilon_text
+from dpmerge.manifests import ReleaseSignatureError
+from dpmerge.policy_merge.calibration import PolicyPlan
+from dpmerge.policy_merge.release import MergeRequest
+from dpmerge.policy_merge.workspace import Workspace
+from dpmerge.registry import RegisteredCandidate, Registry
+from dpmerge.state import CountedRelease, DatasetState
+from dpmerge.state import serving as state_serving
+from dpmerge.state.policies import PolicyVersion
+from dpmerge.state.releases import read_release
+
+
+class LedgerIntegrityError(IntegrityError):
+    """The ledger lacks a release the registry shows was published: it was rolled back or
+    replaced; the message names the repair."""
+
+
+def ledger_entry(
+    request: MergeRequest,
+    candidates: Sequence[RegisteredCandidate],
+    plan: PolicyPlan,
+    version: PolicyVersion,
+) -> CountedRelease:
+    """The ledger entry of the release ``request`` names: its candidates with non-zero weight
+    as published (keyed dataset identifier and lineages, signed with each candidate: every
+    number the accountants use, never a fingerprint), asked for by ``version`` of its policy."""
+    release = release_for(
+        request.content_hash, [c.published for c in candidates], plan.calibration.report
+    )
+    versions = {
+        c.model_dir.record.name: f"{c.name} v{c.version}"
+        for c in candidates
+        if c.model_dir.record is not None
+    }
+    return CountedRelease.of(
+        release,
+        versions=versions,
+        delta=plan.calibration.delta,
+        policy=version.name,
+        policy_version=version.version,
+    )
+
+
+@dataclass(frozen=True)
+class LedgerSummary:
+    """The cumulative bound with a release counted, as its card shows it, and why a cap
+    refuses it (``refusal``; ``None`` when it does not)."""
+
+    epsilon: float
+    delta: float
+    accountant: str
+    candidates: tuple[str, ...]
+    releases: int
+    cap: float | None
+    attempts: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    refusal: str | None = None
+
+    def card(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("refusal")
+        data["candidates"] = list(self.candidates)
+        data["attempts"] = list(self.attempts)
+        return data
+
+
+def check_witnessed(registry: Registry, state: DatasetState) -> None:
+    """Every signed merged version of the dataset is counted (see the module docstring)."""
+    counted = {r.release_id for r in state.releases}
+    missing = []
+    for stored in registry.merged_versions(state.dataset):
+        try:
+            facts = registry.release_facts(stored)
+        except ReleaseSignatureError:
+            continue  # not the workflow's: never reused or promoted, reported by verify
+        if facts.content_hash not in counted:
+            missing.append(f"{stored.name} v{stored.version}")
+    if missing:
+        raise LedgerIntegrityError(
+            f"the release ledger of {state.dataset} lacks {len(missing)} published release(s) "
+            f"(e.g. {missing[0]}): it was rolled back or replaced, so its cumulative bound would "
+            "be too low; restore the state with `dpmerge state restore`, or add them back from "
+            "the registry with `dpmerge ledger rebuild`"
+        )
+
+
+def _summary(state: DatasetState, entry: CountedRelease, cap: float | None) -> LedgerSummary:
+    state_serving.check_records(state, entry)
+    bound = state.cumulative(entry.delta, entry)
+    others = [r for r in state.releases if r.release_id != entry.release_id]
+    names = sorted({name for r in [*others, entry] for name in r.names})
+    refusal = None
+    if cap is not None and bound.epsilon > cap:
+        refusal = (
+            f"release ledger: this release would raise the cumulative ε to "
+            f"{epsilon_text(bound.epsilon)} (δ = {entry.delta:g}, {bound.accountant}) above the "
+            f"cap {cap:g}"
+        )
+    attempts = tuple(
+        {
+            "release": r.release_id,
+            "method": r.method,
+            "policy_version": r.policy_version,
+            "counted_at": r.counted_at,
+        }
+        for r in state_serving.attempts(state, entry.policy, entry.release_id)
+    )
+    return LedgerSummary(
+        epsilon=bound.epsilon,
+        delta=entry.delta,
+        accountant=str(bound.accountant),
+        candidates=tuple(names),
+        releases=len(others) + 1,
+        cap=cap,
+        attempts=attempts,
+        refusal=refusal,
+    )
+
+
+def ledger_summary(workspace: Workspace, entry: CountedRelease, cap: float | None) -> LedgerSummary:
+    """The cumulative bound with ``entry`` counted, read only, after checking the ledger is
+    signed and witnessed (nothing is written)."""
+    state = state_serving.read_state(workspace.state(), entry.dataset)
+    check_witnessed(workspace.registry(), state)
+    return _summary(state, entry, cap)
+
+
+def count_release(workspace: Workspace, entry: CountedRelease, cap: float | None) -> LedgerSummary:
+    """Count ``entry`` in the ledger before anything of it is published (idempotent; a
+    conditional write that keeps every concurrent release); :class:`RefusalError` when the cap
+    refuses it now (a concurrent release took the room)."""
+    store = workspace.state()
+    state = state_serving.read_state(store, entry.dataset)
+    check_witnessed(workspace.registry(), state)
+    state_serving.count(store, entry, cap)
+    return _summary(state_serving.read_state(store, entry.dataset), entry, None)
+
+
+def rebuild_ledger(workspace: Workspace) -> list[str]:
+    """Add back every signed merged version the ledger lacks (the repair for a ledger that was
+    rolled back or replaced), its candidates read from the release's signed internal record
+    (:mod:`dpmerge.state.releases`); returns the release ids added. Needs the workflow's key.
+    A signed release without an internal record is not guessed at: :class:`LedgerIntegrityError`
+    names it."""
+    registry = workspace.registry()
+    store = workspace.state()
+    added, unknown = [], []
+    for stored in registry.merged_versions():
+        try:
+            facts = registry.release_facts(stored)
+        except ReleaseSignatureError:
+            continue
+        state = state_serving.read_state(store, facts.dataset)
+        if state.entry(facts.content_hash) is not None:
+            continue
+        record = read_release(store, facts.content_hash)
+        if record is None:
+            unknown.append(f"{stored.name} v{stored.version}")
+            continue
+        records = [candidate_from_dict(c["record"]) for c in record["merge"]["candidates"]]
+        used = set(record["used_candidates"])
+        release = release_of(
+            facts.content_hash, record["method"], records, [float(r.name in used) for r in records]
+        )
+        entry = CountedRelease.of(
+            release,
+            versions={
+                name: f"{record['parent_model']} v{version}"
+                for name, version in zip(record["candidates"], record["parents"], strict=True)
+            },
+            delta=facts.delta,
+            policy=stored.tags.get("dp.policy", ""),
+            policy_version=0,
+        )
+        state_serving.count(store, entry, None)
+        added.append(facts.content_hash)
+    if unknown:
+        raise LedgerIntegrityError(
+            f"{len(unknown)} signed release(s) have no internal record in the state store "
+            f"(e.g. {unknown[0]}), so their candidates are unknown; restore the state store's "
+            f"`releases/` objects from their versions (`dpmerge state restore`); added "
+            f"{len(added)} other release(s)"
+        )
+    return added

@@ -1,0 +1,208 @@
+"""Drift between what MLflow shows and what the release-state store and the signatures say
+(docs/design.md#release-state): ``dpmerge registry verify`` and the ``verify-state`` flow.
+
+Each check compares a projection with its source of truth and yields a :class:`Finding`; with
+``repair`` the ones that are safe to repair are repaired, and the finding says how:
+
+* ``state_unreadable`` — a dataset document fails its signature; no repair (``dpmerge state
+  restore``);
+* ``ledger_lacks_release`` — a signed merged version is not counted; counted (adding only
+  raises the bound);
+* ``alias_drift`` — the MLflow alias is not where the serving pointer says; moved back;
+* ``unmanaged_alias`` — an alias on a releases model that no pointer names; removed;
+* ``served_uncounted`` — a served release is not in the ledger (cannot happen by
+  construction); reported;
+* ``release_unsigned`` — a served version's signature or release hash does not verify;
+  reported (quarantine it);
+* ``card_mismatch`` — a served card differs from its signed digest; reported;
+* ``files_mismatch`` — a served release's files (weights, pt2 program, …) differ from its
+  signed manifest; reported (do not serve them: quarantine the version);
+* ``noncompliant`` — a served release does not meet its policy's current version (its next
+  run decides), or is kept on purpose by the policy; reported;
+* ``quarantine_drift`` — MLflow's tag disagrees with a quarantine record; set back.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from dpmerge import manifests
+from dpmerge.manifests import ReleaseSignatureError
+from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
+from dpmerge.policy_merge.promotion import served_text, unmet
+from dpmerge.policy_merge.workspace import Workspace
+from dpmerge.registry import Registry, RegistryError
+from dpmerge.registry.tags import SERVED_TAG, STATUS_QUARANTINED
+from dpmerge.state import AliasState, DatasetState, StateIntegrityError, StateStore
+from dpmerge.state import policies as stored_policies
+from dpmerge.state import serving as state_serving
+from dpmerge.state.quarantine import quarantined
+from dpmerge.vocabulary import FindingKind, ServingState
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One disagreement: what kind, about what, and what was done (``repaired``: ``None``
+    when nothing was)."""
+
+    kind: FindingKind
+    subject: str
+    detail: str
+    repaired: str | None = None
+
+    def line(self) -> str:
+        tail = f" — repaired: {self.repaired}" if self.repaired else ""
+        return f"{self.kind.value}: {self.subject}: {self.detail}{tail}"
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {**asdict(self), "kind": self.kind.value}
+
+
+def verify(
+    workspace: Workspace, *, repair: bool = False, dataset: str | None = None
+) -> list[Finding]:
+    """Every finding over every dataset the store knows and every releases model MLflow has
+    (see the module docstring); with ``dataset`` (a published identifier), over that dataset
+    and its releases models only (after a policy run)."""
+    store, registry = workspace.state(), workspace.registry()
+    findings: list[Finding] = []
+    managed: dict[str, set[str]] = {}
+    known = state_serving.datasets(store)
+    for each in [d for d in known if d == dataset] if dataset else known:
+        try:
+            state = state_serving.read_state(store, each)
+        except StateIntegrityError as error:
+            findings.append(Finding(FindingKind.STATE_UNREADABLE, each, str(error)))
+            continue
+        findings += _ledger(workspace, registry, state, repair)
+        for alias in state.aliases.values():
+            managed.setdefault(alias.model, set()).add(alias.alias)
+            findings += _alias(store, registry, state, alias, repair)
+    findings += _unmanaged(registry, managed, repair, dataset)
+    findings += _quarantine(store, registry, repair)
+    return findings
+
+
+def _ledger(
+    workspace: Workspace, registry: Registry, state: DatasetState, repair: bool
+) -> Iterator[Finding]:
+    try:
+        check_witnessed(registry, state)
+    except LedgerIntegrityError as error:
+        done = None
+        if repair:
+            added = rebuild_ledger(workspace)
+            done = f"{len(added)} release(s) counted from their signed versions"
+        yield Finding(FindingKind.LEDGER_LACKS_RELEASE, state.dataset, str(error), done)
+
+
+def _alias(
+    store: StateStore, registry: Registry, state: DatasetState, alias: AliasState, repair: bool
+) -> Iterator[Finding]:
+    subject = f"{alias.model}@{alias.alias}"
+    shown = (
+        registry.aliases(alias.model).get(alias.alias)
+        if registry.model_exists(alias.model)
+        else None
+    )
+    if shown != alias.serving:
+        done = None
+        if repair:
+            registry.set_alias(alias.model, alias.alias, alias.serving)
+            registry.set_model_tag(alias.model, SERVED_TAG + alias.alias, served_text(alias))
+            done = f"alias set back to {f'v{alias.serving}' if alias.serving else 'nothing'}"
+        yield Finding(
+            FindingKind.ALIAS_DRIFT,
+            subject,
+            f"MLflow names {f'v{shown}' if shown else 'nothing'}, the serving pointer "
+            f"{f'v{alias.serving}' if alias.serving else 'nothing'} ({alias.state.value})",
+            done,
+        )
+    if alias.serving is None:
+        return
+    if alias.release is not None and state.entry(alias.release) is None:
+        yield Finding(
+            FindingKind.SERVED_UNCOUNTED, subject, f"release {alias.release[:12]}… is not counted"
+        )
+    yield from _served_release(registry, alias, subject)
+    current = stored_policies.latest(store, alias.owner)
+    if current is None:
+        return
+    failing = unmet(alias.guarantee, current.policy)
+    if alias.state == ServingState.NONCOMPLIANT:
+        failing = failing or ["flagged non-compliant"]
+        detail = f"kept on purpose by policy {alias.owner} (on_noncompliant: keep): "
+    else:
+        detail = f"v{alias.serving} does not meet version {current.version} of {alias.owner}: "
+    if failing:
+        yield Finding(FindingKind.NONCOMPLIANT, subject, detail + "; ".join(failing))
+
+
+def _served_release(registry: Registry, alias: AliasState, subject: str) -> Iterator[Finding]:
+    try:
+        stored = registry.get_version(alias.model, str(alias.serving))
+        facts = registry.release_facts(stored)
+    except (ReleaseSignatureError, RegistryError) as error:
+        yield Finding(FindingKind.RELEASE_UNSIGNED, subject, str(error))
+        return
+    if facts.content_hash != alias.release:
+        yield Finding(
+            FindingKind.RELEASE_UNSIGNED,
+            subject,
+            f"v{alias.serving} holds release {facts.content_hash[:12]}…, the pointer says "
+            f"{str(alias.release)[:12]}…",
+        )
+    with tempfile.TemporaryDirectory(prefix="dpmerge-verify-") as scratch:
+        try:
+            registry.verified_model(
+                alias.model, str(alias.serving), scratch, manifests.public_key_hex(registry.keys)
+            )
+        except ReleaseSignatureError as error:
+            yield Finding(FindingKind.FILES_MISMATCH, subject, str(error))
+    if registry.stored_card_digest(stored) != stored.tags.get("dp.card_digest"):
+        yield Finding(
+            FindingKind.CARD_MISMATCH,
+            subject,
+            f"the privacy card of v{alias.serving} (description or privacy_card.json) differs "
+            "from the one it was registered and signed with",
+        )
+
+
+def _unmanaged(
+    registry: Registry, managed: dict[str, set[str]], repair: bool, dataset: str | None
+) -> Iterator[Finding]:
+    for model in sorted({v.name for v in registry.merged_versions(dataset)}):
+        for alias, version in sorted(registry.aliases(model).items()):
+            if alias in managed.get(model, set()):
+                continue
+            done = None
+            if repair:
+                registry.set_alias(model, alias, None)
+                done = "alias removed"
+            yield Finding(
+                FindingKind.UNMANAGED_ALIAS,
+                f"{model}@{alias}",
+                f"names v{version}, but no policy's serving pointer does",
+                done,
+            )
+
+
+def _quarantine(store: StateStore, registry: Registry, repair: bool) -> Iterator[Finding]:
+    models = {key.split("/")[1] for key in store.keys("quarantine/")}
+    for model in sorted(models):
+        for version, record in sorted(quarantined(store, model).items()):
+            status = registry.get_version(model, version).tags.get("dp.status")
+            if status == STATUS_QUARANTINED:
+                continue
+            done = None
+            if repair:
+                registry.quarantine(model, version, record.reason)
+                done = "tag set back to quarantined"
+            yield Finding(
+                FindingKind.QUARANTINE_DRIFT,
+                f"{model} v{version}",
+                f"quarantined by {record.by} at {record.at}, but MLflow says {status!r}",
+                done,
+            )

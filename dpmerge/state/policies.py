@@ -1,0 +1,219 @@
+"""Policies as stored, versioned data (docs/design.md#release-state).
+
+Every change of a policy is a new version, ``policies/<name>/<version>.json``, written
+create-once: two writers racing for one version number cannot both win, the loser re-reads the
+latest version and applies its change on top. A version holds the whole policy, who changed it,
+where from, and the fields it changed. A *partial* change keeps every field it does not name.
+Runs of a version record how they ended (``outcomes/…``), and the workflow records which flow
+run a version became (``dispatch/…``): ``dpmerge policy history`` joins the three.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpmerge.policies import Policy, PolicyError, policy_from_dict
+from dpmerge.state.store import MAX_WRITE_ATTEMPTS, StateConflictError, StateStore, stamp
+
+SCHEMA = "dpmerge.policy-version/1"
+ACTOR_ENV = "DPMERGE_ACTOR"
+DIGITS = 8
+
+
+def actor() -> str:
+    """Who is changing a policy: ``$DPMERGE_ACTOR``, else ``user@host``."""
+    return os.environ.get(ACTOR_ENV) or f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+def version_key(name: str, version: int) -> str:
+    return f"policies/{name}/{version:0{DIGITS}d}.json"
+
+
+@dataclass(frozen=True)
+class PolicyVersion:
+    """One stored version of a policy. ``changes`` maps each changed field to ``[old, new]``
+    (every field of a new policy, with old ``None``)."""
+
+    policy: Policy
+    version: int
+    created: str
+    author: str
+    source: str
+    changes: dict[str, list[Any]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "name": self.name,
+            "version": self.version,
+            "policy": self.policy.event_payload(),
+            "created": self.created,
+            "author": self.author,
+            "source": self.source,
+            "changes": self.changes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str) -> PolicyVersion:
+        """A stored version; :class:`PolicyError` naming ``where`` when it is not one."""
+        version = data.get("version")
+        if data.get("schema") != SCHEMA or type(version) is not int or version < 1:
+            raise PolicyError(f"{where} is not a stored policy version")
+        policy = policy_from_dict(data.get("policy") or {})
+        if policy.name != data.get("name"):
+            raise PolicyError(
+                f"{where} names policy {data.get('name')!r} but holds {policy.name!r}"
+            )
+        changes = data.get("changes")
+        return cls(
+            policy=policy,
+            version=version,
+            created=str(data.get("created", "")),
+            author=str(data.get("author", "")),
+            source=str(data.get("source", "")),
+            changes=dict(changes) if isinstance(changes, Mapping) else {},
+        )
+
+
+def policy_names(store: StateStore) -> list[str]:
+    return sorted({key.split("/")[1] for key in store.keys("policies/")})
+
+
+def _number(key: str) -> int:
+    return int(key.rsplit("/", 1)[-1].removesuffix(".json"))
+
+
+def read_version(store: StateStore, name: str, version: int) -> PolicyVersion | None:
+    """Version ``version`` of ``name`` (``None``: not stored); :class:`PolicyError` when what
+    is stored there is not a valid policy version."""
+    key = version_key(name, version)
+    found = store.read(key)
+    if found is None:
+        return None
+    return PolicyVersion.from_dict(found.document, f"{store.where}/{key}")
+
+
+def versions(store: StateStore, name: str) -> list[PolicyVersion | PolicyError]:
+    """Every stored version of policy ``name``, oldest first; one that is not a valid policy
+    version (written into the store by hand) appears as the error saying why."""
+    found: list[PolicyVersion | PolicyError] = []
+    for key in store.keys(f"policies/{name}/"):
+        try:
+            version = read_version(store, name, _number(key))
+        except PolicyError as error:
+            found.append(error)
+            continue
+        if version is not None:
+            found.append(version)
+    return found
+
+
+def latest(store: StateStore, name: str) -> PolicyVersion | None:
+    """The newest *valid* version of ``name`` (``None``: no such policy). A version that is
+    not valid never supersedes one that is: its own run is rejected."""
+    for key in reversed(store.keys(f"policies/{name}/")):
+        try:
+            version = read_version(store, name, _number(key))
+        except PolicyError:
+            continue
+        if version is not None:
+            return version
+    return None
+
+
+def newest_number(store: StateStore, name: str) -> int:
+    """The highest version number stored for ``name``, valid or not (0: none)."""
+    keys = store.keys(f"policies/{name}/")
+    return _number(keys[-1]) if keys else 0
+
+
+def changed_fields(old: Policy | None, new: Policy) -> dict[str, list[Any]]:
+    """Each field whose value differs, ``[old, new]`` (as stored: JSON values)."""
+    before = old.event_payload() if old is not None else {}
+    after = new.event_payload()
+    return {k: [before.get(k), v] for k, v in after.items() if before.get(k) != v}
+
+
+def merged(current: PolicyVersion | None, given: Mapping[str, Any]) -> Policy:
+    """The policy ``given`` describes on top of ``current``: fields it does not name keep their
+    stored values (a field given as ``None`` goes back to its default); a new policy needs
+    every required field (:class:`PolicyError`)."""
+    base = current.policy.event_payload() if current is not None else {}
+    return policy_from_dict({**base, **given})
+
+
+@dataclass(frozen=True)
+class Change:
+    """What :func:`set_policy` did: the version now current, and whether this call wrote it."""
+
+    version: PolicyVersion
+    written: bool
+
+
+def set_policy(
+    store: StateStore,
+    name: str,
+    given: Mapping[str, Any],
+    *,
+    source: str,
+    rerun: bool = False,
+) -> Change:
+    """Store a new version of policy ``name`` with the fields ``given`` changed (a partial
+    change; see :func:`merged`). Nothing is written when nothing changes, unless ``rerun``
+    (a new version with the same fields: the workflow applies it again)."""
+    for _ in range(MAX_WRITE_ATTEMPTS):
+        current = latest(store, name)
+        policy = merged(current, {**given, "name": name})
+        changes = changed_fields(current.policy if current else None, policy)
+        if current is not None and not changes and not rerun:
+            return Change(current, written=False)
+        number = newest_number(store, name) + 1
+        version = PolicyVersion(policy, number, stamp(), actor(), source, changes)
+        if store.create(version_key(name, number), version.to_dict()):
+            return Change(version, written=True)
+    raise StateConflictError(f"policy {name}: {MAX_WRITE_ATTEMPTS} concurrent changes in a row")
+
+
+# --- how versions ended, and the runs they became -----------------------------------------
+
+
+def record_outcome(
+    store: StateStore, name: str, version: int, outcome: Mapping[str, Any], run: str | None
+) -> None:
+    """Keep how one run of a policy version ended (create-once, one object per run)."""
+    moment = stamp()
+    key = f"outcomes/{name}/{version:0{DIGITS}d}/{moment.replace(':', '')}-{run or 'local'}.json"
+    store.create(key, {"policy": name, "version": version, "run": run, "at": moment, **outcome})
+
+
+def outcomes(store: StateStore, name: str, version: int) -> list[dict[str, Any]]:
+    """The recorded outcomes of one version, oldest first."""
+    found = []
+    for key in store.keys(f"outcomes/{name}/{version:0{DIGITS}d}/"):
+        document = store.read(key)
+        if document is not None:
+            found.append(document.document)
+    return found
+
+
+def dispatch_key(name: str, version: int) -> str:
+    return f"dispatch/{name}/{version:0{DIGITS}d}.json"
+
+
+def record_dispatch(store: StateStore, name: str, version: int, run: Mapping[str, Any]) -> bool:
+    """Record the flow run a version became (create-once); whether this call recorded it."""
+    return store.create(dispatch_key(name, version), {"policy": name, "version": version, **run})
+
+
+def dispatched(store: StateStore, name: str, version: int) -> dict[str, Any] | None:
+    found = store.read(dispatch_key(name, version))
+    return None if found is None else found.document

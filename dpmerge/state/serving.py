@@ -1,0 +1,488 @@
+"""The ledger and the serving pointers of one dataset: one signed document, changed only by
+compare-and-swap (docs/design.md#release-state).
+
+``datasets/<dataset id>.json`` holds, for the dataset's published (keyed) identifier:
+
+* ``releases``: the release ledger — every release whose evaluation was ever published
+  (registered), with the candidates it used and the records they were counted with;
+* ``aliases``: per ``<registered model>@<alias>``, its owner (the policy that first claimed
+  it) and its **serving pointer** — which release the alias serves (or that it was revoked, or
+  is kept although it no longer meets its policy), since when, for which policy version and
+  run, why, and the earlier states.
+
+Because both live in one document, "count the release and point the alias at it" is one
+conditional write (:func:`serve`): no crash can leave a release served but uncounted. The
+MLflow alias is a projection of the pointer, moved after it and repaired from it. The document
+is signed with the workflow's key: a ledger entry or pointer changed outside the workflow
+fails closed (:class:`~dpmerge.state.store.StateIntegrityError`, naming the repair).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from dpmerge.documents import shorten
+from dpmerge.errors import InputError, RefusalError
+from dpmerge.formatting import epsilon_text
+from dpmerge.state.store import StateIntegrityError, StateStore, stamp
+from dpmerge.vocabulary import ServingState
+
+if TYPE_CHECKING:  # the accountants are imported only where a bound is computed
+    from dpmerge.accounting.bounds import PairBound
+    from dpmerge.accounting.ledger import Release
+
+SCHEMA = "dpmerge.dataset-state/1"
+HISTORY = 50
+"""Earlier states kept per alias (the newest ones)."""
+
+
+class AliasOwnershipError(InputError):
+    """A policy named an alias that another policy owns (docs/design.md#release-state)."""
+
+
+class SupersededError(Exception):
+    """A later version of the policy already changed the alias: this run changes nothing."""
+
+    def __init__(self, later: int) -> None:
+        super().__init__(f"policy version {later} already set the alias")
+        self.later = later
+
+
+def dataset_key(dataset: str) -> str:
+    return f"datasets/{dataset.replace(':', '=')}.json"
+
+
+def alias_key(model: str, alias: str) -> str:
+    return f"{model}@{alias}"
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """What a served release promises, as the gate checked it: its gating ε, δ, bound and
+    accountant, and its test accuracy."""
+
+    epsilon: float
+    delta: float
+    bound: str
+    accountant: str | None = None
+    accuracy: float | None = None
+
+
+@dataclass(frozen=True)
+class CountedRelease:
+    """A ledger entry: a release — its candidates with non-zero weight, as published (keyed
+    dataset identifier and lineages; every number the accountants use) — who asked for it,
+    and where each candidate is registered."""
+
+    release_id: str
+    dataset: str
+    method: str
+    candidates: tuple[dict[str, Any], ...]
+    versions: dict[str, str]
+    delta: float
+    policy: str
+    policy_version: int
+    counted_at: str = ""
+
+    @classmethod
+    def of(
+        cls,
+        release: Release,
+        *,
+        versions: Mapping[str, str],
+        delta: float,
+        policy: str,
+        policy_version: int,
+    ) -> CountedRelease:
+        data = release.to_dict()
+        return cls(
+            release_id=release.release_id,
+            dataset=release.dataset,
+            method=release.method,
+            candidates=tuple(data["candidates"]),
+            versions=dict(versions),
+            delta=delta,
+            policy=policy,
+            policy_version=policy_version,
+        )
+
+    def release(self) -> Release:
+        """The entry as the accountants take it."""
+        from dpmerge.accounting.ledger import Release
+
+        return Release.from_dict(
+            {
+                "release_id": self.release_id,
+                "dataset": self.dataset,
+                "method": self.method,
+                "candidates": list(self.candidates),
+            }
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return [str(c["name"]) for c in self.candidates]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["candidates"] = list(self.candidates)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CountedRelease:
+        candidates = data["candidates"]
+        if not isinstance(candidates, list) or not all(isinstance(c, dict) for c in candidates):
+            raise TypeError("candidates must be a list of records")
+        return cls(
+            release_id=str(data["release_id"]),
+            dataset=str(data["dataset"]),
+            method=str(data["method"]),
+            candidates=tuple(candidates),
+            versions={str(k): str(v) for k, v in data["versions"].items()},
+            delta=float(data["delta"]),
+            policy=str(data["policy"]),
+            policy_version=int(data["policy_version"]),
+            counted_at=str(data.get("counted_at", "")),
+        )
+
+
+@dataclass(frozen=True)
+class AliasState:
+    """One alias: its owner and what it serves (see the module docstring). ``policy_version``
+    is the version of the owner's policy the state reflects; ``run`` the flow run (or process)
+    that set it."""
+
+    model: str
+    alias: str
+    owner: str
+    state: ServingState = ServingState.UNSET
+    release: str | None = None
+    version: str | None = None
+    guarantee: Guarantee | None = None
+    policy_version: int = 0
+    run: str | None = None
+    since: str = ""
+    reason: str = ""
+    history: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+
+    @property
+    def serving(self) -> str | None:
+        """The version the MLflow alias must name (``None``: no version)."""
+        return self.version if self.state in SERVED else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state"] = self.state.value
+        data["history"] = list(self.history)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AliasState:
+        guarantee = data.get("guarantee")
+        return cls(
+            **{
+                **{k: data[k] for k in cls.__dataclass_fields__ if k in data},
+                "state": ServingState(data["state"]),
+                "guarantee": Guarantee(**guarantee) if guarantee else None,
+                "history": tuple(data.get("history") or ()),
+            }
+        )
+
+    def moved(self, **changes: Any) -> AliasState:
+        """This alias in a new state, the current one kept in ``history``."""
+        previous = {k: v for k, v in self.to_dict().items() if k not in ("history", "model")}
+        kept = (*self.history, previous)[-HISTORY:] if self.state != ServingState.UNSET else ()
+        return replace(self, **changes, since=stamp(), history=kept)
+
+
+SERVED = frozenset({ServingState.SERVING, ServingState.NONCOMPLIANT})
+"""States in which the alias names a version."""
+
+
+@dataclass(frozen=True)
+class DatasetState:
+    """The ledger and aliases of one dataset (see the module docstring)."""
+
+    dataset: str
+    releases: tuple[CountedRelease, ...] = ()
+    aliases: dict[str, AliasState] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "dataset": self.dataset,
+            "releases": [r.to_dict() for r in self.releases],
+            "aliases": {k: a.to_dict() for k, a in sorted(self.aliases.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str) -> DatasetState:
+        try:
+            if data.get("schema") != SCHEMA:
+                raise ValueError(f"schema {data.get('schema')!r}")
+            releases = tuple(CountedRelease.from_dict(r) for r in data["releases"])
+            aliases = {str(k): AliasState.from_dict(v) for k, v in data["aliases"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise StateIntegrityError(
+                f"state object {where} cannot be read ({shorten(str(error))}); restore it with "
+                "`dpmerge state restore`"
+            ) from None
+        return cls(str(data["dataset"]), releases, aliases)
+
+    def entry(self, release_id: str) -> CountedRelease | None:
+        return next((r for r in self.releases if r.release_id == release_id), None)
+
+    def alias(self, model: str, alias: str) -> AliasState | None:
+        return self.aliases.get(alias_key(model, alias))
+
+    def cumulative(self, delta: float, extra: CountedRelease | None = None) -> PairBound:
+        """The ledger's bound at ``delta``: the joint release of the union of every counted
+        release's candidates (with ``extra`` added), docs/design.md#release-ledger."""
+        from dpmerge.accounting.ledger import cumulative_bound
+
+        entries = list(self.releases)
+        if extra is not None and self.entry(extra.release_id) is None:
+            entries.append(extra)
+        return cumulative_bound([e.release() for e in entries], delta)
+
+    def with_entry(self, entry: CountedRelease, cap: float | None) -> DatasetState:
+        """This state with ``entry`` counted (unchanged when it is already), after checking
+        its records agree with those counted before, and that the cumulative bound with it
+        stays within ``cap`` (:class:`RefusalError`; checked for a release counted before too:
+        a cap refuses serving any release while the ledger is above it)."""
+        check_records(self, entry)
+        bound = self.cumulative(entry.delta, entry)
+        if cap is not None and bound.epsilon > cap:
+            raise RefusalError(
+                f"release ledger: the cumulative ε with this release is "
+                f"{epsilon_text(bound.epsilon)} (δ = {entry.delta:g}, {bound.accountant}), above "
+                f"the cap {cap:g}"
+            )
+        if self.entry(entry.release_id) is not None:
+            return self
+        counted = replace(entry, counted_at=stamp())
+        return replace(self, releases=(*self.releases, counted))
+
+
+def check_records(state: DatasetState, entry: CountedRelease) -> None:
+    """Refuse a candidate the ledger counted with another record (its registered record
+    changed after it was released): the repair is to quarantine it."""
+    counted: dict[str, tuple[dict[str, Any], str]] = {
+        str(c["name"]): (c, r.release_id) for r in state.releases for c in r.candidates
+    }
+    for candidate in entry.candidates:
+        name = str(candidate["name"])
+        known = counted.get(name)
+        if known is not None and known[0] != candidate:
+            where = entry.versions.get(name, name)
+            raise StateIntegrityError(
+                f"candidate {name!r} ({where}) has another record than the one release "
+                f"{known[1][:12]}… was counted with: its registered record changed after it was "
+                f"released; take it out of use with `dpmerge registry quarantine "
+                f"{where.replace(' v', ' ')}` and merge without it"
+            )
+
+
+def read_state(store: StateStore, dataset: str) -> DatasetState:
+    """The dataset's state (empty when none was written), signature checked."""
+    key = dataset_key(dataset)
+    found = store.read_signed(key)
+    if found is None:
+        return DatasetState(dataset)
+    state = DatasetState.from_dict(found.document, f"{store.where}/{key}")
+    if state.dataset != dataset:
+        raise StateIntegrityError(
+            f"state object {store.where}/{key} belongs to {state.dataset!r}, not {dataset!r}"
+        )
+    return state
+
+
+def _update(store: StateStore, dataset: str, change: Any) -> Any:
+    """Apply ``change(state) -> (new state or None, result)`` by compare-and-swap."""
+    key = dataset_key(dataset)
+
+    def apply(document: dict[str, Any] | None) -> tuple[dict[str, Any] | None, Any]:
+        state = (
+            DatasetState(dataset)
+            if document is None
+            else DatasetState.from_dict(document, f"{store.where}/{key}")
+        )
+        new, result = change(state)
+        return (None if new is None else new.to_dict()), result
+
+    return store.update(key, apply)
+
+
+def _owned(state: DatasetState, model: str, alias: str, policy: str) -> AliasState:
+    current = state.alias(model, alias)
+    if current is not None and current.owner != policy:
+        raise AliasOwnershipError(
+            f"alias {shorten(alias)} of {model} belongs to policy {current.owner!r}; policy "
+            f"{policy!r} may not change it (give the policy its own alias, e.g. 'policy-{policy}')"
+        )
+    return current or AliasState(model, alias, policy)
+
+
+def _not_superseded(current: AliasState, policy_version: int) -> None:
+    if current.policy_version > policy_version:
+        raise SupersededError(current.policy_version)
+
+
+def claim(store: StateStore, dataset: str, model: str, alias: str, policy: str) -> AliasState:
+    """Make ``policy`` the owner of ``alias`` unless another policy owns it
+    (:class:`AliasOwnershipError`); one compare-and-swap, so of two racing claims exactly one
+    wins and the other is refused."""
+
+    def change(state: DatasetState) -> tuple[DatasetState | None, AliasState]:
+        current = _owned(state, model, alias, policy)
+        if state.alias(model, alias) is not None:
+            return None, current
+        aliases = {**state.aliases, alias_key(model, alias): replace(current, since=stamp())}
+        return replace(state, aliases=aliases), current
+
+    return _update(store, dataset, change)
+
+
+def count(store: StateStore, entry: CountedRelease, cap: float | None) -> PairBound:
+    """Count ``entry`` in the ledger (idempotent), before anything of it is published; the
+    cumulative bound with it (:class:`RefusalError` above ``cap``)."""
+    dataset = entry.dataset
+
+    def change(state: DatasetState) -> tuple[DatasetState | None, PairBound]:
+        new = state.with_entry(entry, cap)
+        return (None if new is state else new), new.cumulative(entry.delta)
+
+    return _update(store, dataset, change)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What :func:`serve` did: the alias's state before and after, and the ledger bound."""
+
+    before: AliasState
+    after: AliasState
+    cumulative: PairBound
+
+    @property
+    def changed(self) -> bool:
+        return self.before.serving != self.after.serving
+
+
+def serve(
+    store: StateStore,
+    entry: CountedRelease,
+    *,
+    model: str,
+    alias: str,
+    version: str,
+    guarantee: Guarantee,
+    cap: float | None,
+    run: str | None,
+) -> Served:
+    """Count ``entry`` (if it is not yet) and point ``alias`` at its ``version`` — one
+    compare-and-swap. Refused when another policy owns the alias, a later policy version
+    already changed it (:class:`SupersededError`), or the cap refuses the release."""
+    dataset = entry.dataset
+
+    def change(state: DatasetState) -> tuple[DatasetState, Served]:
+        current = _owned(state, model, alias, entry.policy)
+        _not_superseded(current, entry.policy_version)
+        counted = state.with_entry(entry, cap)
+        same = current.serving == version and current.release == entry.release_id
+        fields: dict[str, Any] = dict(
+            state=ServingState.SERVING,
+            release=entry.release_id,
+            version=version,
+            guarantee=guarantee,
+            policy_version=entry.policy_version,
+            run=run,
+            reason="",
+        )
+        after = replace(current, **fields) if same else current.moved(**fields)
+        aliases = {**counted.aliases, alias_key(model, alias): after}
+        bound = counted.cumulative(entry.delta)
+        return replace(counted, aliases=aliases), Served(current, after, bound)
+
+    return _update(store, dataset, change)
+
+
+def withdraw(
+    store: StateStore,
+    dataset: str,
+    *,
+    model: str,
+    alias: str,
+    policy: str,
+    policy_version: int,
+    state: ServingState,
+    reason: str,
+    run: str | None,
+) -> tuple[AliasState, AliasState]:
+    """Set ``alias`` to ``state`` (``revoked``: serves nothing; ``noncompliant``: keeps its
+    version, flagged) for ``reason``; the alias's state before and after."""
+    if state not in (ServingState.REVOKED, ServingState.NONCOMPLIANT):
+        raise ValueError(f"withdraw to {state!r}")
+
+    def change(current_state: DatasetState) -> tuple[DatasetState, tuple[AliasState, AliasState]]:
+        current = _owned(current_state, model, alias, policy)
+        _not_superseded(current, policy_version)
+        fields: dict[str, Any] = dict(
+            state=state, policy_version=policy_version, run=run, reason=reason
+        )
+        if state == ServingState.REVOKED:
+            fields |= dict(version=None, release=None, guarantee=None)
+        after = current.moved(**fields)
+        aliases = {**current_state.aliases, alias_key(model, alias): after}
+        return replace(current_state, aliases=aliases), (current, after)
+
+    return _update(store, dataset, change)
+
+
+def touch(
+    store: StateStore, dataset: str, *, model: str, alias: str, policy: str, policy_version: int
+) -> AliasState:
+    """Record that ``policy_version`` re-checked the alias and left it as it is (so an older
+    version's run cannot change it any more)."""
+
+    def change(state: DatasetState) -> tuple[DatasetState | None, AliasState]:
+        current = _owned(state, model, alias, policy)
+        _not_superseded(current, policy_version)
+        if current.policy_version == policy_version:
+            return None, current
+        after = replace(current, policy_version=policy_version)
+        return replace(state, aliases={**state.aliases, alias_key(model, alias): after}), after
+
+    return _update(store, dataset, change)
+
+
+def datasets(store: StateStore) -> list[str]:
+    """The datasets with a state document."""
+    return [
+        key.removeprefix("datasets/").removesuffix(".json").replace("=", ":")
+        for key in store.keys("datasets/")
+    ]
+
+
+def attempts(state: DatasetState, policy: str, release_id: str) -> list[CountedRelease]:
+    """Earlier releases evaluated for ``policy`` that no alias ever served (their evaluation
+    was published when they were registered, so a release made after them is a selection among
+    them: its card lists them)."""
+    served = {a.release for a in state.aliases.values()} | {
+        h.get("release") for a in state.aliases.values() for h in a.history
+    }
+    return [
+        r
+        for r in state.releases
+        if r.policy == policy and r.release_id != release_id and r.release_id not in served
+    ]
+
+
+def every_alias(store: StateStore) -> list[AliasState]:
+    """Every alias the store knows, over every dataset (signatures checked with the key)."""
+    return [
+        alias
+        for dataset in datasets(store)
+        for alias in read_state(store, dataset).aliases.values()
+    ]

@@ -1,0 +1,180 @@
+"""The policy dispatcher: every stored policy version becomes one run of ``merge-on-policy``
+(docs/workflow.md#policy-dispatch).
+
+Operators change policies by writing versions to the release-state store (``dpmerge policy
+set``); they hold no Prefect credentials, so they cannot start arbitrary runs. The dispatcher, a
+workflow process (the stack supervises one), polls the store and, for the newest version of
+each policy that has no run yet:
+
+* creates a flow run of the ``merge-on-policy`` deployment with parameters ``{policy,
+  version}`` and the idempotency key ``policy-<name>-v<version>`` — Prefect returns the same
+  run for the same key, so a retried or concurrent dispatch never makes two, and an answer lost
+  on the way (a 503) is simply retried at the next poll;
+* records the run in the store (``dispatch/<name>/<version>.json``), where ``dpmerge policy
+  set`` waits for it: the operator learns that the change became a run, or fails loudly;
+* emits ``dpmerge.policy.updated`` (resource ``dpmerge.policy.<name>``) for automations and the
+  event feed — a notification only: nothing is triggered by it.
+
+An older version that was never dispatched is recorded as superseded at once (its outcome says
+by which version): only the newest version of a policy runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dpmerge.errors import DPMergeError
+from dpmerge.state import StateStore
+from dpmerge.state import policies as stored_policies
+
+EVENT = "dpmerge.policy.updated"
+
+POLL_S = 0.5
+DEPLOYMENT = "merge-on-policy/merge-on-policy"
+log = logging.getLogger("dpmerge.dispatch")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A stored policy version with no run yet."""
+
+    name: str
+    version: int
+
+
+def pending(store: StateStore) -> list[Pending]:
+    """The newest undispatched version of each policy, and (``version`` < newest) the older
+    undispatched ones, in store order."""
+    done = {tuple(key.split("/")[1:3]) for key in store.keys("dispatch/")}
+    found = []
+    for key in store.keys("policies/"):
+        _, name, file = key.split("/")
+        if (name, file) not in done:
+            found.append(Pending(name, int(file.removesuffix(".json"))))
+    return found
+
+
+def supersede(store: StateStore, item: Pending, newest: int) -> None:
+    """Record an older version that never ran as superseded by ``newest``."""
+    if stored_policies.record_dispatch(store, item.name, item.version, {"superseded_by": newest}):
+        reason = f"version {newest} of policy {item.name} was stored before this one ran"
+        stored_policies.record_outcome(
+            store,
+            item.name,
+            item.version,
+            {"status": "superseded", "state": "Superseded", "reasons": [reason]},
+            None,
+        )
+
+
+class Dispatcher:
+    """Creates the runs (see the module docstring); ``prefect_api`` is a sync Prefect client,
+    ``notify(item, flow_run_id)`` announces a dispatch (default: the Prefect event)."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        prefect_api: Any,
+        notify: Callable[[Pending, str], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.api = prefect_api
+        self.notify = notify or _notify
+        self.deployment_id: Any = None
+
+    def _deployment(self) -> Any:
+        if self.deployment_id is None:
+            self.deployment_id = self.api.read_deployment_by_name(DEPLOYMENT).id
+        return self.deployment_id
+
+    def once(self) -> list[str]:
+        """One poll: dispatch what is pending; the flow run ids created."""
+        items = pending(self.store)
+        newest: dict[str, int] = {}
+        for item in items:
+            newest[item.name] = max(newest.get(item.name, 0), item.version)
+        created = []
+        for item in items:
+            if item.version < newest[item.name]:
+                supersede(self.store, item, newest[item.name])
+                continue
+            created.append(self.dispatch(item))
+        return created
+
+    def dispatch(self, item: Pending) -> str:
+        from flows.merge import run_name
+
+        version = stored_policies.read_version(self.store, item.name, item.version)
+        name = run_name(version) if version is not None else f"policy-{item.name} v{item.version}"
+        run = self.api.create_flow_run_from_deployment(
+            self._deployment(),
+            parameters={"policy": item.name, "version": item.version},
+            name=name,
+            idempotency_key=f"policy-{item.name}-v{item.version}",
+        )
+        stored_policies.record_dispatch(
+            self.store,
+            item.name,
+            item.version,
+            {"flow_run": str(run.id), "flow_run_name": name, "deployment": DEPLOYMENT},
+        )
+        self.notify(item, str(run.id))
+        log.info("policy %s v%d: flow run %s (%s)", item.name, item.version, run.id, name)
+        return str(run.id)
+
+
+def _notify(item: Pending, run: str) -> None:
+    from prefect.events import emit_event
+
+    emit_event(
+        event=EVENT,
+        resource={
+            "prefect.resource.id": f"dpmerge.policy.{item.name}",
+            "prefect.resource.name": item.name,
+        },
+        payload={"policy": item.name, "version": item.version, "flow_run": run},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Poll forever (the stack's ``dispatcher`` service); errors are logged and retried.
+    ``--heartbeat FILE``: touch FILE after every poll that reached the store and Prefect (the
+    stack's health check of the service)."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectException
+
+    from dpmerge.policy_merge import Workspace
+    from flows.runtime import load_workflow_secret
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    parser = argparse.ArgumentParser(prog="python -m flows.dispatch", description=__doc__)
+    parser.add_argument("--heartbeat", type=Path, default=None, help="file touched per poll")
+    heartbeat = parser.parse_args(argv).heartbeat
+    load_workflow_secret()
+    store = Workspace.from_env().state()
+    log.info("dispatching policy versions from %s", store.where)
+    with get_client(sync_client=True) as prefect_api:
+        dispatcher = Dispatcher(store, prefect_api)
+        while True:
+            try:
+                dispatcher.once()
+                if heartbeat is not None and prefect_api.api_healthcheck() is None:
+                    heartbeat.touch()
+            except (DPMergeError, OSError, PrefectException, httpx.HTTPError) as error:
+                # S3 or the Prefect API answered badly (a 503, no deployment yet): the
+                # idempotency key makes the next poll's attempt safe
+                log.warning("dispatch failed, retrying: %s: %s", type(error).__name__, error)
+                dispatcher.deployment_id = None
+            time.sleep(POLL_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
