@@ -49,6 +49,25 @@ def make_record(
     )
 
 
+def make_checkpoints(
+    sigma: float, steps: tuple[int, ...] = (100, 150, 200)
+) -> list[MechanismRecord]:
+    """Kept checkpoints of one run (one run id, one noise and batch stream)."""
+    return [
+        make_record(
+            f"run{sigma}-{t}",
+            sigma,
+            steps=t,
+            sample_rate=0.01,
+            batch=600.0,
+            run_id=f"run-{sigma}",
+            noise_lineage=f"noise-{sigma}",
+            batch_lineage=f"batches-{sigma}",
+        )
+        for t in steps
+    ]
+
+
 def train_digits(root: Path, sigma: float, *, limit: int | None = None, **config: Any) -> Path:
     """A small digits DP-SGD candidate (3 epochs, batch 64) trained and saved under ``root``."""
     from dpmerge.data import load_dataset

@@ -3,9 +3,10 @@ mechanism records only (docs/design.md#calibration).
 
 Each calibrated release is scored by its expected data-independent utility: the release is one
 of its components (RS: a candidate with probability π_i; LC: its subset; the mixture: a rung
-with its odds), and a component's utility is the noise proxy of its subset's inverse-variance
-merge, −Σc_i²σ_i²/(Σc_i)² — the quantity the generic ladder and the mixture programme rank by.
-The highest expected utility wins; ties go to LC (no secret draw), then RS, then the mixture.
+with its odds), and a component's utility is that of its subset's inverse-variance merge,
+−1/Σ_r T_r/σ_r² over its runs (``weights.subset_utility``) — the quantity the generic ladder and
+the mixture programme rank by.
+The highest expected utility wins; ties go to LC (no secret draw), then the mixture, then RS.
 The mixture's programme ranges over every rung, single candidates included, so when it mixes it
 scores at least as high as LC's rung and RS's pair; it wins exactly when a draw between two
 rungs spends the target better than one rung. Validation accuracy never enters: a choice that
@@ -24,8 +25,10 @@ from dpmerge.accounting.weights import subset_utility
 from dpmerge.errors import RecordError
 from dpmerge.vocabulary import Method, choose
 
-PREFERENCE = (Method.LC, Method.RS, Method.MIXTURE)
-"""Order among equal utilities: fewer secrets first."""
+PREFERENCE = (Method.LC, Method.MIXTURE, Method.RS)
+"""Order among equal utilities: LC first (no secret draw); then the mixture, whose merges
+average at least what RS's candidates hold (a run counts once in the utility, so RS between
+two checkpoints ties with the mixture of the merges that end at them)."""
 TIE = 1e-12
 
 
@@ -45,7 +48,7 @@ class MethodChoice:
         )
         return (
             f"{self.method}: the highest expected noise-proxy utility read off the records "
-            f"({scores}; ties go to lc, then rs)"
+            f"({scores}; ties go to lc, then mixture)"
         )
 
 

@@ -33,6 +33,7 @@ from dpmerge.accounting.records import Candidate, MechanismRecord
 from dpmerge.accounting.weights import (
     initialisation_conflict,
     inverse_variance_weights,
+    runs_of,
     subset_utility,
 )
 from dpmerge.errors import RefusalError, UnsupportedError
@@ -68,18 +69,26 @@ class Rung:
 
 
 def subset_weights(members: Sequence[Candidate], power: float = 2.0) -> tuple[float, ...]:
-    """λ_i ∝ σ_i^(−power) / (η_i·C_i/B_i) over a subset (``power`` 2: inverse-variance);
-    equal weights where a member is label-only."""
+    """λ_r ∝ σ_r^(−power) / (η_r·C_r/B_r) per run of the subset (``power`` 2:
+    inverse-variance), split equally among the run's checkpoints (an average of its
+    iterates); equal weights where a member is label-only."""
     if not all(isinstance(m, MechanismRecord) for m in members):
         return tuple(1.0 / len(members) for _ in members)
+    runs = runs_of(members)
+    first = [members[run[0]] for run in runs]
     if power == 2.0:
-        return inverse_variance_weights(members)  # type: ignore[arg-type]
-    raw = [
-        m.noise_multiplier**-power / m.contribution_scale  # type: ignore[union-attr]
-        for m in members
-    ]
-    total = math.fsum(raw)
-    return tuple(v / total for v in raw)
+        shares = inverse_variance_weights(first)  # type: ignore[arg-type]
+    else:
+        raw = [
+            m.noise_multiplier**-power / m.contribution_scale  # type: ignore[union-attr]
+            for m in first
+        ]
+        shares = tuple(v / math.fsum(raw) for v in raw)
+    weights = [0.0] * len(members)
+    for run, share in zip(runs, shares, strict=True):
+        for i in run:
+            weights[i] = share / len(run)
+    return tuple(weights)
 
 
 def _embed(k: int, members: Sequence[int], values: Sequence[float]) -> tuple[float, ...]:
@@ -100,11 +109,7 @@ def candidate_subsets(
     (composition never falls below a member's ε); exhaustive up to
     :data:`MAX_EXHAUSTIVE_SUBSETS` runs, nested greedy prefixes beyond."""
     allowed = [i for i in range(len(candidates)) if epsilons[i] <= target]
-    runs: dict[object, list[int]] = {}
-    for i in allowed:
-        run_id = getattr(candidates[i], "run_id", None)
-        runs.setdefault(i if run_id is None else run_id, []).append(i)
-    groups = list(runs.values())
+    groups = [[allowed[j] for j in run] for run in runs_of([candidates[i] for i in allowed])]
     if len(groups) <= MAX_EXHAUSTIVE_SUBSETS:
         chosen = [c for r in range(1, len(groups) + 1) for c in itertools.combinations(groups, r)]
     else:
@@ -128,7 +133,7 @@ TUNED_REASON = (
     "weights tuned by validation accuracy: the structured bound assumes weights chosen "
     "independently of the data (the generic bound covers any weights over the subset)"
 )
-PROXY_KIND = "noise proxy: −Σc²σ²/(Σc)² (docs/design.md#calibration)"
+PROXY_KIND = "noise proxy: −1/Σ T/σ² over the runs used (docs/design.md#calibration)"
 LABEL_PROXY_KIND = "ε spent (label-only candidates)"
 
 

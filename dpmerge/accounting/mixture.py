@@ -23,9 +23,10 @@ import math
 from collections.abc import Sequence
 
 from dpmerge.accounting import pld as pld_mod
+from dpmerge.accounting import profiles
 from dpmerge.accounting.account import check_candidates, check_delta
 from dpmerge.accounting.bounds import MixtureRung, PrivacyReport
-from dpmerge.accounting.calibrated import LP_SLACK, Calibration, MergeUtility
+from dpmerge.accounting.calibrated import COARSE_MARGIN, LP_SLACK, Calibration, MergeUtility
 from dpmerge.accounting.generic import (
     ReleaseUnit,
     composed_pld,
@@ -122,7 +123,7 @@ def calibrate_mixture(
     rung's generic bound, so the mixture bound is unchanged."""
     ladder, skipped = rungs(candidates, math.inf, epsilons)
     try:
-        chosen = _programme(ladder, target, delta * (1 - LP_SLACK))
+        chosen = _programme(ladder, target, delta)
     except UnsupportedError as error:  # a rung without a PLD (an RDP-only label)
         raise RefusalError(f"the mixture needs every rung's PLD: {error}") from None
     safest = ((1.0, single_rung(candidates, epsilons)),)
@@ -160,15 +161,23 @@ def _tuned(
     return rung.weights, float(merge_utility(rung.weights))
 
 
-def _programme(ladder: Sequence[Rung], target: float, budget: float) -> Chosen | None:
+def _programme(ladder: Sequence[Rung], target: float, delta: float) -> Chosen | None:
     """The programme's optimal vertex: one or two rungs with their odds. Coarse costs pick the
-    vertex; the odds are recomputed from the two rungs' fine costs so that the fine constraint
-    is tight."""
+    vertex, except that a rung certified on its own at the fine grid (ε ≤ target) is always
+    affordable (the coarse grid and the slack would otherwise drop a rung that exactly meets
+    the target, as the most private run does at the bottom of the range); the odds are
+    recomputed from the two rungs' fine costs so that the fine constraint is tight."""
     if not ladder:
         return None
+    budget = delta * (1 - LP_SLACK)
+    fine = pld_mod.FINE_DISCRETISATION
     costs = [r.delta_at(target, pld_mod.COARSE_DISCRETISATION) for r in ladder]
     if not all(0 <= c <= 1 for c in costs):
         raise RefusalError(f"a rung's δ at ε = {target:g} is not a probability: {costs}")
+    for i, rung in enumerate(ladder):
+        if costs[i] > budget and rung.coarse_epsilon(delta) <= target + COARSE_MARGIN:
+            certified = profiles.epsilon_for_delta(composed_pld(rung.units, fine), delta)
+            costs[i] = budget if certified <= target else costs[i]
     pi = best_two_point_mixture([r.proxy for r in ladder], costs, budget)
     if pi is None:
         return None
@@ -176,12 +185,11 @@ def _programme(ladder: Sequence[Rung], target: float, budget: float) -> Chosen |
     if len(picked) == 1:
         return ((1.0, ladder[picked[0]]),)
     safe, risky = (ladder[i] for i in picked)
-    fine = pld_mod.FINE_DISCRETISATION
     cost_safe, cost_risky = safe.delta_at(target, fine), risky.delta_at(target, fine)
     if cost_risky <= budget:  # the better rung fits on its own at the fine grid
         return ((1.0, risky),)
-    if cost_safe >= budget:
-        return None
+    if cost_safe >= budget:  # affordable only alone (certified at the target)
+        return ((1.0, safe),)
     share = (budget - cost_safe) / (cost_risky - cost_safe)
     return ((1 - share, safe), (share, risky))
 

@@ -15,11 +15,12 @@ from dpmerge.accounting import rdp as rdp_mod
 from dpmerge.accounting.account import account
 from dpmerge.accounting.calibrated import LP_SLACK, Calibration
 from dpmerge.accounting.records import Candidate, MechanismRecord
+from dpmerge.accounting.weights import subset_utility
 from dpmerge.errors import RefusalError, UnsupportedError
 from dpmerge.vocabulary import Method
 
 MAX_GUARD_STEPS = 20
-RS_PROXY_KIND = "noise proxy: −σ² (docs/design.md#calibration)"
+RS_PROXY_KIND = "noise proxy: −σ²/T (docs/design.md#calibration)"
 
 
 def best_two_point_mixture(
@@ -71,16 +72,13 @@ def rs_programme_rdp(
 def _utilities(
     candidates: Sequence[Candidate], epsilons: Sequence[float]
 ) -> tuple[list[float], str]:
-    """The programme's data-independent utilities, read off the records: −σ_i² (less noise is
-    better), or the ε spent for label-only candidates. Never accuracies: π steered by them
-    would depend on every candidate consulted (docs/design.md#calibration)."""
+    """The programme's data-independent utilities, read off the records: −σ_i²/T_i (less
+    noise per step of training is better), or the ε spent for label-only candidates. Never
+    accuracies: π steered by them would depend on every candidate consulted
+    (docs/design.md#calibration)."""
     if all(isinstance(c, MechanismRecord) for c in candidates):
-        # −σ² (less noise is better); ties go to the candidate that spent more (more steps).
-        proxy = [
-            -(c.noise_multiplier**2) + 1e-9 * min(e, 1e3)  # type: ignore[union-attr]
-            for c, e in zip(candidates, epsilons, strict=True)
-        ]
-        return proxy, RS_PROXY_KIND
+        # −σ²/T (less noise per step of training is better), the utility of a one-run merge.
+        return [subset_utility([c]) for c in candidates], RS_PROXY_KIND  # type: ignore[list-item]
     finite = [e for e in epsilons if math.isfinite(e)]
     ceiling = max(finite) if finite else 0.0
     return [min(e, ceiling) for e in epsilons], "ε spent (label-only candidates)"

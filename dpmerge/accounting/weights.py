@@ -59,10 +59,32 @@ def inverse_variance_weights(records: Sequence[MechanismRecord]) -> tuple[float,
     return tuple(v / total for v in raw)
 
 
+def runs_of(members: Sequence[object]) -> list[list[int]]:
+    """Indices of ``members`` grouped by run: records that share a ``run_id`` are checkpoints
+    of one run (docs/design.md#release-units); every other member is a run of its own."""
+    groups: dict[object, list[int]] = {}
+    for i, member in enumerate(members):
+        run_id = getattr(member, "run_id", None)
+        groups.setdefault(i if run_id is None else run_id, []).append(i)
+    return list(groups.values())
+
+
+def longest_of_each_run(records: Sequence[MechanismRecord]) -> list[MechanismRecord]:
+    """One record per run: its longest checkpoint."""
+    return [max((records[i] for i in run), key=lambda r: r.steps) for run in runs_of(records)]
+
+
 def subset_utility(records: Sequence[MechanismRecord]) -> float:
-    """The data-independent utility of merging ``records`` at inverse-variance weights:
-    −:func:`merged_noise_proxy` (higher is better; −σ² for one candidate)."""
-    return -merged_noise_proxy(records, inverse_variance_weights(records))
+    """The data-independent utility of merging ``records`` at inverse-variance weights (higher
+    is better): −1 / Σ_r T_r/σ_r² over their runs r, T_r the run's steps. After T steps of
+    DP-SGD the accumulated update's noise variance relative to its signal scales as σ²/T, and
+    inverse-variance weights combine runs into 1 / Σ T_r/σ_r² (the contribution scales cancel
+    at those weights). For runs of equal length this is :func:`merged_noise_proxy` divided by
+    T, so it ranks subsets exactly as the per-step proxy does. A run counts once at its longest
+    checkpoint, however many checkpoints the merge averages: they carry one noise stream, and
+    averaging them is not averaging independent noise."""
+    runs = longest_of_each_run(records)
+    return -1.0 / math.fsum(r.steps / r.noise_multiplier**2 for r in runs)
 
 
 def initialisation_conflict(members: Sequence[object]) -> str | None:

@@ -92,9 +92,13 @@ def run_frontier_study(study: FrontierStudy, folder: StudyFolder) -> StudyResult
             title,
         ),
         engine.plot_gaps(
-            gaps[0][gaps[0].kind.isin([DEFAULT, "lc-generic", "mixture", "lc-structured"])],
+            pd.concat(
+                [gaps[0][gaps[0].kind.isin(["lc-generic", "lc-structured"])]]
+                + [gap[gap.kind == DEFAULT] for gap in gaps],
+                ignore_index=True,
+            ),
             folder.root / "gap.png",
-            "merge minus retrain at the target, same seed (95 % CI)",
+            "merge minus retrain, paired by seed (95 % CI)",
         ),
     ]
     markdown = _markdown(study, summary, kinds, gaps, verdict)

@@ -401,17 +401,22 @@ def target_grid(epsilons: Sequence[float], count: int) -> list[float]:
 
 def summarise(table: pd.DataFrame) -> pd.DataFrame:
     """Mean and standard deviation over seeds per (group, kind, target): test accuracy, the
-    drawn RS accuracy, ε (gating, PLD, RDP); candidates are keyed by their σ instead."""
+    drawn RS accuracy, ε (gating, PLD, RDP); candidates are keyed by their σ and length
+    instead (a kept checkpoint is a candidate of its own)."""
     table = table.copy()
-    key = table.target_epsilon.where(table.kind != "candidate", -table.noise_multiplier)
+    candidate = table.kind == "candidate"
+    key = table.target_epsilon.where(~candidate, -table.noise_multiplier)
     table["point"] = key.fillna(0.0)
+    table["length"] = table.per_example_gradients.where(candidate, 0).fillna(0)
     out = []
-    for (group, kind, _), rows in table.groupby(["group", "kind", "point"], sort=False):
+    groups = table.groupby(["group", "kind", "point", "length"], sort=False)
+    for (group, kind, _, length), rows in groups:
         entry: dict[str, Any] = {
             "group": group,
             "kind": kind,
             "target_epsilon": rows.target_epsilon.iloc[0],
             "noise_multiplier": rows.noise_multiplier.mean(),
+            "steps": round(length / rows.batch_size.mean()) if length else None,
             "seeds": len(rows),
             "delta": rows.delta.iloc[0],
         }
@@ -477,6 +482,7 @@ def epsilon_table(summary: pd.DataFrame, group: str) -> pd.DataFrame:
             "kind": part.kind,
             "target ε": part.target_epsilon,
             "σ": part.noise_multiplier,
+            "T": ["" if t is None or t != t else str(int(t)) for t in part.steps],
             "ε (gating)": part.epsilon,
             "ε PLD": part.epsilon_pld,
             "ε RDP": part.epsilon_rdp,

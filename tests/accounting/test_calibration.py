@@ -6,7 +6,7 @@ import inspect
 import itertools
 
 import pytest
-from factories import make_record
+from factories import make_checkpoints, make_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,8 +58,10 @@ def test_rs_probabilities_come_from_the_records_only(ladder):
     result = calibrate(ladder, "rs", 1.0, DELTA)
     assert result.utility_kind.startswith("noise proxy")
     assert result.utility == pytest.approx(
-        -sum(p * c.noise_multiplier**2 for p, c in zip(result.weights, ladder, strict=True)),
-        abs=1e-6,
+        -sum(
+            p * c.noise_multiplier**2 / c.steps for p, c in zip(result.weights, ladder, strict=True)
+        ),
+        rel=1e-9,
     )
 
 
@@ -228,27 +230,10 @@ def test_candidates_from_different_initialisations_are_never_averaged():
     assert any("different initialisations" in n for n in report.notes)
 
 
-def checkpoints(sigma: float, steps=(100, 150, 200)):
-    """Three kept checkpoints of one run (one run id, one noise and batch stream)."""
-    return [
-        make_record(
-            f"run{sigma}-{t}",
-            sigma,
-            steps=t,
-            sample_rate=0.01,
-            batch=600.0,
-            run_id=f"run-{sigma}",
-            noise_lineage=f"noise-{sigma}",
-            batch_lineage=f"batches-{sigma}",
-        )
-        for t in steps
-    ]
-
-
 def test_checkpoints_of_one_run_are_averaged_at_the_cost_of_the_longest():
     """A run's kept checkpoints join a rung together, up to a common stop: the LC averages its
     iterates, and its generic ε is the longest checkpoint's (docs/design.md#release-units)."""
-    candidates = checkpoints(1.0) + checkpoints(2.0)
+    candidates = make_checkpoints(1.0) + make_checkpoints(2.0)
     longest = candidate_bound(candidates[2], DELTA).epsilon
     result = calibrate(candidates, "lc", longest, DELTA)
     used = [c for c, w in zip(candidates, result.weights, strict=True) if w > 0]

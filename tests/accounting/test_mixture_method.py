@@ -11,7 +11,7 @@ import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution
 from dp_accounting.rdp import rdp_privacy_accountant
-from factories import make_record
+from factories import make_checkpoints, make_record
 from scipy.special import logsumexp
 
 from dpmerge.accounting.calibration import calibrate
@@ -217,3 +217,40 @@ def test_auto_is_read_off_the_records_and_checks_its_input(short_ladder, mixed):
         choose_method({"lc": lc}, short_ladder[:2])
     document = json.dumps(choose_method({"lc": lc}, short_ladder).utilities)
     assert "lc" in document
+
+
+def test_the_utility_counts_a_run_once_at_its_length():
+    """−1/Σ T_r/σ_r² over the runs: averaging a run's checkpoints earns nothing (one noise
+    stream), stopping it earlier costs in proportion; equal-length runs rank as the per-step
+    proxy does."""
+    from dpmerge.accounting.weights import (
+        inverse_variance_weights,
+        merged_noise_proxy,
+        subset_utility,
+    )
+
+    one, two = make_checkpoints(1.0), make_checkpoints(2.0)
+    assert subset_utility(one) == subset_utility(one[2:]) == pytest.approx(-1.0 / 200)
+    assert subset_utility(one[:2]) == pytest.approx(-1.0 / 150)
+    assert subset_utility([one[2], two[2]]) == pytest.approx(-1.0 / (200 + 200 / 4))
+    equal = [make_record(f"e{s}", s, steps=200) for s in (1.0, 1.5, 3.0)]
+    per_step = merged_noise_proxy(equal, inverse_variance_weights(equal))
+    assert subset_utility(equal) == pytest.approx(-per_step / 200)
+
+
+def test_a_rung_exactly_at_the_target_is_affordable_and_ties_prefer_the_mixture():
+    """At the ε of a run's end the mixture releases that run's whole average (the coarse grid
+    and the programme's slack do not drop it); where RS between two checkpoints ties with the
+    mixture of the merges ending at them, auto takes the mixture (which averages more)."""
+    candidates = make_checkpoints(1.0) + make_checkpoints(2.0)
+    end = candidate_bound(candidates[5], DELTA).epsilon
+    mixture = calibrate(candidates, "mixture", end, DELTA)
+    assert len(mixture.rungs) == 1
+    assert set(mixture.rungs[0].members(mixture.report.names)) == {
+        c.name for c in make_checkpoints(2.0)
+    }
+    between = (candidate_bound(candidates[4], DELTA).epsilon + end) / 2
+    offered = {m: calibrate(candidates[3:], m, between, DELTA) for m in ("rs", "mixture")}
+    choice = choose_method(offered, candidates[3:])
+    assert choice.utilities["rs"] == pytest.approx(choice.utilities["mixture"], rel=1e-12)
+    assert choice.method == "mixture"
