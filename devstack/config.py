@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dpmerge.errors import DPMergeError
+from dpmerge.errors import DPMergeError, OutageError
 from dpmerge.locate import STACK_FILE, stack_state_dir
 from dpmerge.storage import DEFAULT_AUDIT_BUCKET, DEFAULT_BUCKET, DEFAULT_STATE_BUCKET, S3Config
 from dpmerge.vocabulary import StackDatabase, StackRole, choose
@@ -43,6 +43,11 @@ CONFIG_FILE = STACK_FILE
 
 class StackError(DPMergeError):
     """A stack service failed to start or stop; the message points at its log."""
+
+
+class ServiceStartError(StackError, OutageError):
+    """A service kept exiting or did not answer as itself in time: an outage (exit 1), not
+    bad input."""
 
 
 def repo_root() -> Path:

@@ -105,6 +105,13 @@ def mlflow_auth_database(config: StackConfig, creds: Credentials) -> str:
     return f"sqlite:///{config.mlflow_dir / 'auth.db'}"
 
 
+AUTH_CACHE_TTL_S = 60
+"""How long MLflow's auth app keeps a successful credential check (its own cache, off by
+default): each check is a deliberately slow password hash, about 1 s per request at load 7 on
+the 2-core machine, which made every registry call of a flow or command wait on it. A changed
+password or a deleted user is refused at the latest this long after the change."""
+
+
 def mlflow_auth_ini(config: StackConfig, creds: Credentials) -> str:
     """The auth app's configuration (``MLFLOW_AUTH_CONFIG_PATH``); the admin's password comes
     from ``MLFLOW_AUTH_ADMIN_PASSWORD`` at its first start."""
@@ -116,6 +123,7 @@ def mlflow_auth_ini(config: StackConfig, creds: Credentials) -> str:
             f"admin_username = {secrets_store.MLFLOW_ADMIN}",
             "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
             "grant_default_workspace_access = false",
+            f"auth_cache_ttl_seconds = {AUTH_CACHE_TTL_S}",
             "",
         ]
     )

@@ -49,7 +49,7 @@ class Service:
     stage: int
     ports: tuple[int, ...] = ()
     url: str | None = None
-    start_timeout_s: float = 120.0
+    start_timeout_s: float = 300.0  # MLflow and Prefect migrate their databases at first start
     stop_timeout_s: float = 15.0
     stop_signal: str = "TERM"
     cwd: Path | None = None

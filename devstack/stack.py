@@ -24,7 +24,7 @@ from typing import Any
 from devstack import credentials as secrets_store
 from devstack import postgres, processes, provision, roles
 from devstack import store as registry_store
-from devstack.config import LOOPBACK, StackConfig, StackError, port_free
+from devstack.config import LOOPBACK, ServiceStartError, StackConfig, StackError, port_free
 from devstack.services import Service, mlflow_auth_file, s3_config_file, services
 from devstack.supervisor import Supervisor, log_tail
 from dpmerge.keys import KEY_ENV, KEY_FILE_ENV
@@ -61,13 +61,14 @@ def _await_healthy(supervisor: Supervisor, service: Service) -> None:
         if service.healthy(supervisor.info(service.name).pid):
             return
         if supervisor.info(service.name).state == "FATAL":
-            raise StackError(
-                f"{service.name} exited repeatedly while starting; log {log}:\n{log_tail(log)}"
+            raise ServiceStartError(
+                f"{service.name} exited repeatedly while starting; last log line: "
+                f"{log_tail(log)}; log {log}"
             )
         time.sleep(POLL_S)
-    raise StackError(
-        f"{service.name} not healthy after {service.start_timeout_s:.0f} s; "
-        f"log {log}:\n{log_tail(log)}"
+    raise ServiceStartError(
+        f"{service.name} not healthy after {service.start_timeout_s:.0f} s (on a loaded machine, "
+        f"run `dpmerge stack up` again); last log line: {log_tail(log)}; log {log}"
     )
 
 

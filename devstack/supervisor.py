@@ -52,12 +52,15 @@ class ProcessInfo:
         return self.state in ACTIVE_STATES
 
 
-def log_tail(path: Path, lines: int = 15) -> str:
+def log_tail(path: Path) -> str:
+    """The last non-empty line of a service's log, for a one-line error (the log names the
+    rest)."""
     try:
-        text = path.read_text(errors="replace").splitlines()[-lines:]
+        text = [line.strip() for line in path.read_text(errors="replace").splitlines()]
     except OSError:
         return "(no log)"
-    return "\n".join("    " + line for line in text)
+    found = [line for line in text if line]
+    return found[-1][-300:] if found else "(empty log)"
 
 
 def _escape(value: str) -> str:
@@ -189,7 +192,8 @@ serverurl = unix://{self.socket_path}
                 return True
             time.sleep(0.1)
         raise StackError(
-            f"supervisord did not start (exit code {code}); log {out}:\n{log_tail(out)}"
+            f"supervisord did not start (exit code {code}); last log line: "
+            f"{log_tail(out)}; log {out}"
         )
 
     def shutdown(self, timeout_s: float = 60.0) -> None:

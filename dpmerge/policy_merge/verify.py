@@ -28,7 +28,6 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from dpmerge import manifests
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
 from dpmerge.policy_merge.promotion import served_text, unmet
