@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-The checkout this module is in, or the site-packages directory it is installed in.
+"""The checkout this module is in, or the site-packages directory it is installed in."""
 MODULE = "flows.warm"
 CODE_DIRS = ("dpmerge", "flows", "tasks")
 PRELOAD = (
