@@ -99,28 +99,23 @@ def burst(args: argparse.Namespace, config: Any, dataset: str, releases: str) ->
     print(f"stored {sum(map(len, stored.values()))} versions in {time.time() - started:.1f} s")
     last = {name: versions[-1] for name, versions in stored.items()}
 
-    deadline = started + args.timeout
+    wanted = {(name, v) for name, versions in stored.items() for v in versions}
+    dispatch: dict[tuple[str, int], dict[str, Any]] = {}
     outcome_at: dict[tuple[str, int], float] = {}
+    deadline = started + args.timeout
     while True:
-        dispatch = {
-            (name, v): policies.dispatched(operator, name, v)
-            for name, versions in stored.items()
-            for v in versions
-        }
-        runs = {k: d["flow_run"] for k, d in dispatch.items() if d and "flow_run" in d}
-        for key in runs:
-            if key not in outcome_at:
-                found = policies.outcomes(operator, *key)
-                if found:
-                    outcome_at[key] = datetime.fromisoformat(found[0]["at"]).timestamp()
-        pending = [k for k, d in dispatch.items() if d is None] + [
-            k for k in runs if k not in outcome_at
-        ]
-        if not pending or time.time() > deadline:
+        _collect(operator, "dispatch/", wanted, dispatch)
+        ended: dict[tuple[str, int], dict[str, Any]] = {}
+        _collect(operator, "outcomes/", wanted - outcome_at.keys(), ended)
+        outcome_at |= {k: datetime.fromisoformat(d["at"]).timestamp() for k, d in ended.items()}
+        runs = {k: d["flow_run"] for k, d in dispatch.items() if "flow_run" in d}
+        if wanted <= dispatch.keys() and runs.keys() <= outcome_at.keys():
+            break
+        if time.time() > deadline:
             break
         time.sleep(1.0)
-    lost = [k for k, d in dispatch.items() if d is None]
-    superseded = [k for k, d in dispatch.items() if d and "superseded_by" in d]
+    lost = sorted(wanted - dispatch.keys())
+    superseded = [k for k, d in dispatch.items() if "superseded_by" in d]
     drain = max(outcome_at.values(), default=float("nan")) - started
     states = flow_runs(config, list(runs.values()))
     names_of = collections.Counter(
@@ -172,6 +167,20 @@ def burst(args: argparse.Namespace, config: Any, dataset: str, releases: str) ->
         + ("ok" if ok else "NOT OK")
     )
     return 0 if ok else 1
+
+
+def _collect(
+    store: Any, prefix: str, wanted: set[tuple[str, int]], found: dict[tuple[str, int], Any]
+) -> None:
+    """The first document under ``<prefix><policy>/<version>…`` of each wanted version not
+    found yet (one listing, then a read per new version)."""
+    for key in store.keys(prefix):
+        name, number = key.split("/")[1:3]
+        version = (name, int(number.removesuffix(".json")))
+        if version in wanted and version not in found:
+            document = store.read(key)
+            if document is not None:
+                found[version] = document.document
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 The stack runs without workers of its own; three worker hosts stand in for separate machines:
 two on the ``gpu`` pool, one on the ``cpu`` pool. Each host is an empty directory with its own
 ``HOME`` and an environment made of the workflow role's variables (``dpmerge stack env --role
-workflow``: service URLs and credentials) and ``PATH`` only, plus the worker poll interval and a
-process mark that lets the test end what the host started. Its ``python`` is one environment
+workflow``: service URLs and credentials) and ``PATH`` only, plus two tuning knobs (the worker
+poll, the fan-out's runs at once) and a process mark that lets the test end what the host
+started. Its ``python`` is one environment
 built for the hosts in a temporary directory: dpmerge is installed there, not editable, from a
 wheel built from a clone of the "remote" (a bare repository holding this checkout's commit); the
 third-party packages, the same pinned versions a host would install, are taken read-only from
@@ -41,7 +42,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = {"gpu-host-1": "gpu", "gpu-host-2": "gpu", "cpu-host": "cpu"}
 NOISE = [1.0, 1.3, 1.6, 2.2, 3.0]
-RUN_TIMEOUT_S = 420
+RUN_TIMEOUT_S = 900
+GPU_LIMIT = 3
+"""Runs a gpu host takes at once: the five candidates start together, over both hosts."""
 
 
 def _git(*args: str, cwd: Path | None = None) -> str:
@@ -110,13 +113,16 @@ class Hosts:
     remote: Path
 
     def env(self, name: str) -> dict[str, str]:
-        """A host's whole environment: the workflow role's, its own HOME and PATH."""
+        """A host's whole environment: the workflow role's, its own HOME and PATH, two tuning
+        knobs and the mark the test ends its processes by."""
         home = self.root / name / "home"
         return {
             **self.config.client_env(StackRole.WORKFLOW),
             "HOME": str(home),
             "PATH": os.pathsep.join([str(self.python.parent), "/usr/bin", "/bin"]),
+            # tuning, not sharing: the poll, and the fan-out's runs at once (default 2)
             "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "DPMERGE_TRAIN_CONCURRENCY": str(len(NOISE)),
             processes.MARK: processes.mark(self.root, name),
         }
 
@@ -129,7 +135,8 @@ def _start_workers(hosts: Hosts) -> None:
         subprocess.Popen(
             [
                 *(hosts.python, "-m", "prefect", "worker", "start", "--type", "process"),
-                *("--pool", pool, "--name", name, "--limit", "1" if pool == "gpu" else "8"),
+                *("--pool", pool, "--name", name),
+                *("--limit", str(GPU_LIMIT if pool == "gpu" else 8)),
             ],
             cwd=directory,
             env=hosts.env(name),
@@ -245,6 +252,7 @@ def test_training_spreads_over_gpu_hosts_and_the_merge_runs_on_the_cpu_host(
                 "batch_size": 64,
                 "learning_rate": 1.0,
                 "frontier_report": False,
+                "prime_merge_caches": False,
                 "deployment": "train-candidate/train-candidate-gpu",
             },
         )
