@@ -23,13 +23,14 @@ import os
 import subprocess
 import sys
 import sysconfig
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from deployed import prefect_client as _client
+from deployed import wait_run
 from servers import environment, running_stack
 
 import devstack
@@ -177,22 +178,8 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
             os.environ["DPMERGE_SECRET_KEY"] = saved_key
 
 
-def _client(config: devstack.StackConfig) -> Any:
-    from prefect.client.orchestration import SyncPrefectClient
-
-    auth = config.client_env()["PREFECT_API_AUTH_STRING"]
-    return SyncPrefectClient(config.prefect_api_url, auth_string=auth)
-
-
 def _wait(config: devstack.StackConfig, run_id: Any) -> Any:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    with _client(config) as client:
-        while time.monotonic() < deadline:
-            run = client.read_flow_run(run_id)
-            if run.state is not None and run.state.is_final():
-                return run
-            time.sleep(1)
-    raise AssertionError(f"flow run {run_id} not finished after {RUN_TIMEOUT_S} s")
+    return wait_run(config, run_id, RUN_TIMEOUT_S)
 
 
 def _worker(run: Any) -> str | None:
