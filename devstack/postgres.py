@@ -124,7 +124,7 @@ def _connect(
         ) as connection:
             yield connection
     except psycopg.Error as error:
-        reason = " ".join(str(error).split())
+        reason = " ".join(f"{error}".splitlines())  # one line, never classified
         raise StackError(
             f"PostgreSQL at {LOOPBACK}:{config.postgres_port} ({database}): {reason}"
         ) from None

@@ -27,6 +27,7 @@ from devstack import store as registry_store
 from devstack.config import LOOPBACK, StackConfig, StackError, port_free
 from devstack.services import Service, mlflow_auth_file, s3_config_file, services
 from devstack.supervisor import Supervisor, log_tail
+from dpmerge.keys import KEY_ENV, KEY_FILE_ENV
 from dpmerge.storage import S3Store
 from dpmerge.vocabulary import StackDatabase, StackRole
 
@@ -202,5 +203,12 @@ def status(config: StackConfig) -> list[ServiceStatus]:
 
 def export_lines(config: StackConfig, role: StackRole = StackRole.WORKFLOW) -> list[str]:
     """``export NAME=value`` lines of ``role``'s environment for a POSIX shell
-    (``eval "$(dpmerge stack env --role operator)"``)."""
-    return [f"export {k}={shlex.quote(v)}" for k, v in config.client_env(role).items()]
+    (``eval "$(dpmerge stack env --role operator)"``), then ``unset`` of every variable another
+    role sets and this one does not, so a shell that switches roles keeps no credential of the
+    role it leaves (the secret key, which no role's environment holds, included)."""
+    env = config.client_env(role)
+    others = {k for other in StackRole for k in config.client_env(other)} - set(env)
+    others |= {KEY_ENV, KEY_FILE_ENV}
+    return [f"export {k}={shlex.quote(v)}" for k, v in env.items()] + [
+        f"unset {k}" for k in sorted(others)
+    ]

@@ -189,6 +189,22 @@ def policy_from_dict(data: Mapping[str, Any]) -> Policy:
         raise PolicyError(describe_validation_error(where, error, Policy)) from None
 
 
+REQUIRED_PLACEHOLDERS = {
+    "target_epsilon": 1.0,
+    "target_delta": 1e-5,
+    "dataset": "placeholder",
+    "model": "placeholder",
+}
+"""Valid values for the required fields, so that :func:`check_fields` judges the given ones."""
+
+
+def check_fields(fields: Mapping[str, Any]) -> None:
+    """The fields of a partial change, validated on their own before anything is read (a bad
+    alias or a typo is refused before the registry or the store is located): every error names
+    a given field, since the placeholders of the others are valid."""
+    policy_from_dict({**REQUIRED_PLACEHOLDERS, **fields})
+
+
 def policies_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Policy, ...]:
     policies = tuple(policy_from_dict(item) for item in items)
     for attribute in ("name", "alias"):

@@ -49,7 +49,7 @@ LEDGER_KEYS = ("epsilon", "delta", "accountant", "cap", "releases")
 INTERNAL_NOTE = (
     "The candidates this release was merged from, their mechanism records, metrics and the "
     "merge weights are internal (operators read them on the internal card: `dpmerge registry "
-    "show NAME VERSION --internal`); publishing them, or anything computed from the candidates, "
+    "show NAME/VERSION --internal`); publishing them, or anything computed from the candidates, "
     "voids this guarantee."
 )
 DRAW_NOTE = (

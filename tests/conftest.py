@@ -4,12 +4,18 @@ started only when a test asks for them."""
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import credentials_env, environment, running_stack
+from servers import (
+    PolicyStack,
+    credentials_env,
+    environment,
+    policy_stack,
+    running_stack,
+    session_key,
+)
 
 from devstack import StackConfig
 from dpmerge.environment import QUIET, TELEMETRY_OFF
@@ -18,8 +24,9 @@ from dpmerge.vocabulary import StackRole
 
 for _key, _value in {**TELEMETRY_OFF, **QUIET}.items():
     os.environ.setdefault(_key, _value)
-# the workflow's secret key (dpmerge.keys): one per test session, never a file in the repository
-os.environ.setdefault("DPMERGE_SECRET_KEY", secrets.token_hex(32))
+# the workflow's secret key (dpmerge.keys): one per test session, never a file in the repository;
+# the key of every stack the session starts (its Secret block), so this process signs as they do
+os.environ.setdefault("DPMERGE_SECRET_KEY", session_key())
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +63,15 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfi
         environment(config.client_env()),
     ):
         yield config
+
+
+@pytest.fixture(scope="session")
+def deployed_policy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyStack]:
+    """The whole stack with deployments/prefect.yaml applied and three digits candidates
+    trained by the workflow (``servers.policy_stack``), shared by the operator, consumer and
+    red-team tests; this process holds the workflow role's environment."""
+    with policy_stack(tmp_path_factory) as stack:
+        yield stack
 
 
 @pytest.fixture

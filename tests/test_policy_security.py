@@ -23,6 +23,7 @@ import torch
 from factories import DELTA, train_digits
 from mlflow import MlflowClient
 
+from dpmerge import manifests
 from dpmerge import policy_merge as pm
 from dpmerge.cli import main
 from dpmerge.data import load_dataset
@@ -245,6 +246,31 @@ def test_mlflow_tags_and_aliases_an_insider_sets_are_not_trusted(
     assert _aliases(fresh, first.merged_model)["policy-p"] == later.version
     assert main(["registry", "verify", *uri]) == 0
     capsys.readouterr()
+
+
+def test_swapped_served_weights_are_found_by_the_reconciler_and_refused_by_consumers(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys
+) -> None:
+    """The served release's weights replaced in the artifact store by a candidate's (what a
+    storage writer can do): `registry verify` reports the files mismatch, and a consumer's
+    `dpmerge verify @ALIAS` — public key only — refuses the model; both pass before."""
+    served = _apply(fresh, _policy(name="swap", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert served.status == pm.Status.PROMOTED
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    assert main(["verify", "@policy-swap", *key, *uri]) == 0
+    assert f"= {served.merged_model} v{served.version}" in capsys.readouterr().out
+    assert main(["registry", "verify", *uri]) == 0
+    capsys.readouterr()
+    weights = _stored_dir(fresh, served.merged_model, served.version) / "weights.safetensors"
+    candidate = _stored_dir(fresh, _pool(fresh).registered_model, "1") / "weights.safetensors"
+    weights.write_bytes(candidate.read_bytes())
+    assert main(["registry", "verify", *uri]) == 1
+    out = capsys.readouterr().out
+    assert f"files_mismatch: {served.merged_model}" in out
+    assert main(["verify", "@policy-swap", *key, *uri]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "weights.safetensors" in err
 
 
 # --- item 3: alias ownership ------------------------------------------------------------------

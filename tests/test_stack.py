@@ -334,6 +334,13 @@ def test_config_round_trip_and_role_env(tmp_path: Path) -> None:
     assert "PREFECT_API_AUTH_STRING" in with_prefect.client_env(StackRole.WORKFLOW)
     for role in (StackRole.OPERATOR, StackRole.CONSUMER):
         assert not any(k.startswith("PREFECT_API") for k in with_prefect.client_env(role))
+    # switching roles in one shell leaves no credential of the role it leaves
+    consumer = devstack.export_lines(with_prefect, StackRole.CONSUMER)
+    for name in ("AWS_SECRET_ACCESS_KEY", "PREFECT_API_AUTH_STRING", "DPMERGE_SECRET_KEY"):
+        assert f"unset {name}" in consumer
+    # every role verifies releases with the same public key (the workflow key's public half)
+    keys = {e["DPMERGE_RELEASE_PUBLIC_KEY"] for e in env.values()}
+    assert len(keys) == 1 and len(keys.pop()) == 64
     assert configured_readers(env[StackRole.WORKFLOW]) == {
         "dpmerge-candidates": ("operator",),
         "dpmerge-releases": ("operator", "consumer"),

@@ -46,7 +46,9 @@ class Registered:
         dirs = synthetic_candidates(root, {"cand-a": 1.0, "cand-b": 2.0}, DATASET)
         parents = [registry.register_candidate(d).version for d in dirs]
         merged = merge_model_dirs(dirs, "lc", [0.5, 0.5], root / "merged", delta=DELTA).path
-        release = registry.register_merged(merged, parents=parents, policy=POLICY)
+        release = registry.register_merged(
+            registry.prepare_merged(merged, parents=parents, policy=POLICY)
+        )
         public = dataset_id(DATASET, WorkflowKey.from_env())
         self.candidates = candidate_model_name(public, "logreg")
         self.releases = merged_model_name(public, "logreg")

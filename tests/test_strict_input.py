@@ -75,7 +75,7 @@ def _inputs(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
             "alias 'a\\x1b]0;pwned\\x07' is not a valid registry alias",
         ),
         "control characters in a file name": (
-            ["policy", "apply", str(tmp / "no\x1b[2J\x1b[Hsuch.yaml")],
+            ["policy", "apply", "-f", str(tmp / "no\x1b[2J\x1b[Hsuch.yaml")],
             2,
             "no\\x1b[2J\\x1b[Hsuch.yaml",
         ),
@@ -125,22 +125,22 @@ def _inputs(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
             "top level: unknown field 'candidate'; did you mean 'candidates'?",
         ),
         "policy key typo": (
-            ["policy", "apply", str(tmp / "typo.yaml")],
+            ["policy", "apply", "-f", str(tmp / "typo.yaml")],
             2,
             "unknown field 'target_epsilom'; did you mean 'target_epsilon'?",
         ),
         "policies file top-level key": (
-            ["policy", "apply", str(tmp / "top.yaml")],
+            ["policy", "apply", "-f", str(tmp / "top.yaml")],
             2,
             "top level: unknown field 'dry_run' (only 'policies' is read)",
         ),
         "alias LATEST": (
-            ["policy", "apply", str(tmp / "latest.yaml")],
+            ["policy", "apply", "-f", str(tmp / "latest.yaml")],
             2,
             "alias 'LATEST' is not a valid registry alias",
         ),
         "alias too long": (
-            ["policy", "apply", str(tmp / "long.yaml")],
+            ["policy", "apply", "-f", str(tmp / "long.yaml")],
             2,
             f"is 240 characters long; the registry takes at most {ALIAS_LIMIT}",
         ),
@@ -150,7 +150,7 @@ def _inputs(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
             "opening the registry at file:///etc",
         ),
         "a device as a policies file": (
-            ["policy", "apply", "/dev/zero"],
+            ["policy", "apply", "-f", "/dev/zero"],
             2,
             "policy file /dev/zero is not a regular file",
         ),
@@ -224,12 +224,7 @@ def test_the_alias_limits_mirror_mlflow() -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.utils import validation
 
-    from dpmerge.registry.tags import (
-        ALIAS_OWNER_TAG,
-        ALIAS_TIME_TAG,
-        MLFLOW_ALIAS_LIMIT,
-        MLFLOW_TAG_KEY_LIMIT,
-    )
+    from dpmerge.registry.tags import MLFLOW_ALIAS_LIMIT, MLFLOW_TAG_KEY_LIMIT, SERVED_TAG
 
     assert validation.MAX_REGISTERED_MODEL_ALIAS_LENGTH == MLFLOW_ALIAS_LIMIT
     assert validation.MAX_MODEL_REGISTRY_TAG_KEY_LENGTH == MLFLOW_TAG_KEY_LIMIT
@@ -237,10 +232,9 @@ def test_the_alias_limits_mirror_mlflow() -> None:
     assert longest is not None
     validation._validate_model_alias_name(longest)  # MLflow accepts the longest we accept
     validation._validate_model_alias_name_reserved(longest)
-    for prefix in (ALIAS_OWNER_TAG, ALIAS_TIME_TAG):
-        validation._validate_length_limit(
-            "tag key", validation.MAX_MODEL_REGISTRY_TAG_KEY_LENGTH, prefix + longest
-        )
+    validation._validate_length_limit(
+        "tag key", validation.MAX_MODEL_REGISTRY_TAG_KEY_LENGTH, SERVED_TAG + longest
+    )
     for refused in ("LATEST", "v3"):
         with pytest.raises(MlflowException):
             validation._validate_model_alias_name_reserved(refused)

@@ -22,7 +22,7 @@ from typing import Any
 
 from dpmerge.errors import InputError, RefusalError
 from dpmerge.formatting import cut, epsilon_text, number_text, printable
-from dpmerge.locate import Located, locate_registry
+from dpmerge.locate import Located, command, locate_registry
 from dpmerge.registry.catalog import open_catalog
 from dpmerge.registry.tags import ROLE_MERGED
 from dpmerge.registry.versions import VersionSummary
@@ -133,6 +133,7 @@ def _workspace(args: argparse.Namespace, located: Located | None = None):  # typ
 
 
 def _quarantine(args: argparse.Namespace) -> int:
+    from dpmerge.registry.errors import RegistryPermissionError
     from dpmerge.state.quarantine import quarantine
 
     located = _located(args)
@@ -141,10 +142,17 @@ def _quarantine(args: argparse.Namespace) -> int:
     registry = workspace.registry()
     registry.get_version(args.model, args.version)  # it must exist
     record = quarantine(workspace.state(), args.model, args.version, args.reason)
-    registry.quarantine(args.model, args.version, record.reason)
+    try:  # MLflow's tag is a projection of the record (an operator may not set it)
+        registry.quarantine(args.model, args.version, record.reason)
+        projected = "tagged dp.status=quarantined in MLflow"
+    except RegistryPermissionError:
+        projected = (
+            "MLflow's dp.status tag is the workflow's to set (its verify-state run, or "
+            f"`{command('registry', 'verify', '--repair')}` as the workflow)"
+        )
     print(
         f"{args.model} v{args.version} quarantined (recorded in {workspace.state().where}): it "
-        "is never merged, reused or promoted again"
+        f"is never merged, reused or promoted again; {projected}"
     )
     return 0
 
@@ -164,7 +172,11 @@ def _verify(args: argparse.Namespace) -> int:
             print(printable(finding.line()))
         print(
             f"{len(findings)} finding(s); state {where['state']}"
-            + ("" if workspace.workflow_key() else " (signatures not checked: no workflow key)")
+            + (
+                ""
+                if workspace.workflow_key()
+                else " (state documents' signatures not checked: no workflow key)"
+            )
         )
     return 1 if findings else 0
 

@@ -10,15 +10,17 @@ says how it ended (:class:`Status`, :class:`PolicyOutcome`); its steps are injec
    published, keyed identifier) and model, each verified against its signature (fixed-seed
    candidates refused), and the evaluation split; stops early when another policy owns the
    alias (refused) or a later version of the policy exists (``superseded``).
-2. :func:`calibrate_policy` — ``method: auto`` keeps the release with the smaller noise
-   proxy, a data-independent choice (docs/design.md#calibration).
+2. :func:`calibrate_policy` — ``method: auto`` keeps the release (RS, LC or the mixture) with
+   the best expected noise proxy, a data-independent choice (docs/design.md#calibration).
 3. :func:`merge_request` and :func:`plan_release` — the release's hash (candidates, method,
-   weights, δ, bound; not the target); a ready, signed version of it is reused (a rerun never
-   draws again); the ledger cap refuses a new release before anything is merged or drawn.
-4. :func:`merge_release` — merge and evaluate; RS uses the draw stored for the release
-   (:mod:`~dpmerge.policy_merge.draws`).
+   weights or rungs, δ, bound; not the target); a ready, signed version of it is reused (a
+   rerun never draws again); the ledger cap refuses a new release before anything is merged or
+   drawn.
+4. :func:`merge_release` — merge and evaluate; RS and the mixture use the draw stored for the
+   release (:mod:`~dpmerge.policy_merge.draws`).
 5. :func:`count_release` — the release is counted in the ledger before anything of it is
-   published; :func:`register_release` — the merged version, signed, with its privacy card.
+   published; :func:`register_release` — its internal record kept in the state store, then the
+   merged version, signed, with its public privacy card.
 6. :func:`serve_release` — the gates on the signed facts, then count-and-point in one
    conditional write; :func:`enforce` — the serving invariant when nothing new is served;
    :func:`project` — the MLflow alias follows the serving pointer.

@@ -156,9 +156,7 @@ def _served_release(registry: Registry, alias: AliasState, subject: str) -> Iter
         )
     with tempfile.TemporaryDirectory(prefix="dpmerge-verify-") as scratch:
         try:
-            registry.verified_model(
-                alias.model, str(alias.serving), scratch, manifests.public_key_hex(registry.keys)
-            )
+            registry.verified_model(alias.model, str(alias.serving), scratch, registry.public_key)
         except ReleaseSignatureError as error:
             yield Finding(FindingKind.FILES_MISMATCH, subject, str(error))
     if registry.stored_card_digest(stored) != stored.tags.get("dp.card_digest"):

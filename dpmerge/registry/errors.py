@@ -24,6 +24,10 @@ TEMPORARY_HTTP_STATUS = frozenset({429, 503, 504})
 also what its SQL store raises for a database error such as a locked sqlite file),
 ``DEADLINE_EXCEEDED`` (504)."""
 
+PERMISSION_STATUS = frozenset({401, 403})
+"""HTTP statuses of a request the server refused for this user (MLflow's auth app answers
+``PERMISSION_DENIED`` with 403, missing or wrong credentials with 401)."""
+
 TEMPORARY_ERRORS: tuple[type[BaseException], ...] = (
     requests.exceptions.ConnectionError,
     requests.exceptions.Timeout,
@@ -51,6 +55,11 @@ class RegistryUnavailableError(RegistryFailureError, TransientError):
     503, 504, a locked sqlite database): worth retrying."""
 
 
+class RegistryPermissionError(RegistryError):
+    """The tracking server refused the request for this user (HTTP 401 or 403): the role's
+    credentials do not allow it (docs/stack.md#roles-and-permissions)."""
+
+
 class RecordIntegrityError(RegistryError, IntegrityError):
     """A candidate's stored record fails verification: its signature does not match its files
     (changed after registration, unsigned, or signed with another key)."""
@@ -67,7 +76,8 @@ class GateError(RegistryError, NotPromotedError):
 def registry_error(message: str, error: BaseException) -> RegistryError:
     """``message`` as the error ``error`` is, found from its type, MLflow error code or HTTP
     status on its whole chain of causes: :class:`RegistryUnavailableError` for a temporary
-    failure; :class:`RegistryError` for MLflow's answer that the request itself is wrong (a 4xx:
+    failure; :class:`RegistryPermissionError` for a request refused for this user (401, 403);
+    :class:`RegistryError` for MLflow's answer that the request itself is wrong (a 4xx:
     invalid, not found, denied); :class:`RegistryFailureError` for anything else (a 5xx, or a
     failure that is not MLflow's answer at all)."""
     from mlflow.exceptions import MlflowException  # here: reading the registry imports no MLflow
@@ -83,6 +93,8 @@ def registry_error(message: str, error: BaseException) -> RegistryError:
         if temporary_status or isinstance(cause, TEMPORARY_ERRORS):
             return RegistryUnavailableError(message)
         cause = cause.__cause__ or cause.__context__
+    if isinstance(error, MlflowException) and error.get_http_status_code() in PERMISSION_STATUS:
+        return RegistryPermissionError(message)
     if isinstance(error, MlflowException) and error.get_http_status_code() < 500:
         return RegistryError(message)
     return RegistryFailureError(message)

@@ -31,7 +31,13 @@ from typing import Any
 from dpmerge.cli.common import positive_float
 from dpmerge.errors import OutageError
 from dpmerge.locate import Located, command, locate_registry
-from dpmerge.policies import Policy, PolicyError, check_registered, load_policies
+from dpmerge.policies import (
+    Policy,
+    PolicyError,
+    check_fields,
+    check_registered,
+    load_policies,
+)
 from dpmerge.state import StateStore
 from dpmerge.state import policies as stored_policies
 from dpmerge.state.policies import PolicyVersion
@@ -203,6 +209,7 @@ def _desired(args: argparse.Namespace) -> list[Desired]:
     """What each policy should become; a file is validated as a whole before anything else."""
     if args.policy_command == "set":
         fields = given_fields(args)
+        check_fields(fields)
         return [Desired(fields["name"], fields, "dpmerge policy set")]
     source = f"dpmerge policy apply -f {args.file}"
     return [Desired(p.name, p.event_payload(), source) for p in load_policies(args.file)]

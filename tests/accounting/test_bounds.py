@@ -272,4 +272,4 @@ def test_a_structured_bound_above_the_generic_one_is_raised_never_clamped(
          "--delta", "1e-5"]
     )  # fmt: skip
     out, err = capsys.readouterr()
-    assert code == 2 and out == "" and err.count("\n") == 1 and "exceeds the generic" in err
+    assert code == 1 and out == "" and err.count("\n") == 1 and "exceeds the generic" in err
