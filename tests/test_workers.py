@@ -29,9 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deployed import prefect_client as _client
-from deployed import wait_run
-from servers import environment, running_stack
+from servers import RUN_TIMEOUT_S, Shell, environment, prefect_client, running_stack, wait_run
 
 import devstack
 from devstack import credentials, processes, provision
@@ -43,7 +41,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = {"gpu-host-1": "gpu", "gpu-host-2": "gpu", "cpu-host": "cpu"}
 NOISE = [1.0, 1.3, 1.6, 2.2, 3.0]
-RUN_TIMEOUT_S = 900
 GPU_LIMIT = 3
 """Runs a gpu host takes at once: the five candidates start together, over both hosts."""
 
@@ -156,30 +153,20 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     root = tmp_path_factory.mktemp("hosts")
     remote, commit = _remote(root)
     python = _host_python(root, remote)
-    # the stack's dispatcher keeps its state outside the checkout and reads the key from the
-    # Secret block, as the hosts do (not the test session's $DPMERGE_SECRET_KEY)
-    saved_key = os.environ.pop("DPMERGE_SECRET_KEY", None)
-    try:
-        with (
-            environment({"DPMERGE_HOME": str(root / "stack-home")}),
-            running_stack(root / "stack", prefect=True, pools=()) as config,
-        ):
-            creds = credentials.require(config.state_dir)
-            provision.ensure_pools(replace(config, pools=POOLS), creds)
-            _deploy(root, remote, config)
-            found = Hosts(config, root, python, commit, remote)
-            _start_workers(found)
-            try:
-                yield found
-            finally:
-                processes.end(processes.marked(root))
-    finally:
-        if saved_key is not None:
-            os.environ["DPMERGE_SECRET_KEY"] = saved_key
-
-
-def _wait(config: devstack.StackConfig, run_id: Any) -> Any:
-    return wait_run(config, run_id, RUN_TIMEOUT_S)
+    # the stack keeps its state outside the checkout; it reads the key from the Secret block
+    with (
+        environment({"DPMERGE_HOME": str(root / "stack-home")}),
+        running_stack(root / "stack", prefect=True, pools=()) as config,
+    ):
+        creds = credentials.require(config.state_dir)
+        provision.ensure_pools(replace(config, pools=POOLS), creds)
+        _deploy(root, remote, config)
+        found = Hosts(config, root, python, commit, remote)
+        _start_workers(found)
+        try:
+            yield found
+        finally:
+            processes.end(processes.marked(root))
 
 
 def _worker(run: Any) -> str | None:
@@ -189,7 +176,7 @@ def _worker(run: Any) -> str | None:
 def _logs(config: devstack.StackConfig, run_id: Any) -> str:
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    with _client(config) as client:
+    with prefect_client(config) as client:
         found = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
     return "\n".join(log.message for log in found)
 
@@ -220,7 +207,7 @@ def test_training_spreads_over_gpu_hosts_and_the_merge_runs_on_the_cpu_host(
     from mlflow import MlflowClient
 
     config = hosts.config
-    with _client(config) as client:
+    with prefect_client(config) as client:
         deployment = client.read_deployment_by_name("train-candidates/train-candidates")
         assert deployment.pull_steps == [
             {
@@ -243,10 +230,10 @@ def test_training_spreads_over_gpu_hosts_and_the_merge_runs_on_the_cpu_host(
                 "deployment": "train-candidate/train-candidate-gpu",
             },
         )
-    finished = _wait(config, parent.id)
+    finished = wait_run(config, parent.id)
     assert finished.state.is_completed(), finished.state.message
     assert _worker(finished) == "cpu-host"
-    with _client(config) as client:
+    with prefect_client(config) as client:
         training = [r for r in client.read_flow_runs() if r.name.startswith("train-digits-")]
     assert len(training) == len(NOISE) and all(r.state.is_completed() for r in training)
     workers = [_worker(r) for r in training]
@@ -260,28 +247,17 @@ def test_training_spreads_over_gpu_hosts_and_the_merge_runs_on_the_cpu_host(
     target = sorted(float(v.tags["dp.epsilon"]) for v in found)[2]
 
     # an operator stores a policy version; the stack's dispatcher makes it a run
-    operator = hosts.root / "operator-shell"
-    operator.mkdir()
-    applied = subprocess.run(
-        [
-            *(Path(sys.executable).parent / "dpmerge", "policy", "set", "--name", "hosts"),
-            *("--target-epsilon", f"{target:.6g}", "--delta", "1e-5", "--dataset", "digits"),
-            *("--model", "logreg", "--wait", str(RUN_TIMEOUT_S), "--json"),
-        ],
-        cwd=operator,
-        env={
-            "PATH": os.environ["PATH"],
-            "HOME": str(operator),
-            **config.client_env(StackRole.OPERATOR),
-        },
-        capture_output=True,
-        text=True,
+    operator = Shell.of(config, StackRole.OPERATOR, hosts.root / "operator-shell")
+    applied = operator.dpmerge(
+        *("policy", "set", "--name", "hosts", "--target-epsilon", f"{target:.6g}"),
+        *("--delta", "1e-5", "--dataset", "digits", "--model", "logreg"),
+        *("--wait", str(RUN_TIMEOUT_S), "--json"),
         timeout=RUN_TIMEOUT_S + 60,
     )
     assert applied.returncode == 0, applied.stdout[-2000:] + applied.stderr[-2000:]
     outcome = json.loads(applied.stdout.strip().splitlines()[-1])
     assert outcome["status"] == "promoted"
-    with _client(config) as client:
+    with prefect_client(config) as client:
         merge = client.read_flow_run(outcome["run"])
     assert merge.state.is_completed() and _worker(merge) == "cpu-host"
     # it started from the cpu host's warm process, which lives under the host's own HOME
