@@ -270,8 +270,7 @@ def test_training_spreads_over_gpu_hosts_and_the_merge_runs_on_the_cpu_host(
     assert applied.returncode == 0, applied.stdout[-2000:] + applied.stderr[-2000:]
     outcome = json.loads(applied.stdout.strip().splitlines()[-1])
     assert outcome["status"] == "promoted"
-    with prefect_client(config) as client:
-        merge = client.read_flow_run(outcome["run"])
+    merge = wait_run(config, outcome["run"])  # the outcome is stored before the run ends
     assert merge.state.is_completed() and _worker(merge) == "cpu-host"
     # it started from the cpu host's warm process, which lives under the host's own HOME
     warm = list((hosts.root / "cpu-host" / "home" / ".dpmerge" / "run").glob("engine-*.sock"))
