@@ -41,10 +41,17 @@ def local_stack(state_dir: str | None, env: dict[str, str]) -> Iterator[Any]:
     print(f"stack up in {time.perf_counter() - start:.1f} s ({config.state_dir}); {load()}")
     try:
         os.environ.update(config.client_env())
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
         from flows.runtime import load_workflow_secret
 
-        load_workflow_secret()
-        yield config
+        # Prefect read its settings when it was imported: point them at this stack
+        auth = os.environ["PREFECT_API_AUTH_STRING"]
+        with temporary_settings(
+            {PREFECT_API_URL: config.prefect_api_url, PREFECT_API_AUTH_STRING: auth}
+        ):
+            load_workflow_secret()
+            yield config
     finally:
         print("stopped:", ", ".join(stack.down(config)))
         if state_dir is None:
