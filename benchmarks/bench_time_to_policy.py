@@ -1,50 +1,66 @@
-"""Time-to-policy: from emitting ``dpmerge.policy.updated`` to the policy's alias naming the new
-merged release, in one run beside retraining the same model at the target.
+"""Time-to-policy: from a stored policy version to its policy's alias serving the version's
+release, at the machine's own load and with a heavy test subset running beside it; beside
+retraining the same model at a target.
 
-Run: ``.venv/bin/python benchmarks/bench_time_to_policy.py [--dataset fashion-mnist]
-[--targets 3,0.5,1,1.5,2,2.5] [--epochs 3]``
+Run: ``.venv/bin/python benchmarks/bench_time_to_policy.py [--changes 20]
+[--phases idle,suite] [--warm-max-runs 4]``
 
-It starts its own local stack on free loopback ports (S3, MLflow on S3, Prefect server and
-workers polling every second), deploys ``merge-on-policy`` and ``train-candidate-gpu`` from
-deployments/prefect.yaml, trains and registers logistic-regression candidates here, primes the
-merge caches as the train-candidates flow does (``--cold`` skips that), then emits one policy
-event per target, one after another, and polls the registry alias every 0.25 s. The first event
-after the workers started also starts the warm flow-run process (flows/warm.py) and is reported
-apart; the median is over the others. Finally the same model is retrained at a target ε (σ
-calibrated to it, the same epochs) twice: in this process, and as a run of
-``train-candidate-gpu`` on the stack (run created → candidate registered), for the ratios.
-Workers are stopped before servers at the end. Figures are recorded in
-docs/workflow.md#time-to-policy; the goal on the 2-core development machine is ≤ 15 s.
+It starts its own stack on free loopback ports (PostgreSQL; the dispatcher polling every
+0.5 s, workers every second), deploys ``merge-on-policy`` and ``train-candidate-gpu``, trains
+and registers five logistic-regression candidates here and primes the merge caches as the
+train-candidates flow does. Then, per phase, it stores one version of the policy ``ttp`` at a
+time as the operator role does (``dpmerge policy set``'s code path; ε* cycling through
+``--targets``, so consecutive versions get different releases) and polls every 0.1 s until the
+serving pointer records that version and the MLflow alias names the version it serves. The
+first change after the workers started also starts the warm flow-run process and is reported
+apart. ``idle``: nothing else of ours runs. ``suite``: ``--suite`` (pytest files, each starting
+its own servers) runs in a loop beside it, started ``--ramp`` seconds before the first change.
+It prints each change (stored → run created, → alias), p50/p95 per phase with the load
+averages, and retraining the model at ``--retrain-target`` in-process and as a
+``train-candidate-gpu`` run on the stack, for the ratios. Figures: docs/results.md#scale-out;
+the goal on the 2-core development machine is p95 ≤ 10 s idle and ≤ 20 s under the suite.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from harness import deploy, local_stack, train_candidates
+from harness import (
+    REPO,
+    deploy,
+    load,
+    local_stack,
+    operator_store,
+    percentile,
+    pointer,
+    policy_fields,
+    releases_model,
+    store_version,
+    train_candidates,
+    workflow_store,
+)
 
 RETRAIN_DEPLOYMENT = "train-candidate/train-candidate-gpu"
-
-
-def task_breakdown(url: str, flow_run_id: Any) -> list[tuple[str, float]]:
-    """(task name, seconds) of a flow run's task runs, in start order."""
-    from prefect.client.orchestration import SyncPrefectClient
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with SyncPrefectClient(url, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        )
-    timed = sorted((r for r in runs if r.start_time and r.end_time), key=lambda r: r.start_time)
-    return [(r.name.rsplit("-", 1)[0], (r.end_time - r.start_time).total_seconds()) for r in timed]
+POLICY = "ttp"
+POLL_S = 0.1
+CHANGE_TIMEOUT_S = 300.0
+OWN_SETTINGS = ("PREFECT_", "MLFLOW_", "DPMERGE_", "AWS_")
+"""This process's stack settings, kept from the suite beside it."""
 
 
 def main() -> int:
@@ -52,143 +68,168 @@ def main() -> int:
     parser.add_argument("--dataset", default=None, help="default: fashion-mnist, else digits")
     parser.add_argument("--sigmas", default="0.7,0.9,1.2,1.8,3.0", help="candidate σ levels")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--targets", default="3,0.5,1,1.5,2,2.5", help="policy ε* per event")
+    parser.add_argument("--changes", type=int, default=20, help="measured changes per phase")
+    parser.add_argument("--targets", default="3,0.5,1,1.5,2,2.5", help="ε* cycled through")
+    parser.add_argument("--phases", default="idle,suite")
+    parser.add_argument("--suite", default="tests/test_policy_merge.py tests/test_registry.py")
+    parser.add_argument("--ramp", type=float, default=45.0, help="suite start → first change")
     parser.add_argument("--retrain-target", type=float, default=2.0)
     parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--warm-max-runs", type=int, default=None, help="flows/warm.py's cap")
     parser.add_argument("--state-dir", default=None, help="stack state, kept (default: temporary)")
-    parser.add_argument("--cold", action="store_true", help="skip priming the merge caches")
-    parser.add_argument("--json", type=Path, help="also write the summary figures as JSON here")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     from flows.commands.policy_options import default_dataset
 
     dataset = args.dataset or default_dataset()
-    with local_stack(args.state_dir, reuse=False) as url:
+    env = {"DPMERGE_WARM_MAX_RUNS": str(args.warm_max_runs)} if args.warm_max_runs else {}
+    with local_stack(args.state_dir, env) as config:
         deploy("merge-on-policy/merge-on-policy", RETRAIN_DEPLOYMENT)
         sigmas = [float(s) for s in args.sigmas.split(",")]
-        registered, train_seconds = train_candidates(
-            dataset, sigmas, args.epochs, args.delta, prime=not args.cold
-        )
-        return measure(args, url, dataset, registered, train_seconds)
+        candidates, _ = train_candidates(dataset, sigmas, args.epochs, args.delta)
+        return measure(args, config, dataset, releases_model(candidates))
 
 
-def measure(
-    args: argparse.Namespace, url: str, dataset: str, registered: str, train_seconds: list[float]
-) -> int:
-    from mlflow import MlflowClient
-    from prefect.client.orchestration import SyncPrefectClient
+class Changes:
+    """Stores versions of :data:`POLICY` and times each until its alias serves it."""
 
-    from dpmerge.policies import policy_from_dict
-    from dpmerge.registry.names import CANDIDATES_SUFFIX, RELEASES_SUFFIX
-    from flows import runtime
+    def __init__(self, config: Any, dataset: str, releases: str, args: argparse.Namespace):
+        from mlflow import MlflowClient
 
-    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
-    merged = registered.removesuffix(f"-{CANDIDATES_SUFFIX}") + f"-{RELEASES_SUFFIX}"
+        self.operator = operator_store(config)
+        self.workflow = workflow_store()
+        self.mlflow = MlflowClient()
+        self.dataset, self.releases, self.delta = dataset, releases, args.delta
+        self.targets = itertools.cycle(float(t) for t in args.targets.split(","))
 
-    def alias_version() -> str | None:
-        try:
-            aliases = client.get_registered_model(merged).aliases
-        except Exception:
-            return None
-        return str(aliases["policy-bench"]) if "policy-bench" in aliases else None
+    def one(self) -> dict[str, Any]:
+        from dpmerge.state import policies
 
-    times: list[float | None] = []
-    unchanged = 0
-    for target in [float(t) for t in args.targets.split(",")]:
-        policy = policy_from_dict(
-            {
-                "name": "bench",
-                "target_epsilon": target,
-                "target_delta": args.delta,
-                "dataset": dataset,
-                "model": "logreg",
-            }
-        )
-        before = alias_version()
-        emitted = time.time()
+        target = next(self.targets)
         start = time.perf_counter()
-        event_id = runtime.emit_policy_event(policy.event_payload(), policy.resource_id, "bench")
-        moved = None
-        with SyncPrefectClient(
-            url, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")
-        ) as prefect:
-            while time.perf_counter() - start < 300:
-                current = alias_version()
-                if current is not None and current != before:
-                    moved = time.perf_counter() - start
+        version = store_version(
+            self.operator, POLICY, policy_fields(self.dataset, target, self.delta)
+        ).version
+        dispatched = served = None
+        while time.perf_counter() - start < CHANGE_TIMEOUT_S:
+            now = time.perf_counter() - start
+            if dispatched is None and policies.dispatched(self.operator, POLICY, version):
+                dispatched = now
+            state = pointer(self.workflow, self.releases, f"policy-{POLICY}")
+            if state is not None and state.policy_version == version and state.serving:
+                aliases = self.mlflow.get_registered_model(self.releases).aliases
+                if str(aliases.get(f"policy-{POLICY}")) == state.serving:
+                    served = time.perf_counter() - start
                     break
-                found = runtime.find_policy_run(event_id, prefect)
-                if found is not None and found.state is not None and found.state.is_final():
-                    if alias_version() != before:  # it moved just before the run ended
-                        moved = time.perf_counter() - start
-                    break  # ended without moving the alias (Unchanged, or a failure)
-                time.sleep(0.25)
-        run = runtime.wait_for_policy_run(event_id, 300)
-        if run.state == "Unchanged":  # the release already serving meets this target too
-            unchanged += 1
-        else:
-            times.append(moved)
-        outcome = run.outcome or {}
-        phases = _phases(url, run.id, emitted)
+            time.sleep(POLL_S)
+        found = policies.outcomes(self.operator, POLICY, version)
+        status = found[-1].get("status") if found else "none"
         print(
-            f"  ε* = {target:g}: alias moved after {f'{moved:.1f} s' if moved else 'never'} "
-            f"({run.state}); {outcome.get('method', '-')} ε = {outcome.get('epsilon')}, "
-            f"test accuracy {outcome.get('test_accuracy')}{phases}"
+            f"  v{version} ε* = {target:g}: run created after {_seconds(dispatched)}, alias "
+            f"serving it after {_seconds(served)} ({status})"
         )
-        if run.id:
-            steps = task_breakdown(url, run.id)
-            print("      tasks: " + ", ".join(f"{name} {sec:.2f}" for name, sec in steps))
-    retrain_here, retrain_stack = retrain(args, url, dataset)
-    first, rest = times[0], [t for t in times[1:] if t is not None]
-    print("\nsummary")
-    print(
-        f"  candidates: {len(train_seconds)} × {args.epochs} epochs, training "
-        f"{min(train_seconds):.1f}–{max(train_seconds):.1f} s each"
-    )
-    print(f"  first event (also starts the warm flow-run process): {first:.1f} s")
-    if rest:
-        median = statistics.median(rest)
+        return {"version": version, "target": target, "dispatched": dispatched, "served": served}
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
+
+
+def measure(args: argparse.Namespace, config: Any, dataset: str, releases: str) -> int:
+    changes = Changes(config, dataset, releases, args)
+    print(f"first change after the workers started (also starts the warm process); {load()}")
+    first = changes.one()
+    figures: dict[str, Any] = {"first_change_s": first["served"], "phases": {}}
+    complete = first["served"] is not None
+    for phase in args.phases.split(","):
+        with suite_beside(args) if phase == "suite" else contextlib.nullcontext():
+            before = load()
+            print(f"phase {phase}: {args.changes} changes; before: {before}")
+            timed = [changes.one() for _ in range(args.changes)]
+            after = load()
+        served = [t["served"] for t in timed if t["served"] is not None]
+        complete &= len(served) == len(timed)
+        summary = {
+            "p50_s": statistics.median(served) if served else None,
+            "p95_s": percentile(served, 0.95) if served else None,
+            "max_s": max(served, default=None),
+            "dispatch_p50_s": statistics.median(
+                [t["dispatched"] for t in timed if t["dispatched"] is not None] or [float("nan")]
+            ),
+            "changes": len(timed),
+            "never": len(timed) - len(served),
+            "load_before": before,
+            "load_after": after,
+        }
+        figures["phases"][phase] = summary
         print(
-            f"  time to policy (emit → alias moved): median {median:.1f} s, min {min(rest):.1f} s, "
-            f"max {max(rest):.1f} s over {len(rest)} events"
-            + (f"; {unchanged} more ended Unchanged (nothing to move)" if unchanged else "")
+            f"phase {phase}: stored → alias p50 {summary['p50_s']:.1f} s, p95 "
+            f"{summary['p95_s']:.1f} s, max {summary['max_s']:.1f} s over {len(served)} changes "
+            f"({summary['never']} never); stored → run created p50 "
+            f"{summary['dispatch_p50_s']:.1f} s; {before} before, {after} after"
         )
-        print(f"  retraining at ε* = {args.retrain_target:g} in-process: {retrain_here:.1f} s")
-        print(f"  retraining at ε* = {args.retrain_target:g} on the stack: {retrain_stack:.1f} s")
+    here, on_stack = retrain(args, config, dataset)
+    figures |= {"retrain_in_process_s": here, "retrain_on_stack_s": on_stack}
+    idle = figures["phases"].get("idle", {}).get("p50_s")
+    if idle:
         print(
-            f"  ratio retraining / time-to-policy: {retrain_here / median:.2f} in-process, "
-            f"{retrain_stack / median:.2f} on the stack"
+            f"ratio retraining / time-to-policy (idle p50 {idle:.1f} s): "
+            f"{here / idle:.2f} in-process, {on_stack / idle:.2f} on the stack"
         )
-        if args.json:
-            args.json.write_text(
-                json.dumps(
-                    {
-                        "time_to_policy_median_s": median,
-                        "time_to_policy_s": rest,
-                        "first_event_s": first,
-                        "retrain_in_process_s": retrain_here,
-                        "retrain_on_stack_s": retrain_stack,
-                    }
-                )
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0 if complete else 1
+
+
+@contextlib.contextmanager
+def suite_beside(args: argparse.Namespace) -> Iterator[None]:
+    """``--suite`` in a loop in the background (each pass starts its own servers); stopped
+    with SIGINT so its fixtures stop their stacks, then any stack it left is stopped."""
+    import devstack
+
+    scratch = Path(tempfile.mkdtemp(prefix="dpmerge-bench-suite-"))
+    stop = threading.Event()
+    current: list[subprocess.Popen] = []
+    passes: list[int] = []
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(OWN_SETTINGS)}
+
+    def loop() -> None:
+        while not stop.is_set():
+            process = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"),
+                    *("--basetemp", str(scratch / f"pass-{len(passes)}"), *args.suite.split()),
+                ],
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=clean,  # the tests start their own servers, with their own settings
             )
-    return 0 if None not in times else 1
+            current[:] = [process]
+            passes.append(process.wait())
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    print(f"suite running beside: pytest {args.suite}; waiting {args.ramp:.0f} s; {load()}")
+    time.sleep(args.ramp)
+    try:
+        yield
+    finally:
+        stop.set()
+        for process in current:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGINT)
+        thread.join(timeout=180)
+        for saved in scratch.rglob("stack.json"):
+            config = devstack.StackConfig.load(saved.parent)
+            if config is not None:
+                devstack.down(config)
+        print(f"suite passes finished beside the changes: {len(passes)} (exit codes {passes})")
 
 
-def _phases(url: str, run_id: str | None, emitted: float) -> str:
-    if run_id is None:
-        return ""
-    from prefect.client.orchestration import SyncPrefectClient
-
-    with SyncPrefectClient(url, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")) as prefect:
-        run = prefect.read_flow_run(run_id)
-    if run.start_time is None:
-        return ""
-    created = run.created.timestamp() - emitted
-    running = run.start_time.timestamp() - emitted
-    return f" [run created +{created:.1f} s, flow code running +{running:.1f} s]"
-
-
-def retrain(args: argparse.Namespace, url: str, dataset: str) -> tuple[float, float]:
+def retrain(args: argparse.Namespace, config: Any, dataset: str) -> tuple[float, float]:
     """Seconds to retrain the model at ``--retrain-target``: in this process, and as a run of
     the training deployment on the stack (run created → registered)."""
     from prefect.client.orchestration import SyncPrefectClient
@@ -196,7 +237,7 @@ def retrain(args: argparse.Namespace, url: str, dataset: str) -> tuple[float, fl
     from dpmerge.data import load_dataset
     from dpmerge.training import TrainConfig, train_candidate
 
-    config = TrainConfig(
+    train = TrainConfig(
         dataset=dataset,
         model="logreg",
         target_epsilon=args.retrain_target,
@@ -206,9 +247,10 @@ def retrain(args: argparse.Namespace, url: str, dataset: str) -> tuple[float, fl
     )
     data = load_dataset(dataset)
     start = time.perf_counter()
-    train_candidate(config, data)
+    train_candidate(train, data)
     here = time.perf_counter() - start
-    with SyncPrefectClient(url, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")) as client:
+    auth = os.environ.get("PREFECT_API_AUTH_STRING")
+    with SyncPrefectClient(config.prefect_api_url, auth_string=auth) as client:
         deployment = client.read_deployment_by_name(RETRAIN_DEPLOYMENT)
         start = time.perf_counter()
         run = client.create_flow_run_from_deployment(
@@ -227,9 +269,12 @@ def retrain(args: argparse.Namespace, url: str, dataset: str) -> tuple[float, fl
             if state is not None and state.is_final():
                 break
             time.sleep(0.25)
-        stack = time.perf_counter() - start
-    print(f"  retraining through {RETRAIN_DEPLOYMENT}: {state.name} in {stack:.1f} s")
-    return here, stack
+        on_stack = time.perf_counter() - start
+    print(
+        f"retraining at ε* = {args.retrain_target:g}: {here:.1f} s in-process, {on_stack:.1f} s "
+        f"through {RETRAIN_DEPLOYMENT} ({state.name}); {load()}"
+    )
+    return here, on_stack
 
 
 if __name__ == "__main__":

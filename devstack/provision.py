@@ -5,11 +5,10 @@ templates a caller cannot override, and the workflow key as a Prefect Secret blo
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from devstack import credentials as secrets_store
-from devstack.config import StackConfig, StackError, repo_root
+from devstack.config import StackConfig, StackError
 from devstack.credentials import Credentials
 from devstack.roles import SECRET_BLOCK, basic_auth, prefect_headers
 from dpmerge.environment import QUIET, probe
@@ -42,13 +41,16 @@ def _error_code(body: Any) -> str | None:
     return body.get("error_code") if isinstance(body, dict) else None
 
 
+WARM_COMMAND = "python -m flows.warm"
+ENGINE_COMMAND = "python -m prefect.engine"
+
+
 def pool_command(pool: str) -> str:
     """The one command a pool's flow runs start with: the ``cpu`` pool's runs start from the
-    warm process (flows/warm.py), the ``gpu`` pool's from a fresh engine."""
-    python = sys.executable
-    if pool == "cpu":
-        return f"{python} {repo_root() / 'flows' / 'warm.py'}"
-    return f"{python} -m prefect.engine"
+    warm process (flows/warm.py), the others' from a fresh engine. ``python`` is the first one
+    on the worker's ``PATH``: the worker host's own environment, where dpmerge is installed
+    (docs/workflow.md#worker-hosts), never a path into the operator's checkout."""
+    return WARM_COMMAND if pool == "cpu" else ENGINE_COMMAND
 
 
 def locked_template(pool: str) -> dict[str, Any]:

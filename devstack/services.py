@@ -16,6 +16,7 @@ service answers its health check; a worker's last heartbeat came after its proce
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from collections.abc import Callable, Mapping
@@ -274,6 +275,10 @@ def services(config: StackConfig) -> list[Service]:
             **role_env(config, StackRole.WORKFLOW),
             **prefect_env,
             "PREFECT_WORKER_QUERY_SECONDS": str(config.worker_query_seconds),
+            # the pools' commands run the first ``python`` on PATH: this environment's
+            "PATH": os.pathsep.join(
+                [str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)]
+            ),
         }
         if pool == "cpu":
             worker_env["CUDA_VISIBLE_DEVICES"] = ""

@@ -3,10 +3,11 @@
 
 A fresh ``python -m prefect.engine`` spends seconds importing Prefect, torch, MLflow and
 dp-accounting before the flow's first line; on a loaded two-core host that was most of the
-time from a policy event to the alias. The deployments' ``command`` (deployments/prefect.yaml)
-is this script instead, run by the process worker like the engine would be:
+time from a policy event to the alias. The ``cpu`` pool's command (devstack/provision.py) is
+``python -m flows.warm`` instead, run by the process worker like the engine would be, with the
+worker host's own interpreter and installed package (docs/workflow.md#worker-hosts):
 
-* **client** (the default): connect to the warm server of this checkout and hand it the run —
+* **client** (the default): connect to the warm server of this code and hand it the run —
   its environment, working directory and the worker's stdin/stdout/stderr (passed as file
   descriptors, so logs stream to the worker as before) — then wait and exit with the run's
   exit code. With no server yet it starts one and waits for it to be ready (it costs the same
@@ -17,9 +18,10 @@ is this script instead, run by the process worker like the engine would be:
   client connection and starts no thread, so forking it is safe. When a client goes away (the
   worker cancelled or killed the run), its child gets SIGTERM.
 
-Safety: the socket lives in a 0700 directory under ``$DPMERGE_HOME`` (default ``.dpmerge/`` in
-the checkout) and its name includes a digest of the interpreter, the checkout and the mtimes of
-its Python files, so changed code gets a new server (an idle server exits after
+Safety: the socket lives in a 0700 directory ``run/`` under ``$DPMERGE_HOME`` (default
+``.dpmerge/`` of the checkout this module is in, or ``~/.dpmerge`` where the package is installed)
+and its name includes a digest of the interpreter, the code's location and the mtimes of its
+Python files, so changed code gets a new server (an idle server exits after
 :data:`IDLE_EXIT_S`). The server is started in the worker's process group, so stopping the
 worker (``dpmerge stack down`` signals the group) stops it too. Each child reseeds Python's and
 NumPy's generators (the RS draw uses the OS's generator anyway).
@@ -44,6 +46,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+"""The checkout this module is in, or the site-packages directory it is installed in."""
+MODULE = "flows.warm"
 CODE_DIRS = ("dpmerge", "flows", "tasks")
 PRELOAD = (
     "prefect.engine",
@@ -65,12 +69,12 @@ SOCKET_PATH_LIMIT = 100  # AF_UNIX paths are limited to 107 bytes on Linux
 
 
 def run_dir() -> Path:
-    home = Path(os.environ.get("DPMERGE_HOME") or REPO / ".dpmerge")
-    return home / "run"
+    default = REPO if (REPO / "pyproject.toml").is_file() else Path.home()
+    return Path(os.environ.get("DPMERGE_HOME") or default / ".dpmerge") / "run"
 
 
 def code_stamp() -> str:
-    """A digest of the interpreter, the checkout and its Python files' mtimes."""
+    """A digest of the interpreter, the code's location and its Python files' mtimes."""
     digest = hashlib.sha256(f"{sys.executable}\0{REPO}".encode())
     for folder in CODE_DIRS:
         for path in sorted((REPO / folder).rglob("*.py")):
@@ -107,7 +111,7 @@ def client() -> int:
         sock = _connect(path) or _start_server(path)
         if sock is not None:
             return _hand_over(sock)
-    os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), "--run"])
+    os.execv(sys.executable, [sys.executable, "-m", MODULE, "--run"])
     return 1  # not reached
 
 
@@ -134,8 +138,8 @@ def _start_server(path: Path) -> socket.socket | None:
             return sock
         log = open(directory / f"{path.stem}.log", "ab")  # noqa: SIM115 (the server owns it)
         server = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--serve", str(path)],
-            cwd=REPO,
+            [sys.executable, "-m", MODULE, "--serve", str(path)],
+            cwd=directory,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

@@ -124,7 +124,9 @@ def test_prefect_yaml_pools_schedule_and_concurrency() -> None:
     # the pools' templates fix the command (cpu runs start from a warm process); no deployment
     # brings job variables, which those templates refuse
     assert not any("job_variables" in d["work_pool"] for d in found.values())
-    assert locked_template("cpu")["job_configuration"]["command"].endswith("/flows/warm.py")
+    # with the worker host's own interpreter: no path into this checkout (test_workers.py)
+    assert locked_template("cpu")["job_configuration"]["command"] == "python -m flows.warm"
+    assert locked_template("gpu")["job_configuration"]["command"] == "python -m prefect.engine"
     assert found["pareto_report"]["schedules"][0]["cron"] == "0 2 * * *"
     (pull,) = document["pull"]
     assert "set_working_directory" in next(iter(pull))

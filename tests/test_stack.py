@@ -111,7 +111,9 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
     seen: set[tuple[int, float | None]] = set()
     try:
         services = _by_name(capsys, flags)
-        assert list(services) == ["s3", "postgres", "mlflow", "prefect", "worker-cpu", "worker-gpu"]
+        assert list(services) == [
+            *("s3", "postgres", "mlflow", "prefect", "dispatcher", "worker-cpu", "worker-gpu")
+        ]
         assert all(s["healthy"] and s["state"] == "RUNNING" for s in services.values())
         config = devstack.resolve_config(state)
         assert config == planned and config.database == "postgres"
@@ -128,7 +130,8 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
         assert "export DPMERGE_SECRET_BLOCK=dpmerge-key" in env
         assert "export MLFLOW_DISABLE_TELEMETRY=true" in env
         key = (secrets_dir / "workflow.key").read_text().strip()
-        assert key not in env and "DPMERGE_SECRET_KEY" not in env
+        assert key not in env and "export DPMERGE_SECRET_KEY" not in env
+        assert "unset DPMERGE_SECRET_KEY\n" in env  # a shell that had it loses it
         creds = credentials.require(state)
         every_secret = [
             creds.postgres_superuser,
@@ -185,7 +188,9 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
     finally:
         code, out = _cli(capsys, "stack", "down", *flags)
     assert code == 0
-    assert out.strip() == "stopped: worker-gpu, worker-cpu, prefect, mlflow, postgres, s3"
+    assert out.strip() == (
+        "stopped: worker-gpu, worker-cpu, dispatcher, prefect, mlflow, postgres, s3"
+    )
     left = [(p, t) for p, t in seen if processes.alive(p) and processes.started_at(p) == t]
     assert not left, f"processes of the stack still running: {left}"
     assert not processes.marked(state)
