@@ -48,6 +48,7 @@ EXPECTED = {
     "SecretKeyError": ExitCode.REFUSED,
     "DeltaError": ExitCode.REFUSED,
     "RegistryError": ExitCode.REFUSED,
+    "RegistryPermissionError": ExitCode.REFUSED,
     "AliasOwnershipError": ExitCode.REFUSED,
     "RecordIntegrityError": ExitCode.REFUSED,
     "StorageError": ExitCode.REFUSED,

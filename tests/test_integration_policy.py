@@ -42,6 +42,7 @@ from servers import (
 )
 
 import devstack
+from devstack.supervisor import Supervisor
 from dpmerge import policy_merge as pm
 from dpmerge.data import load_dataset
 from dpmerge.policies import Policy, policy_from_dict
@@ -270,7 +271,10 @@ def test_outcomes_exit_as_documented_and_the_newest_version_wins(
     )  # fmt: skip
     assert first.returncode == 0, first.stderr
     code, outcome = _set(operator, "int", "--target-epsilon", f"{stack.epsilons[2] * 2:.6f}")
-    assert code == 0 and outcome["status"] == "promoted" and outcome["policy_version"] == 3
+    # above every candidate LC merges them all with the same weights whatever the target: the
+    # later version may find its release already served by the earlier one (unchanged)
+    assert code == 0 and outcome["status"] in ("promoted", "unchanged"), outcome
+    assert outcome["policy_version"] == 3
     assert outcome["method"] == "lc" and _aliases(stack)["policy-int"] == outcome["version"]
     store = Workspace.from_env().state()
     second = stored_policies.read_version(store, "int", 2)
@@ -318,7 +322,7 @@ def test_a_release_planted_under_a_future_hash_is_not_reused(
     """An insider with the workflow's MLflow login but not its key registers a version under
     the hash a policy's next release will have (its files and tags copied from a served release,
     status ``ready``): the run merges and serves its own signed release instead."""
-    target = stack.epsilons[2] * 1.6
+    target = (stack.epsilons[1] + stack.epsilons[2]) / 2  # a subset no earlier release used
     policy = policy_from_dict(
         {"name": "planted", "target_epsilon": target, "target_delta": DELTA,
          "dataset": "digits", "model": "logreg", "method": "lc"}
@@ -462,7 +466,7 @@ def _mlflow_pid(stack: PolicyStack) -> int:
 
 
 def test_a_hung_then_a_dead_mlflow_fails_runs_within_a_bounded_time(stack: PolicyStack) -> None:
-    """MLflow frozen (SIGSTOP: it accepts connections and never answers), then killed: each
+    """MLflow frozen (SIGSTOP: it accepts connections and never answers), then stopped: each
     run ends ``failed`` within two minutes, and the alias stays. Last: MLflow stays down."""
     aliases = _aliases(stack)
     os.killpg(_mlflow_pid(stack), signal.SIGSTOP)
@@ -473,7 +477,7 @@ def test_a_hung_then_a_dead_mlflow_fails_runs_within_a_bounded_time(stack: Polic
     print(f"\nMLflow hung: {hung['status']} after {seconds:.0f} s: {hung.get('reasons')}")
     assert hung["status"] == "failed" and seconds < 120, hung
     assert _aliases(stack) == aliases
-    os.killpg(_mlflow_pid(stack), signal.SIGKILL)
+    Supervisor(stack.config).stop("mlflow")  # down, and not restarted by supervisord
     dead, seconds = _stored_run(stack, "outage", stack.epsilons[2] * 1.8)
     print(f"MLflow down: {dead['status']} after {seconds:.0f} s: {dead.get('reasons')}")
     assert dead["status"] == "failed" and seconds < 120, dead
