@@ -333,7 +333,7 @@ def test_a_release_planted_under_a_future_hash_is_not_reused(
     planted = client.create_model_version(
         stack.releases_model,
         genuine.source,
-        run_id=genuine.run_id,
+        model_id=genuine.model_id,  # the logged model whose files it copies
         tags={**genuine.tags, "dp.content_hash": future, "dp.status": "ready"},
         description=genuine.description,
     )
@@ -451,7 +451,8 @@ def _stored_run(stack: PolicyStack, name: str, target: float) -> tuple[dict[str,
     """A policy version stored as the workflow (the operator's command needs MLflow to check
     it), its outcome and the seconds to it."""
     store = Workspace.from_env().state()
-    payload = {"name": name, "target_epsilon": target, "target_delta": DELTA, "dataset": "digits"}
+    payload = {"name": name, "target_epsilon": target, "target_delta": DELTA}
+    payload |= {"dataset": "digits", "model": "logreg"}
     change = stored_policies.set_policy(store, name, payload, source="test")
     started = time.monotonic()
     outcome = wait_for_outcome(store, change.version, RUN_TIMEOUT_S)
