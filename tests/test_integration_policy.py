@@ -332,8 +332,7 @@ def test_a_release_planted_under_a_future_hash_is_not_reused(
     genuine = client.get_model_version(stack.releases_model, _aliases(stack)["policy-int"])
     planted = client.create_model_version(
         stack.releases_model,
-        genuine.source,
-        model_id=genuine.model_id,  # the logged model whose files it copies
+        f"models:/{stack.releases_model}/{genuine.version}",  # MLflow's copy of a version
         tags={**genuine.tags, "dp.content_hash": future, "dp.status": "ready"},
         description=genuine.description,
     )
