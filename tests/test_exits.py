@@ -173,7 +173,7 @@ def test_ctrl_c_ends_with_one_line_and_130(tmp_path: Path) -> None:
         with connection:
             command.send_signal(signal.SIGINT)
             out, err = command.communicate(timeout=60)
-    assert command.returncode == ExitCode.INTERRUPTED
+    assert command.returncode == ExitCode.INTERRUPTED, err[-3000:]
     assert out == "" and err == "dpmerge: interrupted\n"
 
 

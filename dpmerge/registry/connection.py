@@ -60,6 +60,9 @@ from dpmerge.registry.tags import FAILURE_TAG, ROLE_CANDIDATE, STATUS_FAILED, ta
 from dpmerge.registry.versions import StoredVersion
 
 MODEL_ARTIFACT = "model"
+PERMISSION_SETTLE_S = (0.5, 1.0, 2.0, 4.0)
+"""Pauses between attempts to open an experiment the auth app refuses for a moment (see
+``MlflowConnection._settled``): about 7.5 s in all."""
 EXTRA_DIR = "extra_files"  # where mlflow.pytorch.log_model puts extra_files
 CARD_MARKDOWN, CARD_JSON = "privacy_card.md", "privacy_card.json"
 INPUT_EXAMPLE_BATCH = 4  # > 1 so that pt2 export keeps the batch dimension dynamic
@@ -128,6 +131,20 @@ class MlflowConnection:
             message = f"{action} at {self.tracking_uri}: {type(error).__name__}: {error}"
             raise registry_error(message, error) from None
 
+    @staticmethod
+    def _settled(call: Any) -> Any:
+        """``call()``, retried briefly while MLflow's auth app refuses it (403): the creator's
+        permission on a new experiment is written after the create request returns, so a
+        worker of the same user opening it at that moment is refused for a moment."""
+        for pause in (*PERMISSION_SETTLE_S, None):
+            try:
+                return call()
+            except MlflowException as error:
+                if pause is None or error.get_http_status_code() != 403:
+                    raise
+                time.sleep(pause)
+        return None  # not reached: the last attempt returns or raises
+
     def _experiment(self, name: str, prefix: str) -> str:
         """The id of experiment ``name``, created on first use with its artifacts apart from
         every other experiment's (candidates and releases apart, so that permissions can
@@ -141,14 +158,14 @@ class MlflowConnection:
             if self.artifact_root and self.artifact_root != SERVER_ARTIFACT_ROOT:
                 location = f"{self.artifact_root.rstrip('/')}/{prefix}"
             with self._errors(f"opening experiment {name!r}"):
-                found = self._client.get_experiment_by_name(name)
+                found = self._settled(lambda: self._client.get_experiment_by_name(name))
                 if found is None:
                     try:
                         created = self._client.create_experiment(name, artifact_location=location)
                     except MlflowException as error:
                         if error.error_code != "RESOURCE_ALREADY_EXISTS":
                             raise
-                        found = self._client.get_experiment_by_name(name)
+                        found = self._settled(lambda: self._client.get_experiment_by_name(name))
                     else:
                         readers = configured_readers().get(name, ())
                         grant_read(self.tracking_uri, EXPERIMENT, created, readers)
