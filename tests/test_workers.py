@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import RUN_TIMEOUT_S, environment, prefect_client, running_stack, wait_run
+from servers import RUN_TIMEOUT_S, Shell, environment, prefect_client, running_stack, wait_run
 
 import devstack
 from devstack import credentials, processes, provision
@@ -246,27 +246,14 @@ def test_training_spreads_over_gpu_hosts_and_the_merge_runs_on_the_cpu_host(
     assert len(found) == len(NOISE) and {v.tags["dp.status"] for v in found} == {"ready"}
     target = sorted(float(v.tags["dp.epsilon"]) for v in found)[2]
 
-    # an operator stores a policy version; the stack's dispatcher makes it a run
-    # (its shell: the operator role's variables, HOME and PATH; servers.Shell does not read
-    # the `unset` lines `stack env` prints yet)
-    operator = hosts.root / "operator-shell"
-    operator.mkdir()
-    applied = subprocess.run(
-        [
-            *(Path(sys.executable).parent / "dpmerge", "policy", "set", "--name", "hosts"),
-            *("--target-epsilon", f"{target:.6g}", "--delta", "1e-5", "--dataset", "digits"),
-            *("--model", "logreg", "--wait", str(RUN_TIMEOUT_S), "--json"),
-        ],
-        cwd=operator,
-        env={
-            "PATH": os.environ["PATH"],
-            "HOME": str(operator),
-            **config.client_env(StackRole.OPERATOR),
-        },
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S + 60,
-    )
+    # an operator stores a policy version from its own shell; the stack's dispatcher makes it
+    # a run
+    operator = Shell.of(config, StackRole.OPERATOR, hosts.root / "operator-shell")
+    applied = operator.dpmerge(
+        "policy", "set", "--name", "hosts", "--target-epsilon", f"{target:.6g}",
+        "--delta", "1e-5", "--dataset", "digits", "--model", "logreg",
+        "--wait", str(RUN_TIMEOUT_S), "--json", timeout=RUN_TIMEOUT_S + 60,
+    )  # fmt: skip
     assert applied.returncode == 0, applied.stdout[-2000:] + applied.stderr[-2000:]
     outcome = json.loads(applied.stdout.strip().splitlines()[-1])
     assert outcome["status"] == "promoted"

@@ -136,14 +136,14 @@ class MlflowConnection:
         """``call()``, retried briefly while MLflow's auth app refuses it (403): the creator's
         permission on a new experiment is written after the create request returns, so a
         worker of the same user opening it at that moment is refused for a moment."""
-        for pause in (*PERMISSION_SETTLE_S, None):
+        for pause in PERMISSION_SETTLE_S:
             try:
                 return call()
             except MlflowException as error:
-                if pause is None or error.get_http_status_code() != 403:
+                if error.get_http_status_code() != 403:
                     raise
                 time.sleep(pause)
-        return None  # not reached: the last attempt returns or raises
+        return call()
 
     def _experiment(self, name: str, prefix: str) -> str:
         """The id of experiment ``name``, created on first use with its artifacts apart from
