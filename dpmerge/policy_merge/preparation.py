@@ -11,8 +11,6 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from dpmerge.accounting.delta import delta_check_for
 from dpmerge.errors import UnsupportedError
 from dpmerge.policies import Policy
@@ -36,16 +34,12 @@ from dpmerge.state.serving import read_state
 
 def start_export_warmup() -> threading.Thread:
     """Warm up ``torch.export`` (the registry saves pt2 models; the first export in a process
-    costs seconds, mostly imports and first tracing) in a background thread, to overlap it with
-    waiting on MLflow and the disk. Join it before anything CPU-bound and before registering
-    (``torch.export`` is not thread-safe)."""
+    costs seconds) in a background thread, to overlap it with waiting on MLflow and the disk.
+    The registry serialises it with its own saves (``torch.export`` is not thread-safe); join
+    it before anything CPU-bound."""
+    from dpmerge.registry import warm_up_export
 
-    def warm() -> None:
-        with suppress(Exception):  # only a warm-up: the real export reports its own errors
-            module = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2)).eval()
-            torch.export.export(module, (torch.zeros((2, 1, 2, 2)),))
-
-    thread = threading.Thread(target=warm, name="dpmerge-export-warmup", daemon=True)
+    thread = threading.Thread(target=warm_up_export, name="dpmerge-export-warmup", daemon=True)
     thread.start()
     return thread
 

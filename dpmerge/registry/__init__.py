@@ -83,6 +83,7 @@ _EXPORTS = {
     "RegisteredVersion": "versions",
     "StoredVersion": "versions",
     "VersionSummary": "versions",
+    "warm_up_export": "connection",
 }
 
 __all__ = [
@@ -111,6 +112,7 @@ __all__ = [
     "release_hash",
     "repair_hint",
     "tag_float",
+    "warm_up_export",
 ]
 
 
@@ -124,7 +126,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from dpmerge.registry.adapter import Registry
-    from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN
+    from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN, warm_up_export
     from dpmerge.registry.errors import (
         GateError,
         RecordIntegrityError,

@@ -79,6 +79,16 @@ already occupied". Process-wide, as each thread may hold its own registry; only 
 serialised, MLflow calls and uploads still overlap."""
 
 
+def warm_up_export() -> None:
+    """Pay the first ``torch.export`` of a process (seconds, mostly imports and first tracing)
+    on a toy module, under the same lock as every save: a warm-up in one thread and a
+    registration in another must not trace at once. Only a warm-up: a failure is ignored, the
+    real save reports its own."""
+    with _PT2_EXPORT_LOCK, suppress(Exception):
+        module = nn.Sequential(nn.Flatten(), nn.Linear(4, 2)).eval()
+        torch.export.export(module, (torch.zeros((2, 1, 2, 2)),))
+
+
 CLIENT_LIMITS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
