@@ -9,8 +9,9 @@ It starts its own stack on free loopback ports (PostgreSQL; the dispatcher polli
 0.5 s, workers every second), deploys ``merge-on-policy`` and ``train-candidate-gpu``, trains
 and registers five logistic-regression candidates here and primes the merge caches as the
 train-candidates flow does. Then, per phase, it stores one version of the policy ``ttp`` at a
-time as the operator role does (``dpmerge policy set``'s code path; ε* cycling through
-``--targets``, so consecutive versions get different releases) and polls every 0.1 s until the
+time as the operator role does (``dpmerge policy set``'s code path; ε* runs through
+``--targets``, each pass 1.1 % lower than the one before, so every version is a new target and
+its run merges and registers a new release) and polls every 0.1 s until the
 serving pointer records that version and the MLflow alias names the version it serves. The
 first change after the workers started also starts the warm flow-run process and is reported
 apart. ``idle``: nothing else of ours runs. ``suite``: ``--suite`` (pytest files, each starting
@@ -58,6 +59,8 @@ from harness import (
 RETRAIN_DEPLOYMENT = "train-candidate/train-candidate-gpu"
 POLICY = "ttp"
 POLL_S = 0.1
+PASS_STEP = 0.011
+"""Each pass over ``--targets`` is this much lower, so no version repeats a target."""
 CHANGE_TIMEOUT_S = 300.0
 OWN_SETTINGS = ("PREFECT_", "MLFLOW_", "DPMERGE_", "AWS_")
 """This process's stack settings, kept from the suite beside it."""
@@ -69,7 +72,7 @@ def main() -> int:
     parser.add_argument("--sigmas", default="0.7,0.9,1.2,1.8,3.0", help="candidate σ levels")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--changes", type=int, default=20, help="measured changes per phase")
-    parser.add_argument("--targets", default="3,0.5,1,1.5,2,2.5", help="ε* cycled through")
+    parser.add_argument("--targets", default="3,0.5,1,1.5,2,2.5", help="ε* per pass")
     parser.add_argument("--phases", default="idle,suite")
     parser.add_argument("--suite", default="tests/test_policy_merge.py tests/test_registry.py")
     parser.add_argument("--ramp", type=float, default=45.0, help="suite start → first change")
@@ -101,7 +104,8 @@ class Changes:
         self.workflow = workflow_store()
         self.mlflow = MlflowClient()
         self.dataset, self.releases, self.delta = dataset, releases, args.delta
-        self.targets = itertools.cycle(float(t) for t in args.targets.split(","))
+        base = [float(t) for t in args.targets.split(",")]
+        self.targets = (t * (1 - PASS_STEP * k) for k in itertools.count() for t in base)
 
     def one(self) -> dict[str, Any]:
         from dpmerge.state import policies

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -152,25 +153,40 @@ class S3Config:
         return self.endpoint_url or f"AWS S3 ({self.region})"
 
 
+_CLIENTS: dict[S3Config, Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _client(cfg: S3Config) -> Any:
+    """The process's boto3 client for ``cfg``, made once: making one reads botocore's service
+    models (≈ 0.3 s), which every policy run paid a dozen times. boto3 clients are thread-safe
+    once made; making one is not, hence the lock."""
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(cfg)
+        if client is None:
+            client = _CLIENTS[cfg] = boto3.session.Session().client(
+                "s3",
+                endpoint_url=cfg.endpoint_url,
+                region_name=cfg.region,
+                aws_access_key_id=cfg.access_key_id,
+                aws_secret_access_key=cfg.secret_access_key,
+                config=Config(
+                    retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
+                    connect_timeout=cfg.connect_timeout_s,
+                    read_timeout=cfg.read_timeout_s,
+                    s3={"addressing_style": "path"},
+                ),
+            )
+        return client
+
+
 class S3Store:
-    """put/get/list/delete for the project's objects; one boto3 client per store."""
+    """put/get/list/delete for the project's objects; one boto3 client per configuration and
+    process, shared by its stores."""
 
     def __init__(self, config: S3Config | None = None) -> None:
         self.config = config or S3Config.from_env()
-        cfg = self.config
-        self.client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=cfg.endpoint_url,
-            region_name=cfg.region,
-            aws_access_key_id=cfg.access_key_id,
-            aws_secret_access_key=cfg.secret_access_key,
-            config=Config(
-                retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
-                connect_timeout=cfg.connect_timeout_s,
-                read_timeout=cfg.read_timeout_s,
-                s3={"addressing_style": "path"},
-            ),
-        )
+        self.client = _client(self.config)
 
     @contextmanager
     def _errors(self, action: str, bucket: str, key: str | None = None) -> Iterator[None]:

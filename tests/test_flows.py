@@ -682,3 +682,19 @@ def test_demo_trains_registers_applies_and_promotes(tmp_path: Path) -> None:
     assert (home / "state" / "policies" / "eu" / "00000001.json").is_file()
     # no key was given: the workflow generated its own, private, in the state directory
     assert (home / "secret.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_warm_server_preloads_without_starting_a_thread() -> None:
+    """The warm flow-run server forks a child per run, which is safe only while it has started
+    no thread: importing everything it preloads (Prefect's engine, the flows, torch.export's
+    tracing machinery) must leave the main thread alone."""
+    code = (
+        "import threading, flows.warm as w\n"
+        "for m in w.PRELOAD: __import__(m)\n"
+        "print(sorted(t.name for t in threading.enumerate()))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "['MainThread']"

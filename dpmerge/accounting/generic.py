@@ -206,8 +206,20 @@ def compose(plds: Sequence[pld_mod.PLD]) -> pld_mod.PLD:
 
 @lru_cache(maxsize=4096)
 def composed_pld(units: tuple[ReleaseUnit, ...], discretisation: float) -> pld_mod.PLD:
-    """PLD of the joint release of ``units`` (composition, one pessimistic accounting)."""
-    return compose([unit_pld(u, discretisation) for u in units])
+    """PLD of the joint release of ``units`` (composition, one pessimistic accounting); with
+    the disk cache on (a policy run, each in a fresh process) kept there, keyed by every
+    segment in order, so only the first run of a subset composes it."""
+
+    def build() -> pld_mod.PLD:
+        return compose([unit_pld(u, discretisation) for u in units])
+
+    if any(u.label is not None for u in units):
+        return build()
+    segments = tuple(
+        tuple((float(s.noise_multiplier), float(s.sample_rate), int(s.steps)) for s in u.segments)
+        for u in units
+    )
+    return pld_mod.disk_cached(("composed", float(discretisation), segments), build)
 
 
 def composed_rdp(units: tuple[ReleaseUnit, ...]) -> tuple[float, ...]:

@@ -22,6 +22,7 @@ import hashlib
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -62,12 +63,7 @@ def subsampled_gaussian_pld(
     With :func:`set_disk_cache` the result is also kept as a file and read back by later
     processes (a policy merge runs in a fresh process each time)."""
     key = (float(noise_multiplier), float(sample_rate), int(steps), float(discretisation))
-    cached = _read_cached(key)
-    if cached is not None:
-        return cached
-    result = self_compose(_one_step(*key[:2], discretisation), steps)
-    _write_cached(key, result)
-    return result
+    return disk_cached(key, lambda: self_compose(_one_step(*key[:2], discretisation), steps))
 
 
 @lru_cache(maxsize=64)
@@ -84,7 +80,7 @@ def _one_step(noise_multiplier: float, sample_rate: float, discretisation: float
     )
 
 
-# --- optional file cache of subsampled-Gaussian PLDs --------------------------------------
+# --- optional file cache of PLDs -------------------------------------------------------------
 # Off unless set_disk_cache() is called (the merge flow does). Files hold the dense pmf arrays
 # exactly (np.savez, no pickle) and are keyed by every input and the dp-accounting version, so a
 # cached PLD is bit-identical to a rebuilt one. Each file also holds the SHA-256 of its arrays
@@ -96,16 +92,29 @@ _CACHE_FORMAT = 2
 
 
 def set_disk_cache(directory: str | Path | None) -> None:
-    """Keep subsampled-Gaussian PLDs as files in ``directory`` (``None``: memory only)."""
+    """Keep subsampled-Gaussian PLDs and their compositions as files in ``directory``
+    (``None``: memory only)."""
     global _DISK_CACHE
     _DISK_CACHE = None if directory is None else Path(directory)
 
 
-def _identity(key: tuple[float, float, int, float]) -> bytes:
+def disk_cached(key: tuple[Any, ...], build: Callable[[], PLD]) -> PLD:
+    """``build()``, kept as a file under :func:`set_disk_cache`'s directory and read back by
+    later processes. ``key`` must name every input of ``build`` (plain floats, ints, strings and
+    tuples of them: its ``repr`` is the identity)."""
+    cached = _read_cached(key)
+    if cached is not None:
+        return cached
+    result = build()
+    _write_cached(key, result)
+    return result
+
+
+def _identity(key: tuple[Any, ...]) -> bytes:
     return repr((_CACHE_FORMAT, metadata.version("dp-accounting"), *key)).encode()
 
 
-def _cache_path(key: tuple[float, float, int, float]) -> Path | None:
+def _cache_path(key: tuple[Any, ...]) -> Path | None:
     if _DISK_CACHE is None:
         return None
     return _DISK_CACHE / f"sg-{hashlib.sha256(_identity(key)).hexdigest()[:40]}.npz"
@@ -121,7 +130,7 @@ def _digest(identity: bytes, arrays: dict[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def _read_cached(key: tuple[float, float, int, float]) -> PLD | None:
+def _read_cached(key: tuple[Any, ...]) -> PLD | None:
     path = _cache_path(key)
     if path is None or not path.is_file():
         return None
@@ -146,7 +155,7 @@ def _read_cached(key: tuple[float, float, int, float]) -> PLD | None:
     return PLD(pmfs[0], None if symmetric else pmfs[1])
 
 
-def _write_cached(key: tuple[float, float, int, float], pld: PLD) -> None:
+def _write_cached(key: tuple[Any, ...], pld: PLD) -> None:
     path = _cache_path(key)
     sides = {"remove": pld._pmf_remove, "add": pld._pmf_add}
     if path is None or not all(isinstance(p, pld_pmf.DensePLDPmf) for p in sides.values()):

@@ -8,6 +8,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -141,8 +142,11 @@ def load_candidates(
     cache = Path(cache_dir)
     found: dict[str, RegisteredCandidate] = {}
     missing = []
-    for version in pool.versions:
-        stored = registry.get_version(pool.registered_model, version)
+    with ThreadPoolExecutor(max(1, min(8, len(pool.versions)))) as threads:  # one request each
+        versions = list(
+            threads.map(lambda v: registry.get_version(pool.registered_model, v), pool.versions)
+        )
+    for version, stored in zip(pool.versions, versions, strict=True):
         path = _cached(stored, cache)
         if path is None:
             missing.append(version)

@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import integrate, optimize, stats
 
+from dpmerge.accounting import generic, profiles
 from dpmerge.accounting import pld as pld_mod
-from dpmerge.accounting import profiles
 from dpmerge.accounting.account import MAX_CANDIDATES, account
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.accounting.generic import generic_bound, release_units
+from dpmerge.accounting.generic import ReleaseUnit, Segment, generic_bound, release_units
 from dpmerge.accounting.ledger import cumulative_bound, release_of
 from dpmerge.accounting.structured import ORDERING_SLACK
 from dpmerge.errors import InputError, RecordError, RefusalError
@@ -316,6 +316,33 @@ def test_a_pld_beyond_the_grid_is_refused_and_rdp_stands(monkeypatch):
         pld_mod.candidate_pld.cache_clear()
     assert bound.epsilon_pld is None and "grid points" in bound.reason
     assert bound.epsilon_rdp is not None and np.isfinite(bound.epsilon_rdp)
+
+
+def test_a_composed_pld_is_read_back_bit_identical_and_keyed_by_every_segment(
+    tmp_path, monkeypatch
+):
+    """Each policy run is a fresh process: the composition of a subset's PLDs is kept on disk
+    with the single PLDs, read back exactly, and a unit whose steps differ is another file."""
+    units = (
+        ReleaseUnit(UnitKind.RUN, ("a",), (Segment(1.3, 0.01, 50),)),
+        ReleaseUnit(UnitKind.RUN, ("b",), (Segment(2.0, 0.01, 40),)),
+    )
+    pld_mod.set_disk_cache(tmp_path)
+    try:
+        built = generic.composed_pld.__wrapped__(units, 1e-3)
+        assert len(list(tmp_path.glob("*.npz"))) == 3  # two segments and their composition
+        with monkeypatch.context() as patched:
+            patched.setattr(generic, "compose", lambda plds: pytest.fail("composed again"))
+            again = generic.composed_pld.__wrapped__(units, 1e-3)
+        for side in ("_pmf_remove", "_pmf_add"):
+            assert getattr(again, side)._lower_loss == getattr(built, side)._lower_loss
+            assert (getattr(again, side)._probs == getattr(built, side)._probs).all()
+        longer = (units[0], ReleaseUnit(UnitKind.RUN, ("b",), (Segment(2.0, 0.01, 41),)))
+        other = generic.composed_pld.__wrapped__(longer, 1e-3)
+        assert len(list(tmp_path.glob("*.npz"))) == 5
+        assert profiles.epsilon_for_delta(other, DELTA) > profiles.epsilon_for_delta(built, DELTA)
+    finally:
+        pld_mod.set_disk_cache(None)
 
 
 def test_pld_file_cache_rejects_altered_files(tmp_path):
