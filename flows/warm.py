@@ -12,8 +12,8 @@ worker host's own interpreter and installed package (docs/workflow.md#worker-hos
   descriptors, so logs stream to the worker as before) — then wait and exit with the run's
   exit code. With no server yet it starts one and waits for it to be ready (it costs the same
   imports the cold start would); whatever fails, it falls back to ``python -m prefect.engine``.
-* **server** (``--serve SOCKET``): imports Prefect's engine and the flows once, then for each
-  run forks a child that takes the run's environment and file descriptors, refreshes Prefect's
+* **server** (``--serve SOCKET``): imports Prefect's engine and the flows once (and has the
+  registry prepare what each registration pays once per process), then for each run forks a child that takes the run's environment and file descriptors, refreshes Prefect's
   settings and runs the engine's ``__main__``. The server runs no torch operation, opens no
   client connection and starts no thread, so forking it is safe. When a client goes away (the
   worker cancelled or killed the run), its child gets SIGTERM.
@@ -183,6 +183,9 @@ def serve(path: Path) -> int:
     sys.path.insert(0, str(REPO))
     for module in PRELOAD:
         __import__(module)
+    from dpmerge.registry import prepare_process
+
+    prepare_process()
     listener = _bind(path)
     if listener is None:
         return 0  # another server holds the path

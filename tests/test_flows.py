@@ -691,6 +691,7 @@ def test_the_warm_server_preloads_without_starting_a_thread() -> None:
     code = (
         "import threading, flows.warm as w\n"
         "for m in w.PRELOAD: __import__(m)\n"
+        "from dpmerge.registry import prepare_process; prepare_process()\n"
         "print(sorted(t.name for t in threading.enumerate()))"
     )
     done = subprocess.run(

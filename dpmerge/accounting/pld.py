@@ -17,14 +17,9 @@ vectorised, bracketed Newton iteration, and hand the values to the library's pub
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import math
-import os
-import tempfile
 from collections.abc import Callable
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +30,7 @@ from dp_accounting.pld.common import DifferentialPrivacyParameters
 from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, MixtureGaussianPrivacyLoss
 from scipy import fft
 
+from dpmerge.accounting import file_cache
 from dpmerge.accounting.records import MechanismRecord, PrivacyLabel
 from dpmerge.errors import UnsupportedError
 
@@ -80,28 +76,19 @@ def _one_step(noise_multiplier: float, sample_rate: float, discretisation: float
     )
 
 
-# --- optional file cache of PLDs -------------------------------------------------------------
-# Off unless set_disk_cache() is called (the merge flow does). Files hold the dense pmf arrays
-# exactly (np.savez, no pickle) and are keyed by every input and the dp-accounting version, so a
-# cached PLD is bit-identical to a rebuilt one. Each file also holds the SHA-256 of its arrays
-# and its key: a file that is unreadable, truncated, altered or stored under another key's name
-# is ignored and rebuilt (docs/design.md#sharp-edges).
-
-_DISK_CACHE: Path | None = None
-_CACHE_FORMAT = 2
+# --- optional file cache (dpmerge.accounting.file_cache) ---------------------------------
+_CACHE_KIND = "sg"
 
 
 def set_disk_cache(directory: str | Path | None) -> None:
-    """Keep subsampled-Gaussian PLDs and their compositions as files in ``directory``
-    (``None``: memory only)."""
-    global _DISK_CACHE
-    _DISK_CACHE = None if directory is None else Path(directory)
+    """Keep subsampled-Gaussian PLDs, their compositions and RDP curves as files in
+    ``directory`` (``None``: memory only; :mod:`~dpmerge.accounting.file_cache`)."""
+    file_cache.set_directory(directory)
 
 
 def disk_cached(key: tuple[Any, ...], build: Callable[[], PLD]) -> PLD:
-    """``build()``, kept as a file under :func:`set_disk_cache`'s directory and read back by
-    later processes. ``key`` must name every input of ``build`` (plain floats, ints, strings and
-    tuples of them: its ``repr`` is the identity)."""
+    """``build()``, kept in the file cache and read back by later processes. ``key`` must name
+    every input of ``build``."""
     cached = _read_cached(key)
     if cached is not None:
         return cached
@@ -110,55 +97,34 @@ def disk_cached(key: tuple[Any, ...], build: Callable[[], PLD]) -> PLD:
     return result
 
 
-def _identity(key: tuple[Any, ...]) -> bytes:
-    return repr((_CACHE_FORMAT, metadata.version("dp-accounting"), *key)).encode()
-
-
 def _cache_path(key: tuple[Any, ...]) -> Path | None:
-    if _DISK_CACHE is None:
-        return None
-    return _DISK_CACHE / f"sg-{hashlib.sha256(_identity(key)).hexdigest()[:40]}.npz"
-
-
-def _digest(identity: bytes, arrays: dict[str, np.ndarray]) -> str:
-    """SHA-256 over the key and every array (name, dtype, shape, bytes), in name order."""
-    digest = hashlib.sha256(identity)
-    for name in sorted(arrays):
-        value = np.ascontiguousarray(arrays[name])
-        digest.update(f"{name}:{value.dtype.str}:{value.shape}".encode())
-        digest.update(value.tobytes())
-    return digest.hexdigest()
+    return file_cache.path(_CACHE_KIND, key)
 
 
 def _read_cached(key: tuple[Any, ...]) -> PLD | None:
-    path = _cache_path(key)
-    if path is None or not path.is_file():
+    stored = file_cache.read(_CACHE_KIND, key)
+    if stored is None:
         return None
     try:
-        with np.load(path, allow_pickle=False) as stored:
-            arrays = {name: stored[name] for name in stored.files if name != "digest"}
-            if str(stored["digest"]) != _digest(_identity(key), arrays):
-                return None
-            pmfs = [
-                pld_pmf.DensePLDPmf(
-                    float(stored["discretization"]),
-                    int(stored[f"{side}_lower_loss"]),
-                    stored[f"{side}_probs"].copy(),
-                    float(stored[f"{side}_infinity_mass"]),
-                    bool(stored["pessimistic"]),
-                )
-                for side in ("remove", "add")
-            ]
-            symmetric = bool(stored["symmetric"])
-    except (OSError, KeyError, ValueError):
+        pmfs = [
+            pld_pmf.DensePLDPmf(
+                float(stored["discretization"]),
+                int(stored[f"{side}_lower_loss"]),
+                stored[f"{side}_probs"].copy(),
+                float(stored[f"{side}_infinity_mass"]),
+                bool(stored["pessimistic"]),
+            )
+            for side in ("remove", "add")
+        ]
+        symmetric = bool(stored["symmetric"])
+    except KeyError:
         return None
     return PLD(pmfs[0], None if symmetric else pmfs[1])
 
 
 def _write_cached(key: tuple[Any, ...], pld: PLD) -> None:
-    path = _cache_path(key)
     sides = {"remove": pld._pmf_remove, "add": pld._pmf_add}
-    if path is None or not all(isinstance(p, pld_pmf.DensePLDPmf) for p in sides.values()):
+    if not all(isinstance(p, pld_pmf.DensePLDPmf) for p in sides.values()):
         return
     arrays: dict[str, Any] = {
         "discretization": np.float64(sides["remove"]._discretization),
@@ -169,18 +135,7 @@ def _write_cached(key: tuple[Any, ...], pld: PLD) -> None:
         arrays[f"{side}_lower_loss"] = np.int64(pmf._lower_loss)
         arrays[f"{side}_probs"] = np.asarray(pmf._probs, dtype=np.float64)
         arrays[f"{side}_infinity_mass"] = np.float64(pmf._infinity_mass)
-    arrays["digest"] = np.str_(_digest(_identity(key), arrays))
-    staging = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz", delete=False) as handle:
-            staging = handle.name
-            np.savez(handle, **arrays)
-        os.replace(staging, path)
-    except OSError:  # a cache only: the PLD is returned either way
-        if staging is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(staging)
+    file_cache.write(_CACHE_KIND, key, arrays)
 
 
 @lru_cache(maxsize=512)

@@ -22,6 +22,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy.special import logsumexp
 
+from dpmerge.accounting import file_cache
 from dpmerge.accounting.records import MechanismRecord, PrivacyLabel
 from dpmerge.errors import UnsupportedError
 
@@ -69,7 +70,18 @@ def subsampled_gaussian_rdp(noise_multiplier: float, sample_rate: float, steps: 
     """RDP curve of ``steps`` compositions of the Poisson-subsampled Gaussian. At small σ and
     large q dp_accounting cannot evaluate some fractional orders near 1; it leaves them at +∞
     (excluded from the conversion to ε, so ε stays an upper bound) and logs a warning per order
-    through absl, which is silenced here: the curve itself says which orders are missing."""
+    through absl, which is silenced here: the curve itself says which orders are missing.
+    Kept in the file cache when it is on (:mod:`~dpmerge.accounting.file_cache`)."""
+    key = (float(noise_multiplier), float(sample_rate), int(steps), tuple(ORDERS))
+    stored = file_cache.read("rdp", key)
+    if stored is not None and "rdp" in stored:
+        return stored["rdp"]
+    curve = _rdp_curve(*key[:3])
+    file_cache.write("rdp", key, {"rdp": np.asarray(curve, dtype=np.float64)})
+    return curve
+
+
+def _rdp_curve(noise_multiplier: float, sample_rate: float, steps: int) -> np.ndarray:
     accountant = rdp_lib.RdpAccountant(orders=ORDERS)
     absl = logging.getLogger("absl")
     level = absl.level

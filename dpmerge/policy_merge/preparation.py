@@ -46,10 +46,11 @@ def start_export_warmup() -> threading.Thread:
 
 def prime_caches(workspace: Workspace, dataset: str, model: str) -> CandidatePool:
     """Fill this host's caches for the next policy merge of ``dataset``/``model``: the candidate
-    directories, the evaluation split and the candidates' PLDs (fine and coarse). The training
-    flow calls it once its candidates are registered, so the first policy event after new
-    candidates is as quick as the later ones."""
+    directories, the evaluation split, the candidates' PLDs (fine and coarse) and RDP curves.
+    The training flow calls it once its candidates are registered, so the first policy event
+    after new candidates is as quick as the later ones."""
     from dpmerge.accounting import pld as pld_mod
+    from dpmerge.accounting import rdp as rdp_mod
 
     workspace.use_caches()
     registry = workspace.registry()
@@ -69,6 +70,8 @@ def prime_caches(workspace: Workspace, dataset: str, model: str) -> CandidatePoo
             for discretisation in (pld_mod.FINE_DISCRETISATION, pld_mod.COARSE_DISCRETISATION):
                 with suppress(UnsupportedError):  # an RDP-only label has no PLD
                     pld_mod.candidate_pld(record, discretisation)
+            with suppress(UnsupportedError):  # an (ε, δ) label has no RDP curve
+                rdp_mod.candidate_rdp(record)
     finally:
         remove_tree(scratch)
     return pool

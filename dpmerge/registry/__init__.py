@@ -83,6 +83,7 @@ _EXPORTS = {
     "RegisteredVersion": "versions",
     "StoredVersion": "versions",
     "VersionSummary": "versions",
+    "prepare_process": "connection",
     "warm_up_export": "connection",
 }
 
@@ -109,6 +110,7 @@ __all__ = [
     "candidate_content_hash",
     "candidate_model_name",
     "merged_model_name",
+    "prepare_process",
     "release_hash",
     "repair_hint",
     "tag_float",
@@ -126,7 +128,12 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from dpmerge.registry.adapter import Registry
-    from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN, warm_up_export
+    from dpmerge.registry.connection import (
+        CARD_JSON,
+        CARD_MARKDOWN,
+        prepare_process,
+        warm_up_export,
+    )
     from dpmerge.registry.errors import (
         GateError,
         RecordIntegrityError,

@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ INPUT_EXAMPLE_BATCH = 4  # > 1 so that pt2 export keeps the batch dimension dyna
 SERVER_ARTIFACT_ROOT = "mlflow-artifacts:"  # a server's proxied artifact store
 CANDIDATES_EXPERIMENT, RELEASES_EXPERIMENT = "dpmerge-candidates", "dpmerge-releases"
 
+UPLOAD_THREADS = 4
 MESSAGE_LIMIT = 300
 """MLflow's messages are cut to this many characters: an error stays one readable line."""
 
@@ -77,6 +79,17 @@ _PT2_EXPORT_LOCK = threading.Lock()
 threads (a flow registers its candidates concurrently) fail with "ProxyTorchDispatchMode slot
 already occupied". Process-wide, as each thread may hold its own registry; only the save is
 serialised, MLflow calls and uploads still overlap."""
+
+
+def prepare_process() -> None:
+    """What every registration in a process pays once, paid ahead by the warm flow-run server
+    before it forks (flows/warm.py): MLflow's map of installed distributions, against which it
+    checks a model's pip requirements on every save (≈ 2.5 s on the stack's hosts). Reads
+    package metadata only: no thread, no connection. Only a warm-up: a failure is ignored."""
+    from mlflow.utils import requirements_utils
+
+    with suppress(Exception):  # a private MLflow helper: gone in another version, just slower
+        requirements_utils._init_packages_to_modules_map()
 
 
 def warm_up_export() -> None:
@@ -337,8 +350,7 @@ class MlflowConnection:
                         serialization_format="pt2",
                     )
                 digests = file_digests(model_path)
-                with self._errors("uploading the logged model"):
-                    self._client.log_model_artifacts(logged.model_id, str(model_path))
+                self._upload(logged.model_id, model_path)
         except BaseException:
             with suppress(MlflowException):
                 self._client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
@@ -346,6 +358,21 @@ class MlflowConnection:
         with self._errors("finalising the logged model"):
             self._client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
         return logged.model_id, logged.artifact_location, [f.name for f in files], digests
+
+    def _upload(self, model_id: str, model_path: Path) -> None:
+        """Upload a logged model's files, :data:`UPLOAD_THREADS` at once (MLflow's own upload
+        sends them one after another: a dozen round trips of each registration)."""
+        files = [f for f in sorted(model_path.rglob("*")) if f.is_file()]
+
+        def upload(path: Path) -> None:
+            folder = path.parent.relative_to(model_path).as_posix()
+            self._client.log_model_artifact(model_id, str(path), None if folder == "." else folder)
+
+        with (
+            self._errors("uploading the logged model"),
+            ThreadPoolExecutor(UPLOAD_THREADS) as threads,
+        ):
+            list(threads.map(upload, files))
 
     def _verify(
         self,

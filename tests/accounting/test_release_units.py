@@ -345,6 +345,23 @@ def test_a_composed_pld_is_read_back_bit_identical_and_keyed_by_every_segment(
         pld_mod.set_disk_cache(None)
 
 
+def test_an_rdp_curve_is_read_back_exactly_from_the_file_cache(tmp_path, monkeypatch):
+    from dpmerge.accounting import rdp
+
+    pld_mod.set_disk_cache(tmp_path)
+    try:
+        built = rdp.subsampled_gaussian_rdp(1.3, 0.01, 50)
+        with monkeypatch.context() as patched:
+            patched.setattr(rdp, "_rdp_curve", lambda *a: pytest.fail("computed again"))
+            again = rdp.subsampled_gaussian_rdp(1.3, 0.01, 50)
+        assert again.tobytes() == built.tobytes()
+        (path,) = tmp_path.glob("rdp-*.npz")
+        path.write_bytes(b"altered")  # not trusted: computed again
+        assert rdp.subsampled_gaussian_rdp(1.3, 0.01, 50).tobytes() == built.tobytes()
+    finally:
+        pld_mod.set_disk_cache(None)
+
+
 def test_pld_file_cache_rejects_altered_files(tmp_path):
     pld_mod.set_disk_cache(tmp_path)
     try:
