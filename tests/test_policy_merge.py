@@ -11,6 +11,7 @@ import json
 import os
 import re
 import stat
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -584,3 +585,58 @@ def test_a_mixture_release_draws_once_counts_both_merges_and_publishes_no_candid
     found += sorted(accuracies & numbers)
     assert not found, f"published release mentions its candidates: {found}"
     assert "Which rows the guarantee protects" in text and "**not protected**" in text
+
+
+def test_repairs_act_on_fresh_state_and_leave_a_running_policys_alias_alone(
+    workspace: pm.Workspace, registry_home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Races forced (a burst on the stack lost an alias to them): a verify whose snapshot of
+    the pointers predates another run's write does not remove that run's new alias, and an
+    alias whose policy a run is applying is not moved under it — once the run is done, it is."""
+    from dpmerge.policy_merge import verify as verify_mod
+    from dpmerge.state.leases import lease
+
+    outcome = _apply(workspace, _policy(name="fresh", target_epsilon=registry_home["epsilons"][-1]))
+    model, alias = outcome.merged_model, "policy-fresh"
+    assert _aliases(workspace, model)[alias] == outcome.version
+    real = state_serving.read_state
+    stale: list[str] = []
+
+    def snapshot_before_the_write(store: Any, dataset: str) -> state_serving.DatasetState:
+        found = real(store, dataset)
+        if not stale:  # the first read: the pointer is not written yet
+            stale.append(dataset)
+            return dataclasses.replace(found, aliases={})
+        return found
+
+    monkeypatch.setattr(verify_mod.state_serving, "read_state", snapshot_before_the_write)
+    findings = verify_mod.verify(workspace, repair=True)
+    monkeypatch.undo()
+    assert stale and not [f for f in findings if f.kind.value == "unmanaged_alias"]
+    assert _aliases(workspace, model)[alias] == outcome.version
+
+    def about_the_alias() -> Any:
+        (found,) = [f for f in verify_mod.verify(workspace, repair=True) if alias in f.subject]
+        return found
+
+    _client(workspace).delete_registered_model_alias(model, alias)  # drift, mid-run
+    taken, done = threading.Event(), threading.Event()
+
+    def run_holding_the_lease() -> None:  # another holder, as another run's process is
+        with lease(workspace.state(), "fresh", 5):
+            taken.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=run_holding_the_lease)
+    holder.start()
+    try:
+        assert taken.wait(60)
+        found = about_the_alias()
+        assert found.kind.value == "alias_drift" and "a run of policy fresh" in str(found.repaired)
+        assert alias not in _aliases(workspace, model)
+    finally:
+        done.set()
+        holder.join()
+    found = about_the_alias()
+    assert found.repaired == f"alias set back to v{outcome.version}"
+    assert _aliases(workspace, model)[alias] == outcome.version

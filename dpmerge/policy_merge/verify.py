@@ -10,6 +10,13 @@ Each check compares a projection with its source of truth and yields a :class:`F
   raises the bound);
 * ``alias_drift`` — the MLflow alias is not where the serving pointer says; moved back;
 * ``unmanaged_alias`` — an alias on a releases model that no pointer names; removed;
+
+Repairs act on what is true when they act, never on the snapshot the checks read: other runs
+write pointers and move aliases meanwhile. An alias is moved back only under its policy's lease
+(taken without waiting: when a run of the policy holds it, that run projects the alias itself,
+and the finding says so), from the pointer read under that lease; an alias no pointer named is
+removed only if none names it when read again after MLflow showed it (a run writes its pointer
+before it projects the alias, so a pointer found then is the alias's source).
 * ``served_uncounted`` — a served release is not in the ledger (cannot happen by
   construction); reported;
 * ``release_unsigned`` — a served version's signature or release hash does not verify;
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 
 from dpmerge.manifests import ReleaseSignatureError
@@ -37,6 +45,7 @@ from dpmerge.registry.tags import SERVED_TAG, STATUS_QUARANTINED
 from dpmerge.state import AliasState, DatasetState, StateIntegrityError, StateStore
 from dpmerge.state import policies as stored_policies
 from dpmerge.state import serving as state_serving
+from dpmerge.state.leases import LeaseTimeoutError, lease
 from dpmerge.state.quarantine import quarantined
 from dpmerge.vocabulary import FindingKind, ServingState
 
@@ -79,7 +88,7 @@ def verify(
         for alias in state.aliases.values():
             managed.setdefault(alias.model, set()).add(alias.alias)
             findings += _alias(store, registry, state, alias, repair)
-    findings += _unmanaged(registry, managed, repair, dataset)
+    findings += _unmanaged(store, registry, managed, repair, dataset)
     findings += _quarantine(store, registry, repair)
     return findings
 
@@ -107,11 +116,7 @@ def _alias(
         else None
     )
     if shown != alias.serving:
-        done = None
-        if repair:
-            registry.set_alias(alias.model, alias.alias, alias.serving)
-            registry.set_model_tag(alias.model, SERVED_TAG + alias.alias, served_text(alias))
-            done = f"alias set back to {f'v{alias.serving}' if alias.serving else 'nothing'}"
+        done = _project(store, registry, state.dataset, alias) if repair else None
         yield Finding(
             FindingKind.ALIAS_DRIFT,
             subject,
@@ -137,6 +142,21 @@ def _alias(
         detail = f"v{alias.serving} does not meet version {current.version} of {alias.owner}: "
     if failing:
         yield Finding(FindingKind.NONCOMPLIANT, subject, detail + "; ".join(failing))
+
+
+def _project(store: StateStore, registry: Registry, dataset: str, alias: AliasState) -> str:
+    """Move ``alias`` back to its pointer as read now, under its policy's lease; what was
+    done."""
+    try:
+        with lease(store, alias.owner, timeout_s=0):
+            fresh = state_serving.read_state(store, dataset).alias(alias.model, alias.alias)
+            if fresh is None:
+                return "not repaired: its pointer is gone"
+            registry.set_alias(fresh.model, fresh.alias, fresh.serving)
+            registry.set_model_tag(fresh.model, SERVED_TAG + fresh.alias, served_text(fresh))
+    except LeaseTimeoutError:
+        return f"not repaired: a run of policy {alias.owner} is applying it and projects it"
+    return f"alias set back to {f'v{fresh.serving}' if fresh.serving else 'nothing'}"
 
 
 def _served_release(registry: Registry, alias: AliasState, subject: str) -> Iterator[Finding]:
@@ -167,12 +187,31 @@ def _served_release(registry: Registry, alias: AliasState, subject: str) -> Iter
         )
 
 
+def _managed_now(store: StateStore) -> dict[str, set[str]]:
+    """The aliases some pointer names, read now, per releases model (unreadable documents
+    count as naming none: :func:`verify` reports them)."""
+    managed: dict[str, set[str]] = {}
+    for dataset in state_serving.datasets(store):
+        with suppress(StateIntegrityError):
+            for alias in state_serving.read_state(store, dataset).aliases.values():
+                managed.setdefault(alias.model, set()).add(alias.alias)
+    return managed
+
+
 def _unmanaged(
-    registry: Registry, managed: dict[str, set[str]], repair: bool, dataset: str | None
+    store: StateStore,
+    registry: Registry,
+    managed: dict[str, set[str]],
+    repair: bool,
+    dataset: str | None,
 ) -> Iterator[Finding]:
+    now: dict[str, set[str]] | None = None  # read again only when an alias looks unmanaged
     for model in sorted({v.name for v in registry.merged_versions(dataset)}):
         for alias, version in sorted(registry.aliases(model).items()):
             if alias in managed.get(model, set()):
+                continue
+            now = _managed_now(store) if now is None else now
+            if alias in now.get(model, set()):  # its pointer was written after the snapshot
                 continue
             done = None
             if repair:
