@@ -155,16 +155,25 @@ class S3Config:
 
 _CLIENTS: dict[S3Config, Any] = {}
 _CLIENTS_LOCK = threading.Lock()
+_SESSION: list[boto3.session.Session] = []  # the process's one session, made on first use
+
+
+def _session() -> boto3.session.Session:
+    """The process's boto3 session (call under the lock): its clients share botocore's loaded
+    service models, so every client after the first is made in milliseconds."""
+    if not _SESSION:
+        _SESSION.append(boto3.session.Session())
+    return _SESSION[0]
 
 
 def _client(cfg: S3Config) -> Any:
     """The process's boto3 client for ``cfg``, made once: making one reads botocore's service
-    models (≈ 0.3 s), which every policy run paid a dozen times. boto3 clients are thread-safe
-    once made; making one is not, hence the lock."""
+    models (≈ 0.1–0.3 s), which every policy run paid a dozen times. boto3 clients are
+    thread-safe once made; making one (and the session) is not, hence the lock."""
     with _CLIENTS_LOCK:
         client = _CLIENTS.get(cfg)
         if client is None:
-            client = _CLIENTS[cfg] = boto3.session.Session().client(
+            client = _CLIENTS[cfg] = _session().client(
                 "s3",
                 endpoint_url=cfg.endpoint_url,
                 region_name=cfg.region,
@@ -178,6 +187,20 @@ def _client(cfg: S3Config) -> Any:
                 ),
             )
         return client
+
+
+def prepare_process() -> None:
+    """Load botocore's S3 service model into the process's session before the warm flow-run
+    server forks (flows/warm.py), so a run's first S3 client is made in milliseconds. Makes a
+    client that is never used: no request, no connection, no thread."""
+    with _CLIENTS_LOCK:
+        _session().client(
+            "s3",
+            region_name=DEFAULT_REGION,
+            endpoint_url="http://127.0.0.1:1",
+            aws_access_key_id="unused",
+            aws_secret_access_key="unused",
+        )
 
 
 class S3Store:

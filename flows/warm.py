@@ -13,10 +13,11 @@ worker host's own interpreter and installed package (docs/workflow.md#worker-hos
   exit code. With no server yet it starts one and waits for it to be ready (it costs the same
   imports the cold start would); whatever fails, it falls back to ``python -m prefect.engine``.
 * **server** (``--serve SOCKET``): imports Prefect's engine and the flows once (and has the
-  registry prepare what each registration pays once per process), then for each run forks a child that takes the run's environment and file descriptors, refreshes Prefect's
-  settings and runs the engine's ``__main__``. The server runs no torch operation, opens no
-  client connection and starts no thread, so forking it is safe. When a client goes away (the
-  worker cancelled or killed the run), its child gets SIGTERM.
+  registry and storage prepare what each run would pay once per process), then for each run forks
+  a child that takes the run's environment and file descriptors, refreshes Prefect's settings and
+  runs the engine's ``__main__``. The server runs no torch operation, opens no client connection
+  and starts no thread, so forking it is safe. When a client goes away (the worker cancelled or
+  killed the run), its child gets SIGTERM.
 
 Safety: the socket lives in a 0700 directory ``run/`` under ``$DPMERGE_HOME`` (default
 ``.dpmerge/`` of the checkout this module is in, or ``~/.dpmerge`` where the package is installed)
@@ -183,9 +184,11 @@ def serve(path: Path) -> int:
     sys.path.insert(0, str(REPO))
     for module in PRELOAD:
         __import__(module)
+    from dpmerge import storage
     from dpmerge.registry import prepare_process
 
     prepare_process()
+    storage.prepare_process()
     listener = _bind(path)
     if listener is None:
         return 0  # another server holds the path

@@ -692,6 +692,7 @@ def test_the_warm_server_preloads_without_starting_a_thread() -> None:
         "import threading, flows.warm as w\n"
         "for m in w.PRELOAD: __import__(m)\n"
         "from dpmerge.registry import prepare_process; prepare_process()\n"
+        "from dpmerge import storage; storage.prepare_process()\n"
         "print(sorted(t.name for t in threading.enumerate()))"
     )
     done = subprocess.run(

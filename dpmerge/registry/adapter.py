@@ -9,6 +9,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -314,8 +315,9 @@ class Registry(RegistryQueries):
     ) -> dict[str, str]:
         """Candidate name -> version, checking each parent is a ready candidate of the merge."""
         by_name: dict[str, str] = {}
-        for version in parents:
-            tags = self._version(parent_model, version).tags
+        with ThreadPoolExecutor(max(1, min(8, len(parents)))) as threads:  # a request each
+            found = list(threads.map(lambda v: self._version(parent_model, v).tags, parents))
+        for version, tags in zip(parents, found, strict=True):
             if tags.get("dp.role") != ROLE_CANDIDATE or tags.get("dp.status") != STATUS_READY:
                 raise RegistryError(f"{parent_model} v{version} is not a ready candidate version")
             candidate = tags.get("dp.candidate", "")
