@@ -8,7 +8,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,10 +141,7 @@ def load_candidates(
     cache = Path(cache_dir)
     found: dict[str, RegisteredCandidate] = {}
     missing = []
-    with ThreadPoolExecutor(max(1, min(8, len(pool.versions)))) as threads:  # one request each
-        versions = list(
-            threads.map(lambda v: registry.get_version(pool.registered_model, v), pool.versions)
-        )
+    versions = registry.get_versions(pool.registered_model, pool.versions)
     for version, stored in zip(pool.versions, versions, strict=True):
         path = _cached(stored, cache)
         if path is None:

@@ -9,7 +9,6 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -315,9 +314,8 @@ class Registry(RegistryQueries):
     ) -> dict[str, str]:
         """Candidate name -> version, checking each parent is a ready candidate of the merge."""
         by_name: dict[str, str] = {}
-        with ThreadPoolExecutor(max(1, min(8, len(parents)))) as threads:  # a request each
-            found = list(threads.map(lambda v: self._version(parent_model, v).tags, parents))
-        for version, tags in zip(parents, found, strict=True):
+        found = self.get_versions(parent_model, parents)
+        for version, tags in zip(parents, (v.tags for v in found), strict=True):
             if tags.get("dp.role") != ROLE_CANDIDATE or tags.get("dp.status") != STATUS_READY:
                 raise RegistryError(f"{parent_model} v{version} is not a ready candidate version")
             candidate = tags.get("dp.candidate", "")

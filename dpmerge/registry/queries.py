@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,9 @@ from dpmerge.registry.versions import (
 MODEL_URI = re.compile(
     r"^models:/(?P<name>[^@/]+)(?:@(?P<alias>[A-Za-z0-9_-]+)|/(?P<version>[1-9][0-9]*))$"
 )
+
+READ_THREADS = 8
+"""Versions read at once by :meth:`RegistryQueries.get_versions`."""
 
 
 class RegistryQueries(MlflowConnection):
@@ -82,6 +86,12 @@ class RegistryQueries(MlflowConnection):
     def get_version(self, name: str, version: str | int) -> StoredVersion:
         """Version ``version`` of ``name`` with its tags; :class:`RegistryError` if missing."""
         return StoredVersion.of(self._version(name, str(version)))
+
+    def get_versions(self, name: str, versions: Sequence[str]) -> list[StoredVersion]:
+        """:meth:`get_version` of each of ``versions``, in order, read concurrently (one
+        request each: a policy run reads every candidate's)."""
+        with ThreadPoolExecutor(max(1, min(READ_THREADS, len(versions)))) as threads:
+            return list(threads.map(lambda v: self.get_version(name, v), versions))
 
     def card_text(self, name: str, version: str | int) -> str:
         """The version's description: for a merged version its privacy card (Markdown)."""
