@@ -6,13 +6,14 @@ Run: ``.venv/bin/python benchmarks/bench_time_to_policy.py [--changes 20]
 [--phases idle,suite] [--warm-max-runs 4]``
 
 It starts its own stack on free loopback ports (PostgreSQL; the dispatcher polling every
-0.5 s, workers every second), deploys ``merge-on-policy`` and ``train-candidate-gpu``, trains
+0.5 s, workers every 0.5 s), deploys ``merge-on-policy`` and ``train-candidate-gpu``, trains
 and registers five logistic-regression candidates here and primes the merge caches as the
 train-candidates flow does. Then, per phase, it stores one version of the policy ``ttp`` at a
 time as the operator role does (``dpmerge policy set``'s code path; ε* runs through
 ``--targets``, each pass 1.1 % lower than the one before, so every version is a new target and
-its run merges and registers a new release) and polls every 0.1 s until the
-serving pointer records that version and the MLflow alias names the version it serves. The
+its run merges and registers a new release) and polls every 0.25 s (each poll reads the
+store: a time is at most that much late) until the serving pointer records that version and
+the MLflow alias names the version it serves. The
 first change after the workers started also starts the warm flow-run process and is reported
 apart. ``idle``: nothing else of ours runs. ``suite``: ``--suite`` (pytest files, each starting
 its own servers) runs in a loop beside it, started ``--ramp`` seconds before the first change.
@@ -58,7 +59,7 @@ from harness import (
 
 RETRAIN_DEPLOYMENT = "train-candidate/train-candidate-gpu"
 POLICY = "ttp"
-POLL_S = 0.1
+POLL_S = 0.25
 PASS_STEP = 0.011
 """Each pass over ``--targets`` is this much lower, so no version repeats a target."""
 CHANGE_TIMEOUT_S = 300.0

@@ -385,7 +385,8 @@ class Registry(RegistryQueries):
                     await_creation_for=0,
                 )
             version = str(created.version)
-            self._wait_ready(name, version, self.ready_timeout_s)
+            if created.status != "READY":
+                self._wait_ready(name, version, self.ready_timeout_s)
             self._verify(name, version, model_id=model_id, files=files, card=card)
             with self._errors(f"marking {name} v{version} ready"):
                 self._client.set_model_version_tag(name, version, "dp.status", STATUS_READY)
@@ -411,6 +412,7 @@ class Registry(RegistryQueries):
                 start_time=run.started_ms,
                 tags={"dp.role": role, "dp.content_hash": content_hash},
             )
+        self._remember_run(created.info)
         return created.info.run_id
 
     def _log_run(

@@ -33,10 +33,12 @@ import requests
 import torch
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus
+from mlflow.entities import RunInfo as MlflowRunInfo
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
 from mlflow.models.signature import ModelSignature
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.types.schema import Schema, TensorSpec
 from torch import nn
 
@@ -71,6 +73,8 @@ SERVER_ARTIFACT_ROOT = "mlflow-artifacts:"  # a server's proxied artifact store
 CANDIDATES_EXPERIMENT, RELEASES_EXPERIMENT = "dpmerge-candidates", "dpmerge-releases"
 
 UPLOAD_THREADS = 4
+_ARTIFACT_URIS: dict[tuple[str, str], str] = {}
+"""(tracking URI, run id) → the run's artifact location, as MLflow gave it."""
 MESSAGE_LIMIT = 300
 """MLflow's messages are cut to this many characters: an error stays one readable line."""
 
@@ -266,14 +270,28 @@ class MlflowConnection:
                 raise RegistryError(f"{name} v{version} not READY after {timeout_s:.0f} s")
             time.sleep(0.5)
 
+    def _remember_run(self, info: MlflowRunInfo) -> None:
+        _ARTIFACT_URIS[(self.tracking_uri, info.run_id)] = info.artifact_uri
+
+    def _artifact_uri(self, run_id: str) -> str:
+        """Where a run's artifacts live (it never changes: read once per process)."""
+        key = (self.tracking_uri, run_id)
+        if key not in _ARTIFACT_URIS:
+            with self._errors(f"reading run {run_id}"):
+                _ARTIFACT_URIS[key] = self._client.get_run(run_id).info.artifact_uri
+        return _ARTIFACT_URIS[key]
+
     def _run_json(self, run_id: str, path: str) -> dict[str, Any]:
+        """A run's JSON file, in one request once its artifact location is known (MLflow's
+        ``download_artifacts(run_id, …)`` reads the run and lists the path first)."""
         with (
             self._errors(f"reading {path} of run {run_id}"),
             tempfile.TemporaryDirectory(prefix="dpmerge-read-") as scratch,
         ):
-            return json.loads(
-                Path(self._client.download_artifacts(run_id, path, scratch)).read_text()
-            )
+            repository = get_artifact_repository(self._artifact_uri(run_id), self.tracking_uri)
+            local = Path(scratch) / Path(path).name
+            repository._download_file(path, str(local))  # one file: MLflow's own per-file step
+            return json.loads(local.read_text())
 
     def _mark_failed(self, name: str, version: str, reason: str | None = None) -> None:
         # best effort: without dp.status=ready the version is never promoted anyway
@@ -383,19 +401,25 @@ class MlflowConnection:
         files: Sequence[str],
         card: PrivacyCard | None,
     ) -> None:
-        """The version's model, dpmerge files and card are all stored and consistent."""
+        """The version's model, dpmerge files and card are all stored and consistent (read
+        concurrently: each read is a round trip to MLflow)."""
         mv = self._version(name, version)
-        with self._errors(f"verifying {name} v{version}"):
-            stored = {
-                Path(f.path).name
-                for f in self._client.list_logged_model_artifacts(model_id, EXTRA_DIR)
-            }
-            top = {f.path for f in self._client.list_logged_model_artifacts(model_id)}
+        with (
+            self._errors(f"verifying {name} v{version}"),
+            ThreadPoolExecutor(3) as threads,
+        ):
+            extra = threads.submit(self._client.list_logged_model_artifacts, model_id, EXTRA_DIR)
+            top_level = threads.submit(self._client.list_logged_model_artifacts, model_id)
+            card_read = (
+                threads.submit(self._run_json, mv.run_id, CARD_JSON) if card is not None else None
+            )
+            stored = {Path(f.path).name for f in extra.result()}
+            top = {f.path for f in top_level.result()}
         missing = sorted(set(files) - stored) + (["MLmodel"] if "MLmodel" not in top else [])
         if missing:
             raise RegistryError(f"{name} v{version}: artifacts missing after upload: {missing}")
-        if card is not None:
-            stored_card = self._run_json(mv.run_id, CARD_JSON)
+        if card_read is not None:
+            stored_card = card_read.result()
             epsilon = tag_float(mv.tags.get("dp.epsilon"))
             if stored_card.get("guarantee", {}).get("epsilon") != epsilon:
                 raise RegistryError(f"{name} v{version}: the stored card disagrees with dp.epsilon")
