@@ -9,6 +9,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -357,18 +358,15 @@ class Registry(RegistryQueries):
         run_id = self._start_run(experiment_id, run, role, content_hash)
         version: str | None = None
         try:
-            model_id, source, files, digests = self._log_model(
-                run_id,
-                experiment_id,
-                self._module(loaded),
-                loaded,
-                record_bytes,
-                card,
-                role,
-                run.dataset,
-            )
+            logged = self._new_logged_model(experiment_id, run_id, role)
+            model_id = logged.model_id
+            with ThreadPoolExecutor(1) as beside:  # the run's metrics while the model uploads
+                logging = beside.submit(self._log_run, run_id, model_id, run, params, card)
+                source, files, digests = self._log_model(
+                    logged, run_id, self._module(loaded), loaded, record_bytes, card, run.dataset
+                )
+                logging.result()
             tags = {**tags, **self._signature(name, model_id, content_hash, tags, digests)}
-            self._log_run(run_id, model_id, run, params, card)
             with self._errors(f"registering {name}"):
                 created = self._client.create_model_version(
                     name,

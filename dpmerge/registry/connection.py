@@ -32,7 +32,7 @@ import numpy as np
 import requests
 import torch
 from mlflow import MlflowClient
-from mlflow.entities import LoggedModelStatus
+from mlflow.entities import LoggedModel, LoggedModelStatus
 from mlflow.entities import RunInfo as MlflowRunInfo
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
@@ -72,7 +72,7 @@ INPUT_EXAMPLE_BATCH = 4  # > 1 so that pt2 export keeps the batch dimension dyna
 SERVER_ARTIFACT_ROOT = "mlflow-artifacts:"  # a server's proxied artifact store
 CANDIDATES_EXPERIMENT, RELEASES_EXPERIMENT = "dpmerge-candidates", "dpmerge-releases"
 
-UPLOAD_THREADS = 4
+UPLOAD_THREADS = 8
 _ARTIFACT_URIS: dict[tuple[str, str], str] = {}
 """(tracking URI, run id) → the run's artifact location, as MLflow gave it."""
 MESSAGE_LIMIT = 300
@@ -308,19 +308,25 @@ class MlflowConnection:
         with self._errors(f"reading run {run_id}"):
             return dict(self._client.get_run(run_id).data.params)
 
+    def _new_logged_model(self, experiment_id: str, run_id: str, role: str) -> LoggedModel:
+        """A logged model of the run, to be filled by :meth:`_log_model`."""
+        with self._errors("creating the logged model"):
+            return self._client.create_logged_model(
+                experiment_id, name=MODEL_ARTIFACT, source_run_id=run_id, tags={"dp.role": role}
+            )
+
     def _log_model(
         self,
+        logged: LoggedModel,
         run_id: str,
-        experiment_id: str,
         module: nn.Module,
         loaded: ModelDir,
         record_bytes: bytes,
         card: PrivacyCard | None,
-        role: str,
         dataset: str,
-    ) -> tuple[str, str, list[str], dict[str, str]]:
+    ) -> tuple[str, list[str], dict[str, str]]:
         """Save ``module`` as a pt2 model with the dpmerge files as extra files and upload it
-        as a logged model of the run. Returns model id, artifact location, the dpmerge files
+        as the run's logged model ``logged``. Returns its artifact location, the dpmerge files
         and the SHA-256 of every file uploaded (what a release's manifest signs).
 
         The input example (pt2 export traces with it and stores it) is random, drawn
@@ -342,13 +348,6 @@ class MlflowConnection:
             "the argmax",
         }
         example = rng.random((INPUT_EXAMPLE_BATCH, *loaded.spec.input_shape), dtype=np.float32)
-        with self._errors("creating the logged model"):
-            logged = self._client.create_logged_model(
-                experiment_id,
-                name=MODEL_ARTIFACT,
-                source_run_id=run_id,
-                tags={"dp.role": role},
-            )
         try:
             with tempfile.TemporaryDirectory(prefix="dpmerge-register-") as staging:
                 files = _stage_files(Path(staging) / "files", loaded, record_bytes, card)
@@ -375,7 +374,7 @@ class MlflowConnection:
             raise
         with self._errors("finalising the logged model"):
             self._client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
-        return logged.model_id, logged.artifact_location, [f.name for f in files], digests
+        return logged.artifact_location, [f.name for f in files], digests
 
     def _upload(self, model_id: str, model_path: Path) -> None:
         """Upload a logged model's files, :data:`UPLOAD_THREADS` at once (MLflow's own upload
