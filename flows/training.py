@@ -116,16 +116,17 @@ def plan_candidates(
 
 @flow(name=ONE_FLOW, flow_run_name="train-{name}", persist_result=False)
 @training_parameters(defaults=FLOW_DEFAULTS, required=("name",))
-def train_candidate(**parameters: Any) -> dict[str, Any]:
-    """Train one candidate and register it (the ``gpu`` pool's unit of work)."""
-    spec = steps.CandidateSpec.from_parameters(parameters)
+def train_candidate(keep_last_epochs: int = 1, **parameters: Any) -> list[dict[str, Any]]:
+    """Train one run and register the candidates it keeps (the ``gpu`` pool's unit of work):
+    its final weights, or with ``keep_last_epochs`` N > 1 its weights at the end of each of its
+    last N epochs (checkpoints of one run, which a merge counts once)."""
+    spec = steps.CandidateSpec.from_parameters({**parameters, steps.KEEP: keep_last_epochs})
     load_workflow_secret()  # registration signs the candidate's record
     workspace = pm.Workspace.from_env()
     workspace.use_caches()  # the candidate's PLD, computed for its record, is kept for merges
     scratch = workspace.scratch()
     try:
-        path = steps.train(spec, str(scratch))
-        return steps.register(workspace, path)
+        return [steps.register(workspace, path) for path in steps.train(spec, str(scratch))]
     finally:
         pm.remove_tree(scratch)
 
@@ -145,9 +146,11 @@ def train_candidates(
     deployment_timeout_s: float | None = None,
     prime_merge_caches: bool = True,
     frontier_report: bool = True,
+    keep_last_epochs: int = 1,
     **parameters: Any,
 ) -> dict[str, Any]:
-    """Train and register one candidate per noise level (or target ε). In-process and
+    """Train and register one run per noise level (or target ε), each kept as one candidate
+    or, with ``keep_last_epochs`` N > 1, as its last N epochs' checkpoints. In-process and
     concurrent by default (``$DPMERGE_TRAIN_CONCURRENCY`` threads, default 2); with
     ``deployment`` (e.g. ``train-candidate/gpu``) as runs of that deployment. Then, with
     ``prime_merge_caches``, this host's merge caches are filled (candidates, evaluation split,
@@ -156,7 +159,13 @@ def train_candidates(
     a training parameter that all candidates share. Returns the registry, each candidate's
     registration and privacy, and the frontier report (``None`` if it was not run or failed)."""
     dataset, model = parameters.pop("dataset"), parameters.pop("model")
-    specs = plan_candidates(dataset, model, noise_multipliers, target_epsilons, **parameters)
+    specs = plan_candidates(
+        dataset,
+        model,
+        noise_multipliers,
+        target_epsilons,
+        **{**parameters, steps.KEEP: keep_last_epochs},
+    )
     logger = get_run_logger()
     load_workflow_secret()
     workspace = pm.Workspace.from_env()
@@ -167,14 +176,15 @@ def train_candidates(
             steps.run_training_deployment.submit(deployment, spec, deployment_timeout_s)
             for spec in specs
         ]
-        names = [future.result() for future in futures]
+        names = [name for future in futures for name in future.result()]
         result = [steps.find_registered(workspace, name) for name in names]
     else:
         logger.info("training %d candidates in this process", len(specs))
         scratch = workspace.scratch()
         try:
             trained = [steps.train.submit(spec, str(scratch)) for spec in specs]
-            registered = [steps.register.submit(workspace, path) for path in trained]
+            paths = [path for future in trained for path in future.result()]
+            registered = [steps.register.submit(workspace, path) for path in paths]
             result = [future.result() for future in registered]
         finally:
             pm.remove_tree(scratch)

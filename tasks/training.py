@@ -22,8 +22,10 @@ from dpmerge.training import (
     TrainConfig,
     TrainingConfigError,
     declared_parameters,
+    kept_name,
     save_candidate,
     train_candidate,
+    train_kept,
 )
 from tasks.common import LOCAL, REMOTE
 
@@ -36,29 +38,55 @@ class CandidateSpec:
 
     config: TrainConfig
     options: RunOptions = field(default_factory=RunOptions)
+    keep_last_epochs: int = 1
+    """Register the run's weights at the end of each of its last N epochs (checkpoints of one
+    run, counted once by a merge: docs/design.md#release-units); 1: the final weights only."""
 
     def __post_init__(self) -> None:
         if self.config.name is None:
             raise TrainingConfigError("a candidate to train needs a name")
+        keep = self.keep_last_epochs
+        if type(keep) is not int or not 1 <= keep <= self.config.epochs:
+            raise TrainingConfigError(
+                f"keep_last_epochs must be a whole number in 1..{self.config.epochs} "
+                f"(the run's epochs), got {keep!r}"
+            )
 
     @property
     def name(self) -> str:
         assert self.config.name is not None
         return self.config.name
 
+    @property
+    def kept_epochs(self) -> list[int]:
+        """The epochs whose weights become candidates (empty: only the final weights)."""
+        if self.keep_last_epochs == 1:
+            return []
+        return list(range(self.config.epochs - self.keep_last_epochs + 1, self.config.epochs + 1))
+
+    @property
+    def candidate_names(self) -> list[str]:
+        """The names of the candidates this spec registers (their records' names)."""
+        return [kept_name(self.name, epoch) for epoch in self.kept_epochs] or [self.name]
+
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, Any]) -> CandidateSpec:
         """The spec of flat flow parameters (every name a declared training parameter)."""
         hosting = {p.name for p in declared_parameters(RunOptions)}
+        own = {KEEP: parameters[KEEP]} if KEEP in parameters else {}
         return cls(
-            TrainConfig(**{k: v for k, v in parameters.items() if k not in hosting}),
+            TrainConfig(**{k: v for k, v in parameters.items() if k not in hosting and k != KEEP}),
             RunOptions(**{k: v for k, v in parameters.items() if k in hosting}),
+            **own,
         )
 
     def parameters(self) -> dict[str, Any]:
         """Flat plain parameters, as a ``train-candidate`` deployment run takes them."""
-        flat = {**asdict(self.config), **asdict(self.options)}
+        flat = {**asdict(self.config), **asdict(self.options), KEEP: self.keep_last_epochs}
         return {k: v.value if isinstance(v, Enum) else v for k, v in flat.items()}
+
+
+KEEP = "keep_last_epochs"
 
 
 @lru_cache(maxsize=4)
@@ -76,25 +104,32 @@ def _data(name: str, root: str | None, limit: int | None) -> DatasetSplits:
 
 
 @task(name="train-candidate", task_run_name="train-{spec.name}", **LOCAL)
-def train(spec: CandidateSpec, out_root: str) -> str:
-    """Train one DP-SGD candidate and write its model directory; returns the path."""
+def train(spec: CandidateSpec, out_root: str) -> list[str]:
+    """Train one DP-SGD run and write the model directory of each candidate it keeps (its
+    final weights, or with ``spec.keep_last_epochs`` its last epochs'); returns the paths."""
     config, options = spec.config, spec.options
     torch.set_num_threads(options.torch_threads)
     data = _data(config.dataset, options.data_root, options.limit)
-    result = train_candidate(config, data)
-    path = save_candidate(result, Path(out_root) / spec.name, config.delta)
-    logger = get_run_logger()
-    logger.info(
-        "trained %s: σ = %.4g, q = %.5g, T = %d in %.1f s",
-        spec.name,
-        result.record.noise_multiplier,
-        result.record.sample_rate,
-        result.record.steps,
-        result.train_seconds,
-    )
-    # a candidate's accuracy is internal: beside an RS release's it names the drawn candidate
-    logger.debug("%s: validation accuracy %.4f", spec.name, result.metrics["validation_accuracy"])
-    return str(path)
+    if spec.kept_epochs:
+        resume = Path(out_root) / f".{spec.name}-training-state.pt"
+        results = train_kept(config, data, spec.kept_epochs, resume)
+    else:
+        results = iter([train_candidate(config, data)])
+    logger, paths = get_run_logger(), []
+    for result in results:
+        name = result.record.name
+        paths.append(str(save_candidate(result, Path(out_root) / name, config.delta)))
+        logger.info(
+            "trained %s: σ = %.4g, q = %.5g, T = %d in %.1f s",
+            name,
+            result.record.noise_multiplier,
+            result.record.sample_rate,
+            result.record.steps,
+            result.train_seconds,
+        )
+        # a candidate's accuracy is internal: beside an RS release's it names the drawn one
+        logger.debug("%s: validation accuracy %.4f", name, result.metrics["validation_accuracy"])
+    return paths
 
 
 @task(name="register-candidate", **REMOTE)
@@ -170,8 +205,11 @@ def find_registered(workspace: pm.Workspace, name: str) -> dict[str, Any]:
 
 
 @task(name="run-training-deployment", task_run_name="deploy-{spec.name}", **LOCAL)
-def run_training_deployment(deployment: str, spec: CandidateSpec, timeout_s: float | None) -> str:
-    """Run one candidate as a deployment run (e.g. on the ``gpu`` pool) and wait for it."""
+def run_training_deployment(
+    deployment: str, spec: CandidateSpec, timeout_s: float | None
+) -> list[str]:
+    """Run one candidate's training as a deployment run (e.g. on the ``gpu`` pool), wait for
+    it; the names of the candidates it registered."""
     from prefect.deployments import run_deployment
 
     flow_run = run_deployment(
@@ -187,4 +225,4 @@ def run_training_deployment(deployment: str, spec: CandidateSpec, timeout_s: flo
             f"deployment run {flow_run.name} for candidate {spec.name} ended "
             f"{state.name if state else 'without a state'}: {state.message if state else ''}"
         )
-    return spec.name
+    return spec.candidate_names

@@ -157,7 +157,7 @@ def test_training_flows_take_the_declared_training_parameters() -> None:
 
     declared = [*declared_parameters(TrainConfig), *declared_parameters(RunOptions)]
     one = train_candidate.parameters
-    assert set(one.properties) == {p.name for p in declared}
+    assert set(one.properties) == {p.name for p in declared} | {"keep_last_epochs"}
     assert set(one.required) == {"name", "dataset", "model"}
     for parameter in declared:
         assert one.properties[parameter.name]["description"] == parameter.help
@@ -165,7 +165,7 @@ def test_training_flows_take_the_declared_training_parameters() -> None:
     fan_out = train_candidates.parameters
     shared = {p.name for p in declared} - {"name", "noise_multiplier", "target_epsilon"}
     own = {"noise_multipliers", "target_epsilons", "deployment"}
-    switches = {"deployment_timeout_s", "prime_merge_caches", "frontier_report"}
+    switches = {"deployment_timeout_s", "prime_merge_caches", "frontier_report", "keep_last_epochs"}
     assert set(fan_out.properties) == shared | own | switches
     assert fan_out.properties["dataset"]["default"] == "fashion-mnist" and not fan_out.required
     # a deployment run gets exactly the parameters the one-candidate flow validates
@@ -644,6 +644,55 @@ def test_verify_state_reports_drift_as_a_failed_run(env, trained) -> None:
     assert drift.is_failed() and drift.name == "Drift" and "unmanaged_alias" in drift.message
     assert "by-hand" not in _registry(env).aliases(owner["merged_model"])  # repaired
     assert verify_state(return_state=True).is_completed()
+
+
+def test_training_keeps_a_runs_last_epochs_as_checkpoints_of_one_run(env, tmp_path) -> None:
+    """``keep_last_epochs``: each run registers its weights at the end of its last epochs, one
+    run id per run, so a merge counts a run once (at its longest checkpoint); an ``auto``
+    policy at the least noisy run's ε releases within it."""
+    from dpmerge.accounting.generic import release_units
+    from dpmerge.training import TrainingConfigError
+    from flows.training import train_candidates
+
+    result = train_candidates(
+        dataset="digits",
+        model="cnn",
+        noise_multipliers=[1.0, 2.5],
+        epochs=3,
+        keep_last_epochs=2,
+        batch_size=64,
+        prime_merge_caches=False,
+        frontier_report=False,
+    )
+    names = sorted(c["name"][-3:] for c in result["candidates"])
+    assert names == ["-e2", "-e2", "-e3", "-e3"]
+    registry = _registry(env)
+    pool = pm.find_candidates(registry, "digits", "cnn")
+    loaded = pm.load_candidates(registry, pool, tmp_path)
+    runs: dict[float, list[Any]] = {}
+    for candidate in loaded:
+        record = candidate.model_dir.record
+        runs.setdefault(record.noise_multiplier, []).append(record)
+    assert sorted(runs) == [1.0, 2.5]
+    for records in runs.values():
+        assert len({r.run_id for r in records}) == 1
+        assert sorted(r.steps for r in records) == [2 * 21, 3 * 21]  # ⌈1294 / 64⌉ an epoch
+    assert len(release_units([c.published for c in loaded])) == 2  # four candidates, two runs
+    target = max(c["epsilon"] for c in result["candidates"])
+    with pytest.raises(TrainingConfigError, match=r"keep_last_epochs must be .* in 1\.\.2"):
+        train_candidates(
+            dataset="digits",
+            model="cnn",
+            noise_multipliers=[1.0],
+            epochs=2,
+            keep_last_epochs=3,
+            prime_merge_caches=False,
+            frontier_report=False,
+        )
+    assert len(pm.find_candidates(registry, "digits", "cnn").versions) == 4  # nothing trained
+    state = _apply(env, _policy(name="kept", model="cnn", target_epsilon=target))
+    outcome = state.result()
+    assert outcome["status"] == "promoted" and outcome["epsilon"] <= target
 
 
 # --- dpmerge demo ----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from dpmerge.training import (
     save_candidate,
     train_candidate,
     train_candidates,
+    train_kept,
 )
 from dpmerge.training.engines.linear import PoissonSubsetSampler
 from dpmerge.vocabulary import ModelName
@@ -223,6 +224,36 @@ def test_same_seeds_reproduce_and_resume_continues_both_streams(
         train_candidate(replace(resumable, grad_sample_mode=other_engine), digits)
     with pytest.raises(TrainingConfigError, match="past this run's 10 steps"):
         train_candidate(replace(resumable, max_steps=10), digits)
+
+
+def test_kept_checkpoints_are_one_run_kept_at_each_epoch(
+    digits: DatasetSplits, tmp_path: Path
+) -> None:
+    """``train_kept``: the run an uninterrupted one would be, kept at the end of each kept
+    epoch under one run id; a target ε sets σ once for the whole run, so the last kept epoch
+    spends it and earlier ones spend less; the training checkpoint (secret generator states)
+    is gone afterwards."""
+    base = config(name="run", epochs=3, batch_seed=3)
+    whole = train_candidate(base, digits)
+    resume = tmp_path / "state.pt"
+    kept = list(train_kept(base, digits, [3, 2], resume))
+    assert [r.record.name for r in kept] == ["run-e2", "run-e3"]
+    assert [r.record.steps for r in kept] == [2 * 21, 3 * 21]  # ⌈1294 / 64⌉ steps an epoch
+    assert len({r.record.run_id for r in kept}) == 1 and not resume.exists()
+    assert weights_equal(kept[-1].weights, whole.weights)
+    assert not weights_equal(kept[0].weights, whole.weights)
+
+    targeted = replace(base, noise_multiplier=None, target_epsilon=2.0)
+    first, last = train_kept(targeted, digits, [1, 3], resume)
+    assert first.record.noise_multiplier == last.record.noise_multiplier
+    spent = [candidate_bound(r.record, DELTA).epsilon_pld for r in (first, last)]
+    assert spent[0] < spent[1] <= 2.0 + EPSILON_SLACK and spent[1] > 1.99
+
+    for bad in ([], [0, 1], [4]):
+        with pytest.raises(TrainingConfigError, match=r"epochs to keep must lie in 1\.\.3"):
+            list(train_kept(base, digits, bad, resume))
+    with pytest.raises(TrainingConfigError, match="give neither max_steps"):
+        list(train_kept(replace(base, max_steps=5), digits, [1], resume))
 
 
 def without_clock(history: tuple[EpochMetrics, ...]) -> list[EpochMetrics]:

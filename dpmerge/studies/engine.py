@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +56,7 @@ from dpmerge.studies.frontier import (
 from dpmerge.studies.output import StudyFolder, mean_std
 from dpmerge.studies.plots import figure, log_epsilon_axis
 from dpmerge.studies.settings import CandidateStudy, StudyConfigError
-from dpmerge.training import TrainConfig, save_candidate, train_candidate
+from dpmerge.training import TrainConfig, save_candidate, train_candidate, train_kept
 from dpmerge.training.plan import plan_mechanism
 
 RETRAIN, RETRAIN_MATCHED = "retrain", "retrain-matched"
@@ -251,27 +250,17 @@ def train_group(
 def train_checkpoints(
     folder: StudyFolder, data: DatasetSplits, config: TrainConfig, epochs: Sequence[int]
 ) -> list[ModelDir]:
-    """One run of ``config``, kept at the end of each of ``epochs`` as a candidate named
-    ``<name>-e<epoch>`` (one ``run_id``: checkpoints of one run). The run resumes from its own
-    training checkpoint between epochs, so it is the same run as one uninterrupted; that
-    checkpoint (generator states) is deleted."""
+    """One run of ``config``, kept at the end of each of ``epochs`` as a candidate
+    (:func:`~dpmerge.training.train_kept`: one ``run_id``, checkpoints of one run)."""
     identity = {**asdict(config), "data": data.fingerprint, "checkpoints": sorted(epochs)}
-    per_epoch = math.ceil(data.dataset_size / config.batch_size)
 
     def build(path: Path) -> None:
         staging = path.with_name(f".{path.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        resume = staging / "training-state.pt"
-        for epoch in sorted(epochs):
-            stage = replace(
-                config,
-                checkpoint_path=str(resume),
-                max_steps=epoch * per_epoch,
-                name=f"{config.name}-e{epoch}",
-            )
-            save_candidate(train_candidate(stage, data), staging / f"e{epoch}", config.delta)
-        resume.unlink()
+        kept = train_kept(config, data, epochs, staging / "training-state.pt")
+        for epoch, result in zip(sorted(set(epochs)), kept, strict=True):
+            save_candidate(result, staging / f"e{epoch}", config.delta)
         os.replace(staging, path)
 
     root = folder.cached_dir(f"run-{config.name}", identity, build)

@@ -15,7 +15,8 @@ noise. The package, one concern a module:
   bookkeeping and the per-epoch history, scored with :mod:`dpmerge.evaluation`;
 * :mod:`~dpmerge.training.checkpoint`: save and resume, bit-identical to an uninterrupted run;
 * :mod:`~dpmerge.training.record`: the mechanism record, read off what the engine ran;
-* :mod:`~dpmerge.training.run`: :func:`train_candidate` and :func:`save_candidate`.
+* :mod:`~dpmerge.training.run`: :func:`train_candidate`, :func:`train_kept` (one run kept at
+  several epochs) and :func:`save_candidate`.
 """
 
 from dpmerge.training.config import (
@@ -33,7 +34,14 @@ from dpmerge.training.config import (
 )
 from dpmerge.training.history import EpochMetrics
 from dpmerge.training.plan import MechanismPlan, plan_mechanism
-from dpmerge.training.run import TrainResult, save_candidate, train_candidate, train_candidates
+from dpmerge.training.run import (
+    TrainResult,
+    kept_name,
+    save_candidate,
+    train_candidate,
+    train_candidates,
+    train_kept,
+)
 
 __all__ = [
     "DEFAULT_GRAD_SAMPLE_MODE",
@@ -50,8 +58,10 @@ __all__ = [
     "TrainResult",
     "TrainingConfigError",
     "declared_parameters",
+    "kept_name",
     "plan_mechanism",
     "save_candidate",
     "train_candidate",
     "train_candidates",
+    "train_kept",
 ]

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,46 @@ def train_candidate(config: TrainConfig, data: DatasetSplits) -> TrainResult:
 def train_candidates(configs: Sequence[TrainConfig], data: DatasetSplits) -> list[TrainResult]:
     """Train several candidates of one loaded dataset, one after the other."""
     return [train_candidate(config, data) for config in configs]
+
+
+def kept_name(name: str, epoch: int) -> str:
+    """The name of run ``name``'s candidate kept at the end of ``epoch``."""
+    return f"{name}-e{epoch}"
+
+
+def train_kept(
+    config: TrainConfig, data: DatasetSplits, epochs: Sequence[int], resume: Path
+) -> Iterator[TrainResult]:
+    """One run of ``config``, kept at the end of each of ``epochs`` as a candidate named
+    :func:`kept_name`: checkpoints of one run (one ``run_id``), which merges count as one
+    release unit at its longest kept checkpoint (docs/design.md#release-units).
+
+    σ is fixed once for the whole run (a target ε is spent by its last epoch); between kept
+    epochs the run resumes from its training checkpoint ``resume``, so it is the run an
+    uninterrupted one would be. ``resume`` holds the noise's generator states: it is deleted
+    when the last epoch is kept."""
+    kept = sorted(set(epochs))
+    if not kept or kept[0] < 1 or kept[-1] > config.epochs:
+        raise TrainingConfigError(
+            f"epochs to keep must lie in 1..{config.epochs} (the run's epochs), got {list(epochs)}"
+        )
+    if config.max_steps is not None or config.checkpoint_path is not None:
+        raise TrainingConfigError(
+            "keeping checkpoints sets the run's stops and its training checkpoint itself: "
+            "give neither max_steps nor checkpoint_path"
+        )
+    plan = plan_mechanism(config, data.dataset_size)
+    run = replace(
+        config,
+        noise_multiplier=plan.noise_multiplier,
+        target_epsilon=None,
+        checkpoint_path=str(resume),
+    )
+    name = config.name or f"{data.name}-{config.model}"
+    for epoch in kept:
+        stage = replace(run, max_steps=epoch * plan.steps_per_epoch, name=kept_name(name, epoch))
+        yield train_candidate(stage, data)
+    resume.unlink(missing_ok=True)
 
 
 def save_candidate(result: TrainResult, out_dir: str | Path, delta: float) -> Path:
