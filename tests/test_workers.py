@@ -34,6 +34,7 @@ from servers import RUN_TIMEOUT_S, Shell, environment, prefect_client, running_s
 import devstack
 from devstack import credentials, processes, provision
 from devstack.config import POOLS
+from dpmerge.registry.tags import PUBLISHED_RECORD_TAG
 from dpmerge.vocabulary import StackRole
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -228,6 +229,7 @@ def test_training_spreads_over_gpu_hosts_and_the_merge_runs_on_the_cpu_host(
                 "frontier_report": False,
                 "prime_merge_caches": False,
                 "deployment": "train-candidate/train-candidate-gpu",
+                "keep_last_epochs": 2,  # each run registers its last two epochs' checkpoints
             },
         )
     finished = wait_run(config, parent.id)
@@ -243,7 +245,12 @@ def test_training_spreads_over_gpu_hosts_and_the_merge_runs_on_the_cpu_host(
     mlflow = MlflowClient(config.mlflow_url)
     with environment(config.client_env(StackRole.WORKFLOW)):
         found = mlflow.search_model_versions("tags.`dp.role` = 'candidate'")
-    assert len(found) == len(NOISE) and {v.tags["dp.status"] for v in found} == {"ready"}
+    assert len(found) == 2 * len(NOISE) and {v.tags["dp.status"] for v in found} == {"ready"}
+    runs: dict[str, set[int]] = {}  # a run's checkpoints: one run id, epochs 2 and 3
+    for version in found:
+        record = json.loads(version.tags[PUBLISHED_RECORD_TAG])
+        runs.setdefault(record["run_id"], set()).add(int(version.tags["dp.steps"]))
+    assert len(runs) == len(NOISE) and all(len(steps) == 2 for steps in runs.values()), runs
     target = sorted(float(v.tags["dp.epsilon"]) for v in found)[2]
 
     # an operator stores a policy version from its own shell; the stack's dispatcher makes it
