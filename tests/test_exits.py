@@ -161,13 +161,26 @@ def test_an_unreachable_mlflow_is_an_outage_not_bad_input(tmp_path: Path) -> Non
     assert err.startswith(f"dpmerge: error: MLflow server {uri} unreachable")
 
 
+def _as_a_terminal_would() -> None:
+    """A shell's foreground command takes Ctrl-C; a background one (``nohup … &``, how a CI
+    runner may start the suite) inherits SIGINT ignored, and Python then keeps ignoring it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_with_one_line_and_130(tmp_path: Path) -> None:
     """Ctrl-C while a command waits on a server that accepted but never answers."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
         uri = f"http://127.0.0.1:{server.getsockname()[1]}"
-        command = _dpmerge("registry", "ls", "--tracking-uri", uri, env=fresh_env(tmp_path))
+        command = _dpmerge(
+            "registry",
+            "ls",
+            "--tracking-uri",
+            uri,
+            env=fresh_env(tmp_path),
+            preexec_fn=_as_a_terminal_would,
+        )
         server.settimeout(120)
         connection, _ = server.accept()  # the command is now waiting for an answer
         with connection:
