@@ -222,6 +222,16 @@ def test_frontier_files_logging_and_resume(quick_frontier, capsys, tracking):
     document = json.loads(out)
     assert code == 0 and document["units_computed"] == 0 and document["units_reused"] > 0
     assert unit_times(folder) == before
+    # The verdict counts each method's targets above, at least at and below the retrain, as
+    # gaps.csv has them; the rest are ties.
+    gaps = pd.read_csv(folder / "gaps.csv")
+    plain = gaps[(gaps.kind == "auto") & (gaps.reference == "retrain")]
+    verdict = document["summary"]
+    assert verdict["targets"] == len(plain) == 3
+    assert verdict["auto >= retrain"] == (plain.gap >= 0).sum()
+    assert verdict["auto significantly above retrain"] == (plain.ci_low > 0).sum()
+    assert verdict["auto significantly below retrain"] == (plain.ci_high < 0).sum()
+    assert "* auto significantly above retrain: " in (folder / "frontier.md").read_text()
     metrics, artifacts = logged_run(tracking, document["mlflow_run_id"])
     assert 0 < metrics["convex/lc-generic/test_accuracy"] <= 1
     assert {"frontier.csv", "frontier.md", "frontier.png", "gap.png"} <= set(artifacts)
