@@ -8,8 +8,8 @@
   identity.
 * MLflow (``--app-name basic-auth``, ``default_permission = NO_PERMISSIONS``): the users
   ``workflow``, ``operator``, ``consumer`` (created at ``up`` through the auth app's API by its
-  admin). What the workflow creates it manages; the registry grants READ as
-  ``$DPMERGE_MLFLOW_READERS`` (:data:`MLFLOW_READERS`) says.
+  admin). Only the workflow creates (:mod:`devstack.mlflow_auth`); what it creates it manages,
+  and the registry grants READ as ``$DPMERGE_MLFLOW_READERS`` (:data:`MLFLOW_READERS`) says.
 * Prefect (``PREFECT_SERVER_API_AUTH_STRING``): all or nothing, so only ``workflow`` holds it.
 
 :func:`role_env` is one role's environment (``dpmerge stack env --role ROLE``): its own
@@ -121,7 +121,7 @@ def mlflow_auth_ini(config: StackConfig, creds: Credentials) -> str:
             "default_permission = NO_PERMISSIONS",
             f"database_uri = {mlflow_auth_database(config, creds)}",
             f"admin_username = {secrets_store.MLFLOW_ADMIN}",
-            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
+            "authorization_function = devstack.mlflow_auth:authenticate_request",
             "grant_default_workspace_access = false",
             f"auth_cache_ttl_seconds = {AUTH_CACHE_TTL_S}",
             "",

@@ -19,10 +19,10 @@ from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
 from factories import synthetic_candidates
-from servers import environment, workflow_prefect
+from servers import Shell, environment, one_line, workflow_prefect
 
 import devstack
-from devstack import credentials
+from devstack import credentials, mlflow_auth
 from devstack.roles import prefect_headers
 from dpmerge.keys import WorkflowKey
 from dpmerge.merging import merge_model_dirs
@@ -340,6 +340,68 @@ def test_operator_reads_candidates_and_writes_only_policies_and_quarantine(
             Bucket=state, VersioningConfiguration={"Status": "Suspended"}
         )
     )
+
+
+def test_only_the_workflow_creates_mlflow_objects(
+    local_stack: devstack.StackConfig, registered: Registered
+) -> None:
+    """MLflow lets any signed-in user create an experiment or a registered model (and manage
+    it); the stack's hook refuses a consumer's and an operator's, so neither can take a name the
+    workflow needs or put a look-alike model under a policy's alias. The workflow still
+    creates, and reads are untouched."""
+    url = registered.url
+    squatted = merged_model_name("cnn-squat", "cnn")
+    for role in (StackRole.CONSUMER, StackRole.OPERATOR):
+        session = _session(local_stack, role)
+        attempts = [
+            _post(session, url, "experiments/create", name="dpmerge-studies-squat"),
+            _post(session, url, "registered-models/create", name=squatted),
+            session.post(
+                f"{url}/ajax-api/2.0/mlflow/registered-models/create", json={"name": squatted}
+            ),
+            session.post(
+                f"{url}/api/3.0/mlflow/gateway/model-definitions/create",
+                json={"name": "squat", "provider": "openai", "model_name": "x"},
+            ),
+        ]
+        assert [(r.status_code, r.text) for r in attempts] == [(403, mlflow_auth.REFUSAL)] * len(
+            attempts
+        )
+        found = _post(session, url, "experiments/search", max_results=100)
+        assert found.status_code == 200  # a POST that reads is still answered
+    workflow = _session(local_stack, StackRole.WORKFLOW)
+    found = workflow.get(
+        f"{url}/api/2.0/mlflow/registered-models/search",
+        params={"filter": f"name = '{squatted}'"},
+        timeout=30,
+    )
+    assert found.status_code == 200 and not found.json().get("registered_models"), found.text
+    created = _post(workflow, url, "experiments/create", name="dpmerge-roles-created")
+    assert created.status_code == 200, created.text[:200]
+
+
+def test_a_consumer_gets_no_local_stand_in_for_the_stacks_state(
+    local_stack: devstack.StackConfig, registered: Registered, tmp_path: Path
+) -> None:
+    """A consumer's shell (no S3 settings) in a checkout whose stack is recorded: a command
+    that needs the release-state store is refused in one line (exit 2) instead of reading and
+    writing a local ``.dpmerge/state`` or making a local key; ``registry ls`` still lists."""
+    shell = Shell.of(local_stack, StackRole.CONSUMER, tmp_path)
+    shell = Shell(
+        shell.role, {**shell.env, "DPMERGE_STACK_DIR": str(local_stack.state_dir)}, tmp_path
+    )
+    home = Path(shell.env["DPMERGE_HOME"])
+    for argv in (
+        ("registry", "quarantine", registered.releases, str(registered.release_version)),
+        ("registry", "verify"),
+        ("policy", "ls"),
+    ):
+        done = shell.dpmerge(*argv, timeout=300)
+        assert done.returncode == 2, (argv, done.stdout[-500:], done.stderr[-1500:])
+        assert "no access to the stack's release-state store" in one_line(done), argv
+    listed = shell.dpmerge("registry", "ls", timeout=300)
+    assert listed.returncode == 0 and registered.releases in listed.stdout, listed.stderr[-1500:]
+    assert not (home / "state").exists() and not (home / "secret.key").exists()
 
 
 def test_workflow_holds_state_audit_and_the_ledger_but_not_the_artifact_store(
