@@ -237,6 +237,14 @@ def test_policy_versions_are_create_once_and_partial(store: StateStore) -> None:
     change = stored_policies.set_policy(store, "eu", {"target_epsilon": 1.5}, source="t")
     assert change.version.version == 2 and change.version.policy.min_accuracy == 0.8
     assert change.version.changes == {"target_epsilon": [2.0, 1.5]}
+    # a stored policy keeps its alias: another is refused and nothing is written; naming the
+    # alias it has (or the default, which it is) is no change
+    with pytest.raises(PolicyError, match="its alias is 'policy-eu' and cannot become"):
+        stored_policies.set_policy(store, "eu", {"alias": "policy-other"}, source="t")
+    assert stored_policies.newest_number(store, "eu") == 2
+    for alias in ("policy-eu", "", None):
+        same = stored_policies.set_policy(store, "eu", {"alias": alias}, source="t")
+        assert same.written is False
     with pytest.raises(PolicyError, match="target_epsilon"):
         stored_policies.set_policy(
             store, "new", {"dataset": "digits", "model": "logreg"}, source="t"

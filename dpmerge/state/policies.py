@@ -169,11 +169,19 @@ def set_policy(
 ) -> Change:
     """Store a new version of policy ``name`` with the fields ``given`` changed (a partial
     change; see :func:`merged`). Nothing is written when nothing changes, unless ``rerun``
-    (a new version with the same fields: the workflow applies it again)."""
+    (a new version with the same fields: the workflow applies it again). A stored policy's
+    alias never changes (:class:`PolicyError`): the alias it left would keep serving what it
+    served last, owned by a policy that no longer moves it (docs/design.md#release-state)."""
     for _ in range(MAX_WRITE_ATTEMPTS):
         current = latest(store, name)
         policy = merged(current, {**given, "name": name})
         changes = changed_fields(current.policy if current else None, policy)
+        if current is not None and "alias" in changes:
+            old, new = changes["alias"]
+            raise PolicyError(
+                f"policy {name}: its alias is {old!r} and cannot become {new!r} (the old alias "
+                "would keep serving, moved by no policy); set a new policy for another alias"
+            )
         if current is not None and not changes and not rerun:
             return Change(current, written=False)
         number = newest_number(store, name) + 1
