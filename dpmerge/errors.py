@@ -75,6 +75,12 @@ class IntegrityError(DPMergeError):
     retried, never read as empty; the message names the repair (docs/design.md#security)."""
 
 
+class AccessError(DPMergeError):
+    """This environment's credentials do not reach what the command needs (a role without
+    it, docs/stack.md#roles-and-permissions): refused in one line before anything changes, and
+    never replaced by a local stand-in."""
+
+
 class DatasetError(DPMergeError):
     """A dataset is missing or malformed; the message says which package or folder provides it."""
 

@@ -134,6 +134,13 @@ def _recorded_mlflow_url() -> str | None:
     return stack.mlflow_url if stack is not None else None
 
 
+def is_stack_registry(tracking_uri: str) -> bool:
+    """Whether ``tracking_uri`` is the recorded local stack's MLflow (whose release state is
+    in the stack's S3, never in a local home)."""
+    recorded = _recorded_mlflow_url()
+    return recorded is not None and tracking_uri.rstrip("/") == recorded.rstrip("/")
+
+
 def locate_registry(
     tracking_uri: str | None = None, *, home: str | Path | None = None, create: bool = False
 ) -> Located:

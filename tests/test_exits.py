@@ -36,6 +36,7 @@ EXPECTED = {
     "UnsupportedError": ExitCode.REFUSED,
     "IntegrityError": ExitCode.REFUSED,
     "DatasetError": ExitCode.REFUSED,
+    "AccessError": ExitCode.REFUSED,
     "TrainingConfigError": ExitCode.REFUSED,
     "NoCandidatesError": ExitCode.REFUSED,
     "ReleaseSignatureError": ExitCode.REFUSED,
@@ -227,7 +228,7 @@ def test_priming_caches_skips_a_label_without_a_pld(
 
     from dpmerge.accounting import pld
     from dpmerge.policy_merge import preparation
-    from dpmerge.policy_merge.workspace import Workspace
+    from dpmerge.workspace import Workspace
 
     label = PrivacyLabel(
         name="vendor", dataset="fashion-mnist:test", rdp_orders=(2.0, 8.0), rdp_epsilons=(0.1, 1)

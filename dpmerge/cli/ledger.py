@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _workspace(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from dpmerge.errors import InputError
-    from dpmerge.policy_merge import Workspace
+    from dpmerge.workspace import Workspace
 
     located = locate_registry(args.tracking_uri)
     print(located.describe())

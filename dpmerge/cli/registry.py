@@ -127,7 +127,7 @@ def _located(args: argparse.Namespace) -> Located:
 
 def _workspace(args: argparse.Namespace, located: Located | None = None):  # type: ignore[no-untyped-def]
     """The registry where every command finds it, with its release-state store."""
-    from dpmerge.policy_merge import Workspace
+    from dpmerge.workspace import Workspace
 
     return Workspace.of_registry((located or _located(args)).tracking_uri)
 
@@ -182,11 +182,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _aliases(located: Located) -> list[Any]:
-    """The serving pointers of the registry's release-state store (none when it has none)."""
-    from dpmerge.policy_merge import Workspace
+    """The serving pointers of the registry's release-state store (none when it has none, or
+    when this environment cannot read it: a consumer's)."""
     from dpmerge.state.serving import every_alias
+    from dpmerge.workspace import Workspace
 
-    return every_alias(Workspace.of_registry(located.tracking_uri).state())
+    workspace = Workspace.of_registry(located.tracking_uri)
+    return [] if workspace.stack_without_state else every_alias(workspace.state())
 
 
 def _serves(alias: Any) -> str:

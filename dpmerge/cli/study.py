@@ -210,7 +210,7 @@ def _tracking_uri(args: argparse.Namespace) -> str:
         return str(args.tracking_uri)
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    from dpmerge.policy_merge.workspace import embedded_tracking_uri
+    from dpmerge.workspace import embedded_tracking_uri
 
     return embedded_tracking_uri()
 

@@ -26,7 +26,7 @@ says how it ended (:class:`Status`, :class:`PolicyOutcome`); its steps are injec
    :func:`project` — the MLflow alias follows the serving pointer.
 
 Modules: :mod:`~dpmerge.policy_merge.apply` (the state machine),
-:mod:`~dpmerge.policy_merge.workspace` (where things live),
+:mod:`~dpmerge.workspace` (where things live),
 :mod:`~dpmerge.policy_merge.candidates`, :mod:`~dpmerge.policy_merge.evaluation_data`,
 :mod:`~dpmerge.policy_merge.preparation`, :mod:`~dpmerge.policy_merge.calibration`,
 :mod:`~dpmerge.policy_merge.release`, :mod:`~dpmerge.policy_merge.draws`,
@@ -76,7 +76,7 @@ from dpmerge.policy_merge.promotion import (
     serve_release,
 )
 from dpmerge.policy_merge.release import MergeRequest, Release, merge_release, merge_request
-from dpmerge.policy_merge.workspace import (
+from dpmerge.workspace import (
     Workspace,
     embedded_tracking_uri,
     remove_tree,

@@ -55,11 +55,11 @@ from dpmerge.policy_merge.promotion import (
     superseded_reason,
 )
 from dpmerge.policy_merge.release import MergeRequest, Release, merge_request, spend_note
-from dpmerge.policy_merge.workspace import Workspace, remove_tree
 from dpmerge.registry import RegisteredCandidate
 from dpmerge.state import CountedRelease, SupersededError
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.vocabulary import Method
+from dpmerge.workspace import Workspace, remove_tree
 
 Candidates = Sequence[RegisteredCandidate]
 

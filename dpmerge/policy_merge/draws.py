@@ -20,8 +20,8 @@ from typing import Any
 
 from dpmerge.errors import IntegrityError
 from dpmerge.merging import draw_index
-from dpmerge.policy_merge.workspace import Workspace
 from dpmerge.storage import ObjectExistsError, ObjectNotFoundError
+from dpmerge.workspace import Workspace
 
 SCHEMA = "dpmerge.rs_draw/1"
 

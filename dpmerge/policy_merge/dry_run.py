@@ -34,12 +34,12 @@ from dpmerge.policy_merge.evaluation_data import EvaluationData, load_evaluation
 from dpmerge.policy_merge.ledger import ledger_entry, ledger_summary
 from dpmerge.policy_merge.promotion import find_release, unmet
 from dpmerge.policy_merge.release import evaluation_metrics, merge_request
-from dpmerge.policy_merge.workspace import Workspace, remove_tree
 from dpmerge.registry import RegisteredCandidate
 from dpmerge.state import CountedRelease
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.serving import read_state
 from dpmerge.vocabulary import Method, OnNoncompliant
+from dpmerge.workspace import Workspace, remove_tree
 
 
 class Verdict(StrEnum):

@@ -26,12 +26,12 @@ from dpmerge.formatting import epsilon_text
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.calibration import PolicyPlan
 from dpmerge.policy_merge.release import MergeRequest
-from dpmerge.policy_merge.workspace import Workspace
 from dpmerge.registry import RegisteredCandidate, Registry
 from dpmerge.state import CountedRelease, DatasetState
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.releases import read_release
+from dpmerge.workspace import Workspace
 
 
 class LedgerIntegrityError(IntegrityError):

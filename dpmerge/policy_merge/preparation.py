@@ -24,12 +24,12 @@ from dpmerge.policy_merge.evaluation_data import EvaluationData, load_evaluation
 from dpmerge.policy_merge.ledger import LedgerSummary, ledger_summary
 from dpmerge.policy_merge.promotion import Registered, find_release
 from dpmerge.policy_merge.release import MergeRequest
-from dpmerge.policy_merge.workspace import Workspace, remove_tree
 from dpmerge.registry import RegisteredCandidate
 from dpmerge.state import AliasOwnershipError, CountedRelease
 from dpmerge.state import policies as stored_policies
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.serving import read_state
+from dpmerge.workspace import Workspace, remove_tree
 
 
 def start_export_warmup() -> threading.Thread:

@@ -25,7 +25,6 @@ from dpmerge.policy_merge.candidates import CandidatePool
 from dpmerge.policy_merge.ledger import LedgerSummary
 from dpmerge.policy_merge.outcome import Status
 from dpmerge.policy_merge.release import MergeRequest, Release
-from dpmerge.policy_merge.workspace import Workspace
 from dpmerge.registry import GateError, RegistryError, ReleaseFacts
 from dpmerge.registry.tags import SERVED_TAG
 from dpmerge.state import AliasState, CountedRelease, Guarantee, SupersededError
@@ -34,6 +33,7 @@ from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.quarantine import quarantined
 from dpmerge.state.releases import keep_release
 from dpmerge.vocabulary import GatingBound, OnNoncompliant, ServingState
+from dpmerge.workspace import Workspace
 
 
 @dataclass(frozen=True)

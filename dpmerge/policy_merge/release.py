@@ -22,8 +22,8 @@ from dpmerge.policy_merge.calibration import PolicyPlan
 from dpmerge.policy_merge.candidates import CandidatePool
 from dpmerge.policy_merge.draws import stored_draw
 from dpmerge.policy_merge.evaluation_data import EvaluationData
-from dpmerge.policy_merge.workspace import Workspace
 from dpmerge.registry import RegisteredCandidate, release_hash
+from dpmerge.workspace import Workspace
 
 POLICY_REQUEST_KEYS = (
     "name",

@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
 from dpmerge.policy_merge.promotion import served_text, unmet
-from dpmerge.policy_merge.workspace import Workspace
 from dpmerge.registry import Registry, RegistryError
 from dpmerge.registry.tags import SERVED_TAG, STATUS_QUARANTINED
 from dpmerge.state import AliasState, DatasetState, StateIntegrityError, StateStore
@@ -48,6 +47,7 @@ from dpmerge.state import serving as state_serving
 from dpmerge.state.leases import LeaseTimeoutError, lease
 from dpmerge.state.quarantine import quarantined
 from dpmerge.vocabulary import FindingKind, ServingState
+from dpmerge.workspace import Workspace
 
 
 @dataclass(frozen=True)
