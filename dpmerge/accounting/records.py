@@ -57,10 +57,14 @@ class _Frozen(BaseModel):
 
 def _only_add_or_remove(value: Any) -> Any:
     if value != Neighbouring.ADD_OR_REMOVE_ONE:
+        why = (
+            "replace-one DP-SGD needs twice the sensitivity and is not analysed here"
+            if "replace" in str(value).lower()
+            else "the only relation analysed, spelt with underscores"
+        )
         raise ValueError(
             f"only {Neighbouring.ADD_OR_REMOVE_ONE.value!r} is supported (got "
-            f"{shorten(value)}); replace-one DP-SGD needs twice the sensitivity and is not "
-            "analysed here"
+            f"{shorten(value)}): {why}"
         )
     return value
 
