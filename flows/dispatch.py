@@ -17,6 +17,15 @@ each policy that has no run yet:
 
 An older version that was never dispatched is recorded as superseded at once (its outcome says
 by which version): only the newest version of a policy runs.
+
+A run whose process was lost (Prefect's ``Crashed``: killed, out of memory, its worker gone)
+records no outcome, and until the policy is applied again its alias may serve a release that
+misses the newest version. Every :data:`RESCUE_EVERY_S` the dispatcher looks at the run of each
+policy's newest version; if it crashed without an outcome, it records that outcome and stores
+the same fields again as a new version (``set_policy(rerun=True)``, source
+:data:`RESCUE_SOURCE`), which the next poll dispatches — a rerun reuses what the lost run
+counted or drew. At most :data:`MAX_RESCUES` in a row: a run that crashes every time is left to
+a person (``verify-state`` reports the policy).
 """
 
 from __future__ import annotations
@@ -25,12 +34,14 @@ import argparse
 import logging
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dpmerge.errors import DPMergeError
+from dpmerge.policies import PolicyError
 from dpmerge.state import StateStore
 from dpmerge.state import policies as stored_policies
 
@@ -38,6 +49,9 @@ EVENT = "dpmerge.policy.updated"
 
 POLL_S = 0.5
 DEPLOYMENT = "merge-on-policy/merge-on-policy"
+RESCUE_EVERY_S = 10.0
+MAX_RESCUES = 2
+RESCUE_SOURCE = "dispatcher: applied again, its run crashed"
 log = logging.getLogger("dpmerge.dispatch")
 
 
@@ -88,6 +102,7 @@ class Dispatcher:
         self.api = prefect_api
         self.notify = notify or _notify
         self.deployment_id: Any = None
+        self.rescued_at = -RESCUE_EVERY_S
 
     def _deployment(self) -> Any:
         if self.deployment_id is None:
@@ -106,7 +121,67 @@ class Dispatcher:
                 supersede(self.store, item, newest[item.name])
                 continue
             created.append(self.dispatch(item))
+        if time.monotonic() - self.rescued_at >= RESCUE_EVERY_S:
+            self.rescued_at = time.monotonic()
+            self.rescue()
         return created
+
+    def rescue(self) -> list[Pending]:
+        """Store again each policy whose newest version's run crashed without an outcome (see
+        the module docstring); the versions stored."""
+        from prefect.client.schemas.objects import StateType
+        from prefect.exceptions import ObjectNotFound
+
+        stored = []
+        for name in stored_policies.policy_names(self.store):
+            number = stored_policies.newest_number(self.store, name)
+            record = stored_policies.dispatched(self.store, name, number) or {}
+            if "flow_run" not in record or stored_policies.outcomes(self.store, name, number):
+                continue
+            try:
+                run = self.api.read_flow_run(uuid.UUID(record["flow_run"]))
+            except ObjectNotFound:  # deleted from Prefect: nothing to read
+                continue
+            if run.state is None or run.state.type != StateType.CRASHED:
+                continue
+            again = self._rescues(name, number) < MAX_RESCUES
+            reason = f"its run {run.id} crashed without an outcome (a lost process); " + (
+                "applied again" if again else f"not applied again ({MAX_RESCUES} crashed in a row)"
+            )
+            stored_policies.record_outcome(
+                self.store,
+                name,
+                number,
+                {
+                    "status": "failed",
+                    "state": "Crashed",
+                    "policy_version": number,
+                    "reasons": [reason],
+                },
+                str(run.id),
+            )
+            if not again:
+                log.warning("policy %s v%d: %s", name, number, reason)
+                continue
+            change = stored_policies.set_policy(
+                self.store, name, {}, source=f"{RESCUE_SOURCE} (v{number})", rerun=True
+            )
+            log.info("policy %s v%d: %s as v%d", name, number, reason, change.version.version)
+            stored.append(Pending(name, change.version.version))
+        return stored
+
+    def _rescues(self, name: str, number: int) -> int:
+        """How many versions in a row, ending at ``number``, the dispatcher itself stored."""
+        count = 0
+        while number > 0:
+            try:
+                version = stored_policies.read_version(self.store, name, number)
+            except PolicyError:  # written by hand, not valid: not the dispatcher's
+                break
+            if version is None or not version.source.startswith(RESCUE_SOURCE):
+                break
+            count, number = count + 1, number - 1
+        return count
 
     def dispatch(self, item: Pending) -> str:
         from flows.merge import run_name

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prefect.client.schemas.objects import StateType
 
 from dpmerge.keys import WorkflowKey
 from dpmerge.state import LocalBackend, StateStore
 from dpmerge.state import policies as stored_policies
-from flows.dispatch import DEPLOYMENT, Dispatcher
+from flows.dispatch import DEPLOYMENT, MAX_RESCUES, RESCUE_SOURCE, Dispatcher
 
 BASE = {"target_delta": 1e-5, "dataset": "digits", "model": "logreg"}
 
@@ -27,6 +28,12 @@ class FakePrefect:
     runs: dict[str, Any] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
     refuse: int = 0
+    states: dict[str, StateType] = field(default_factory=dict)  # by idempotency key; RUNNING
+
+    def read_flow_run(self, flow_run_id: uuid.UUID) -> Any:
+        key = next(k for k, run in self.runs.items() if run.id == flow_run_id)
+        state = type("State", (), {"type": self.states.get(key, StateType.RUNNING)})()
+        return type("FlowRun", (), {"id": flow_run_id, "state": state})()
 
     def read_deployment_by_name(self, name: str) -> Any:
         assert name == DEPLOYMENT
@@ -90,3 +97,43 @@ def test_a_refused_creation_is_retried_and_makes_one_run(store: StateStore) -> N
     (run,) = dispatcher.once()
     assert len(api.calls) == 2 and len(api.runs) == 1  # the same key both times
     assert stored_policies.dispatched(store, "eu", 1)["flow_run"] == run
+
+
+def test_a_crashed_run_is_applied_again_at_most_twice_in_a_row(store: StateStore) -> None:
+    """A run whose process was lost (Crashed, no outcome) gets its outcome recorded and the
+    same fields stored again as a new version, which the next poll dispatches; a run that is
+    still going, or ended with an outcome, is left alone; after MAX_RESCUES crashes in a row
+    the policy is left to a person, with the last crash recorded (not re-examined forever)."""
+    api = FakePrefect()
+    dispatcher = Dispatcher(store, api, notify=lambda item, run: None)
+    _set(store, "eu", 1.0)
+    dispatcher.once()
+    assert dispatcher.rescue() == []  # still running: nothing to do
+    for attempt in range(1, MAX_RESCUES + 1):
+        api.states[f"policy-eu-v{attempt}"] = StateType.CRASHED
+        (again,) = dispatcher.rescue()
+        assert again.version == attempt + 1
+        (outcome,) = stored_policies.outcomes(store, "eu", attempt)
+        assert (outcome["status"], outcome["state"], outcome["policy_version"]) == (
+            "failed",
+            "Crashed",
+            attempt,
+        )
+        assert "applied again" in outcome["reasons"][0]
+        stored = stored_policies.read_version(store, "eu", again.version)
+        assert stored.source.startswith(RESCUE_SOURCE) and stored.changes == {}
+        assert stored.policy == stored_policies.read_version(store, "eu", 1).policy
+        dispatcher.rescued_at = -1e9
+        dispatcher.once()  # dispatches the new version
+        assert api.calls[-1]["idempotency_key"] == f"policy-eu-v{again.version}"
+    api.states[f"policy-eu-v{MAX_RESCUES + 1}"] = StateType.CRASHED
+    assert dispatcher.rescue() == []
+    assert stored_policies.newest_number(store, "eu") == MAX_RESCUES + 1
+    (last,) = stored_policies.outcomes(store, "eu", MAX_RESCUES + 1)
+    assert "not applied again" in last["reasons"][0]
+    assert dispatcher.rescue() == []  # recorded: not looked at again
+    # an operator's change starts a new count; a completed run is never applied again
+    _set(store, "eu", 2.0)
+    dispatcher.once()
+    api.states[f"policy-eu-v{MAX_RESCUES + 2}"] = StateType.COMPLETED
+    assert dispatcher.rescue() == []
