@@ -15,6 +15,7 @@ down afterwards, and no process of it may survive)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -463,6 +464,70 @@ def _mlflow_pid(stack: PolicyStack) -> int:
     (mlflow,) = [s for s in devstack.status(stack.config) if s.name == "mlflow"]
     assert mlflow.pid is not None
     return mlflow.pid
+
+
+def _warm_children() -> list[int]:
+    """The processes the cpu workers' warm server (``flows/warm.py --serve``) forked for the
+    flow runs now running."""
+    servers, parents = set(), {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"flows.warm" in argv and b"--serve" in argv:
+            servers.add(int(proc.name))
+    return [pid for pid, parent in parents.items() if parent in servers]
+
+
+def test_a_run_killed_mid_flight_is_applied_again_by_the_dispatcher(stack: PolicyStack) -> None:
+    """SIGKILL of a running policy run (its worker-side process and the warm child running it):
+    Prefect marks it Crashed; the dispatcher records that outcome and stores the fields again
+    as a new version, whose run serves a release meeting them — nobody reruns anything."""
+    from prefect.client.schemas.objects import StateType
+
+    from flows.dispatch import RESCUE_SOURCE
+
+    store = Workspace.from_env().state()
+    fields = {"target_epsilon": stack.epsilons[1] * 1.2, "target_delta": DELTA,
+              "dataset": "digits", "model": "logreg", "method": "lc"}  # fmt: skip
+    number = stored_policies.set_policy(store, "rescue", fields, source="test").version.version
+    deadline = time.monotonic() + 120
+    while (record := stored_policies.dispatched(store, "rescue", number)) is None:
+        assert time.monotonic() < deadline, "not dispatched"
+        time.sleep(0.2)
+    with prefect_client(stack.config) as client:
+        run_id = record["flow_run"]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while (run := client.read_flow_run(run_id)).state.type != StateType.RUNNING:
+            assert not run.state.is_final(), run.state
+            assert time.monotonic() < deadline, run.state
+            time.sleep(0.1)
+        killed = _warm_children()
+        if run.infrastructure_pid:
+            killed.append(int(str(run.infrastructure_pid).rsplit(":", 1)[-1]))
+        assert killed, "no process of the run found"
+        for pid in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not (run := client.read_flow_run(run_id)).state.is_final():
+            assert time.monotonic() < deadline, run.state
+            time.sleep(0.5)
+        assert run.state.type == StateType.CRASHED, run.state
+    lost = stored_policies.read_version(store, "rescue", number)
+    crashed = wait_for_outcome(store, lost, 120)
+    assert crashed is not None and (crashed["status"], crashed["state"]) == ("failed", "Crashed")
+    again = stored_policies.read_version(store, "rescue", number + 1)
+    assert again is not None and again.source.startswith(RESCUE_SOURCE), again
+    assert again.policy == lost.policy
+    outcome = wait_for_outcome(store, again, RUN_TIMEOUT_S)
+    assert outcome is not None and outcome["status"] in ("promoted", "unchanged"), outcome
+    assert outcome["serving"] == "serving", outcome
+    assert _aliases(stack)["policy-rescue"] == outcome["serving_version"]
 
 
 def test_a_hung_then_a_dead_mlflow_fails_runs_within_a_bounded_time(stack: PolicyStack) -> None:
