@@ -28,7 +28,7 @@ from dpmerge import policy_merge as pm
 from dpmerge.cli import main
 from dpmerge.data import load_dataset
 from dpmerge.errors import RefusalError
-from dpmerge.policies import Policy, policy_from_dict
+from dpmerge.policies import Policy, PolicyError, policy_from_dict
 from dpmerge.policy_merge import draws
 from dpmerge.policy_merge import release as release_step
 from dpmerge.registry import RecordIntegrityError, candidate_content_hash
@@ -290,11 +290,14 @@ def test_a_policy_cannot_touch_another_policys_alias(
     with pytest.raises(AliasOwnershipError):
         _apply(fresh, revoke)
     assert _aliases(fresh, eu.merged_model) == {"policy-eu": eu.version}
-    own = _apply(fresh, _policy(name="evil", target_epsilon=50.0, method="lc"))
+    # a stored policy keeps the alias it named; its own alias takes a policy of its own
+    with pytest.raises(PolicyError, match="cannot become 'policy-evil'"):
+        _store(fresh, _policy(name="evil", target_epsilon=50.0))
+    own = _apply(fresh, _policy(name="own", target_epsilon=50.0, method="lc"))
     assert own.status == pm.Status.PROMOTED
-    assert _aliases(fresh, eu.merged_model) == {"policy-eu": eu.version, "policy-evil": own.version}
+    assert _aliases(fresh, eu.merged_model) == {"policy-eu": eu.version, "policy-own": own.version}
     state = state_serving.read_state(fresh.state(), _pool(fresh).dataset)
-    assert state.alias(eu.merged_model, "policy-evil").owner == "evil"
+    assert state.alias(eu.merged_model, "policy-own").owner == "own"
 
 
 # --- a damaged, edited or rolled-back ledger ------------------------------------------------
