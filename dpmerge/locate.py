@@ -137,6 +137,8 @@ def _recorded_mlflow_url() -> str | None:
 def is_stack_registry(tracking_uri: str) -> bool:
     """Whether ``tracking_uri`` is the recorded local stack's MLflow (whose release state is
     in the stack's S3, never in a local home)."""
+    if not tracking_uri.startswith(("http://", "https://")):  # embedded: no file to read
+        return False
     recorded = _recorded_mlflow_url()
     return recorded is not None and tracking_uri.rstrip("/") == recorded.rstrip("/")
 

@@ -68,9 +68,8 @@ class Workspace:
         ``$DPMERGE_SECRET_KEY_FILE``; embedded (no S3), else ``<home>/secret.key``, generated on
         first use. On a stack the key reaches only the workflow's processes, through their
         environment: a shell without it (an operator's) gets ``None`` and never a local key."""
-        if os.environ.get(KEY_ENV) or os.environ.get(KEY_FILE_ENV):
-            return WorkflowKey.from_env(self.home)
-        if self.s3 is None and not self.stack_without_state:
+        named = os.environ.get(KEY_ENV) or os.environ.get(KEY_FILE_ENV)
+        if named or (self.s3 is None and not self.stack_without_state):
             return WorkflowKey.from_env(self.home)
         return None
 

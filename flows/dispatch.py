@@ -103,6 +103,7 @@ class Dispatcher:
         self.notify = notify or _notify
         self.deployment_id: Any = None
         self.rescued_at = -RESCUE_EVERY_S
+        self.settled: set[tuple[str, int]] = set()  # newest versions whose run has an outcome
 
     def _deployment(self) -> Any:
         if self.deployment_id is None:
@@ -133,10 +134,14 @@ class Dispatcher:
         from prefect.exceptions import ObjectNotFound
 
         stored = []
-        for name in stored_policies.policy_names(self.store):
-            number = stored_policies.newest_number(self.store, name)
+        for name, number in stored_policies.newest_numbers(self.store).items():
+            if (name, number) in self.settled:
+                continue
             record = stored_policies.dispatched(self.store, name, number) or {}
-            if "flow_run" not in record or stored_policies.outcomes(self.store, name, number):
+            if "flow_run" not in record:  # not dispatched yet
+                continue
+            if stored_policies.outcomes(self.store, name, number):
+                self.settled.add((name, number))
                 continue
             try:
                 run = self.api.read_flow_run(uuid.UUID(record["flow_run"]))
@@ -160,6 +165,7 @@ class Dispatcher:
                 },
                 str(run.id),
             )
+            self.settled.add((name, number))
             if not again:
                 log.warning("policy %s v%d: %s", name, number, reason)
                 continue

@@ -43,6 +43,7 @@ from servers import (
 )
 
 import devstack
+from devstack.processes import descendants
 from devstack.supervisor import Supervisor
 from dpmerge import policy_merge as pm
 from dpmerge.data import load_dataset
@@ -469,18 +470,13 @@ def _mlflow_pid(stack: PolicyStack) -> int:
 def _warm_children() -> list[int]:
     """The processes the cpu workers' warm server (``flows/warm.py --serve``) forked for the
     flow runs now running."""
-    servers, parents = set(), {}
+    servers = set()
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
+        with contextlib.suppress(OSError):
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if b"flows.warm" in argv and b"--serve" in argv:
-            servers.add(int(proc.name))
-    return [pid for pid, parent in parents.items() if parent in servers]
+            if proc.name.isdigit() and b"flows.warm" in argv and b"--serve" in argv:
+                servers.add(int(proc.name))
+    return sorted(set().union(*(descendants(s) for s in servers)) - servers)
 
 
 def test_a_run_killed_mid_flight_is_applied_again_by_the_dispatcher(stack: PolicyStack) -> None:

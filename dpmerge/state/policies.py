@@ -85,7 +85,7 @@ class PolicyVersion:
 
 
 def policy_names(store: StateStore) -> list[str]:
-    return sorted({key.split("/")[1] for key in store.keys("policies/")})
+    return sorted(newest_numbers(store))
 
 
 def _number(key: str) -> int:
@@ -128,6 +128,15 @@ def latest(store: StateStore, name: str) -> PolicyVersion | None:
         if version is not None:
             return version
     return None
+
+
+def newest_numbers(store: StateStore) -> dict[str, int]:
+    """The highest version number stored for each policy, valid or not (one listing)."""
+    found: dict[str, int] = {}
+    for key in store.keys("policies/"):
+        name = key.split("/")[1]
+        found[name] = max(found.get(name, 0), _number(key))
+    return found
 
 
 def newest_number(store: StateStore, name: str) -> int:
