@@ -6,4 +6,6 @@ scripts/setup.sh
 export MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest "$@"
+# three workers on two cores: the stack tests mostly wait on their servers; tests/conftest.py
+# keeps each module, and the modules sharing one session server, on one worker
+.venv/bin/python -m pytest -n "${DPMERGE_TEST_WORKERS:-3}" --dist loadgroup "$@"

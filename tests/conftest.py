@@ -27,6 +27,34 @@ for _key, _value in {**TELEMETRY_OFF, **QUIET}.items():
 os.environ.setdefault("DPMERGE_SECRET_KEY", session_key())
 
 
+SESSION_SERVERS = ("s3_mlflow", "local_stack")
+"""The session fixtures that start servers: under pytest-xdist every worker that runs a test
+needing one starts its own, so the modules that share one run on one worker."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group tests for ``pytest -n N --dist loadgroup`` (scripts/test.sh): a module's tests stay
+    on one worker (its module fixtures are built once), and the modules that use one session
+    server form one group (the server starts once); other groups spread over the workers."""
+    modules: dict[str, set[str]] = {}
+    for item in items:
+        uses = modules.setdefault(item.nodeid.split("::")[0], set())
+        uses.update(name for name in SESSION_SERVERS if name in item.fixturenames)
+    group = {module: module for module in modules}
+
+    def root(module: str) -> str:
+        while group[module] != module:
+            module = group[module]
+        return module
+
+    for server in SESSION_SERVERS:
+        users = [module for module, uses in modules.items() if server in uses]
+        for module in users[1:]:
+            group[root(module)] = root(users[0])
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(root(item.nodeid.split("::")[0])))
+
+
 @pytest.fixture(scope="session")
 def s3_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
     """S3, PostgreSQL and an MLflow server (its auth app, artifacts proxied to S3) on free
