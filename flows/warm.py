@@ -44,6 +44,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +74,9 @@ MAX_RUNS = 4
 runs starting together made the local stack's sqlite-backed Prefect server time out."""
 READY_TIMEOUT_S = 120.0
 MAX_MESSAGE = 1 << 20
-SOCKET_PATH_LIMIT = 100  # AF_UNIX paths are limited to 107 bytes on Linux
+SOCKET_PATH_LIMIT = 100
+"""AF_UNIX addresses are limited to 107 bytes on Linux; a longer socket path is reached
+through its directory's descriptor (:func:`_address`)."""
 
 
 def run_dir() -> Path:
@@ -115,18 +118,33 @@ def _receive(sock: socket.socket, fds: int = 0) -> tuple[dict | None, list[int]]
 
 def client() -> int:
     path = socket_path()
-    if len(str(path)) <= SOCKET_PATH_LIMIT:
-        sock = _connect(path) or _start_server(path)
-        if sock is not None:
-            return _hand_over(sock)
+    sock = _connect(path) or _start_server(path)
+    if sock is not None:
+        return _hand_over(sock)
     os.execv(sys.executable, [sys.executable, "-m", MODULE, "--run"])
     return 1  # not reached
+
+
+@contextlib.contextmanager
+def _address(path: Path) -> Iterator[str]:
+    """``path`` as an AF_UNIX address: itself, or where it is longer than
+    :data:`SOCKET_PATH_LIMIT` (a deep ``$HOME``), ``/proc/self/fd/N/NAME`` through a descriptor
+    of its directory, which names the same file behind the same 0700 directory."""
+    if len(str(path)) <= SOCKET_PATH_LIMIT:
+        yield str(path)
+        return
+    directory = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{directory}/{path.name}"
+    finally:
+        os.close(directory)
 
 
 def _connect(path: Path) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        sock.connect(str(path))
+        with _address(path) as address:
+            sock.connect(address)
     except OSError:
         sock.close()
         return None
@@ -251,7 +269,8 @@ def _bind(path: Path) -> socket.socket | None:
             return None
         path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(str(path))
+        with _address(path) as address:
+            listener.bind(address)
         path.chmod(0o600)
         listener.listen(64)
     return listener

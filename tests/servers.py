@@ -51,13 +51,24 @@ RUN_TIMEOUT_S = 900
 DIGITS_SIGMAS = (1.0, 1.6, 3.0)
 
 
+SECRETS_HOME_ENV = "DPMERGE_TEST_SECRETS_HOME"
+"""Names the session's secrets home to the pytest-xdist workers: the controller makes it when
+it loads conftest.py, before it starts the workers, which inherit its environment — so every
+worker's stacks and its own process hold one key and one set of logins."""
+
+
 @cache
 def session_secrets() -> Path:
-    """A secrets directory generated once per test session (0700, removed at exit)."""
+    """A secrets directory generated once per test session (0700, removed at exit by the
+    process that made it), shared by all of the session's pytest-xdist workers."""
+    inherited = os.environ.get(SECRETS_HOME_ENV)
+    if inherited and Path(inherited).is_dir():
+        return credentials.secrets_dir(Path(inherited))
     home = Path(tempfile.mkdtemp(prefix="dpmerge-test-secrets-"))
     atexit.register(shutil.rmtree, home, True)
     credentials.ensure(home)
     credentials.workflow_key(home)
+    os.environ[SECRETS_HOME_ENV] = str(home)
     return credentials.secrets_dir(home)
 
 

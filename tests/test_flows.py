@@ -749,3 +749,29 @@ def test_the_warm_server_preloads_without_starting_a_thread() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "['MainThread']"
+
+
+def test_the_warm_server_answers_under_a_socket_path_too_long_for_af_unix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deep ``$DPMERGE_HOME`` (a worker host's home under a long path) makes the socket's
+    path longer than an AF_UNIX address may be: the server still binds it, in its own 0700
+    directory, and a client still connects (else every run would start cold)."""
+    from flows import warm
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    monkeypatch.setenv("DPMERGE_HOME", str(deep))
+    path = warm.socket_path()
+    assert len(str(path)) > 107
+    path.parent.mkdir(parents=True, mode=0o700)
+    assert warm._connect(path) is None  # nothing listens yet
+    listener = warm._bind(path)
+    assert listener is not None
+    try:
+        assert path.is_socket() and path.stat().st_mode & 0o777 == 0o600
+        client = warm._connect(path)
+        assert client is not None
+        client.close()
+        assert warm._bind(path) is None  # a second server sees the first one answer
+    finally:
+        listener.close()
