@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from servers import (
@@ -32,10 +33,17 @@ SESSION_SERVERS = ("s3_mlflow", "local_stack")
 needing one starts its own, so the modules that share one run on one worker."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the group marker, so the suite also runs without pytest-xdist (``-p no:xdist``)."""
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Group tests for ``pytest -n N --dist loadgroup`` (scripts/test.sh): a module's tests stay
     on one worker (its module fixtures are built once), and the modules that use one session
-    server form one group (the server starts once); other groups spread over the workers."""
+    server form one group (the server starts once); other groups spread over the workers.
+    It runs first: pytest-xdist names each test's group from these markers in its own hook."""
     modules: dict[str, set[str]] = {}
     for item in items:
         uses = modules.setdefault(item.nodeid.split("::")[0], set())
@@ -53,6 +61,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             group[root(module)] = root(users[0])
     for item in items:
         item.add_marker(pytest.mark.xdist_group(root(item.nodeid.split("::")[0])))
+
+
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Under ``--dist loadgroup`` every test id a worker collected must carry its group
+    (pytest-xdist appends ``@group``); otherwise the groups are silently ignored and module
+    fixtures (whole stacks) are rebuilt on several workers — stop before any test runs."""
+    ungrouped = [nodeid for nodeid in ids if "@" not in nodeid]
+    if ungrouped and node.config.getoption("dist") == "loadgroup":
+        pytest.exit(
+            f"pytest-xdist did not group {ungrouped[0]} (pytest {pytest.__version__}): "
+            "install the versions pinned in pyproject.toml",
+            returncode=4,
+        )
 
 
 @pytest.fixture(scope="session")
