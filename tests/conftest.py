@@ -63,6 +63,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(root(item.nodeid.split("::")[0])))
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     """Under ``--dist loadgroup`` every test id a worker collected must carry its group
     (pytest-xdist appends ``@group``); otherwise the groups are silently ignored and module
