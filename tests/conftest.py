@@ -61,6 +61,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             group[root(module)] = root(users[0])
     for item in items:
         item.add_marker(pytest.mark.xdist_group(root(item.nodeid.split("::")[0])))
+    _longest_first(items, {module: root(module) for module in modules})
+
+
+def _longest_first(items: list[pytest.Item], group: dict[str, str]) -> None:
+    """Order the groups for scheduling (scripts/test.sh passes ``--no-loadscope-reorder``):
+    those with an ``integration`` test (they start stacks and take minutes) first, then by size,
+    each group's tests together in collection order — so no stack test is left for the end."""
+    size: dict[str, int] = {}
+    stack: set[str] = set()
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        name = group[item.nodeid.split("::")[0]]
+        size[name] = size.get(name, 0) + 1
+        first.setdefault(name, index)
+        if item.get_closest_marker("integration"):
+            stack.add(name)
+
+    def key(item: pytest.Item) -> tuple[bool, int, int]:
+        name = group[item.nodeid.split("::")[0]]
+        return name not in stack, -size[name], first[name]
+
+    items.sort(key=key)
 
 
 @pytest.hookimpl(optionalhook=True)
