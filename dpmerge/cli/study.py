@@ -17,22 +17,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dpmerge.cli.common import float_list, fmt, positive_float, print_json, probability
+from dpmerge.cli.common import (
+    float_list,
+    fmt,
+    positive_float,
+    positive_int,
+    print_json,
+    probability,
+)
 
 EXIT_INTERRUPTED = 130
 """As a shell reports a command ended by SIGINT (128 + 2)."""
 DEFAULT_THREADS = 1
 """One intra-op thread: on a shared 2-core CPU two can be 10× slower (docs/training.md)."""
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return value
 
 
 def float_tuple(text: str) -> tuple[float, ...]:
