@@ -25,6 +25,8 @@ from dpmerge.cli.common import (
     print_json,
     probability,
 )
+from dpmerge.data.sources import check_source
+from dpmerge.vocabulary import DatasetName
 
 EXIT_INTERRUPTED = 130
 """As a shell reports a command ended by SIGINT (128 + 2)."""
@@ -271,6 +273,8 @@ def run_mean_estimation(args: argparse.Namespace) -> int:
 
 
 def run_frontier(args: argparse.Namespace) -> int:
+    if args.dataset or args.quick:  # before torch loads; --quick is digits
+        check_source(args.dataset or DatasetName.DIGITS, args.data_root)
     from dpmerge.studies.convex import QUICK, FrontierStudy, run_frontier_study
 
     given = {
@@ -319,6 +323,7 @@ def _model_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_non_convex(args: argparse.Namespace) -> int:
+    check_source(args.dataset, args.data_root)  # before torch loads
     from dpmerge.studies.nonconvex import NonConvexStudy, run_nonconvex_study
 
     study = NonConvexStudy(
@@ -332,6 +337,7 @@ def run_non_convex(args: argparse.Namespace) -> int:
 
 
 def run_pretrained(args: argparse.Namespace) -> int:
+    check_source(args.dataset, args.data_root)  # before torch loads
     from dpmerge.studies.pretrained import PretrainedStudy, run_pretrained_study
 
     study = PretrainedStudy(

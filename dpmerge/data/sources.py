@@ -35,7 +35,7 @@ def check_source(name: str, root: str | Path | None) -> None:
         return
     folder = root if root is not None else DEFAULT_ROOTS.get(dataset)
     if folder is None:
-        raise DatasetError(f"{name} needs the folder holding its files; none was given")
+        raise DatasetError(f"no folder given for {name}: it reads its files from a folder you name")
     if not Path(folder).is_dir():
         provider = (
             f" (the Debian package {FASHION_MNIST_PACKAGE} provides it)" if root is None else ""
