@@ -9,6 +9,7 @@ workers on two cores); the measured times are printed."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -204,3 +205,18 @@ def test_a_dataset_source_is_checked_without_reading_it(
     (tmp_path / "mnist").mkdir()
     sources.check_source("mnist", tmp_path / "mnist")  # present: the reader names its files
     sources.check_source("digits", None)
+
+
+def test_commands_run_with_mlflow_quiet(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`dpmerge verify` printed MLflow's download progress bars before its result line: every
+    command turns them off (an explicit setting is kept)."""
+    from dpmerge.environment import QUIET
+    from flows.cli import main
+
+    for name in QUIET:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "false")
+    assert main(["verify", "@policy-eu", "--public-key", "00"]) == 2
+    assert "not an Ed25519 public key" in capsys.readouterr().err
+    assert os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "false"
+    assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "false"

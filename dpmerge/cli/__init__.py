@@ -24,6 +24,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from dpmerge.cli.parsing import Parser
+from dpmerge.environment import QUIET
 from dpmerge.errors import DPMergeError
 from dpmerge.vocabulary import ExitCode
 
@@ -77,6 +78,8 @@ def main(
     argv: Sequence[str] | None = None, extra_commands: Mapping[str, tuple[str, str]] | None = None
 ) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for name, value in QUIET.items():  # a command's output is its own lines: no progress bars
+        os.environ.setdefault(name, value)
     try:
         args = build_parser(extra_commands, _command(argv)).parse_args(argv)
         return int(args.handler(args) or 0)
