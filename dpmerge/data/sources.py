@@ -37,10 +37,13 @@ def check_source(name: str, root: str | Path | None) -> None:
     if folder is None:
         raise DatasetError(f"no folder given for {name}: it reads its files from a folder you name")
     if not Path(folder).is_dir():
-        provider = (
-            f" (the Debian package {FASHION_MNIST_PACKAGE} provides it)" if root is None else ""
-        )
-        raise DatasetError(f"dataset {name}: no folder at {folder}{provider}")
+        provider = "pass the folder holding its files"
+        if dataset == DatasetName.FASHION_MNIST:
+            provider = (
+                f"install the Debian package {FASHION_MNIST_PACKAGE}, which provides "
+                f"{FASHION_MNIST_ROOT}, or pass a folder holding the Fashion-MNIST IDX files"
+            )
+        raise DatasetError(f"dataset folder of {name} not found: {folder} ({provider})")
 
 
 def default_dataset() -> str:
