@@ -21,8 +21,9 @@ from commands import fresh_env
 from dpmerge.data import sources
 from dpmerge.errors import DatasetError
 
-HEAVY = ("torch", "opacus", "mlflow", "prefect")
-"""Seconds to import: none of them may load before a refusal."""
+HEAVY = ("torch", "opacus", "mlflow", "prefect", "dp_accounting", "scipy")
+"""Seconds to import (the ML stack, the servers' clients, the accountants): none may load before a
+refusal."""
 PROBE = """
 import contextlib, io, json, sys, time
 from flows.cli import main
