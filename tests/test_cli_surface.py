@@ -74,7 +74,8 @@ REFUSALS: list[tuple[list[str], str]] = [
     ),
     # a misspelt option, at every level of every command
     (["--bogus"], "unknown option --bogus"),
-    (["trian"], "invalid choice: 'trian'"),
+    (["trian"], "unknown command 'trian'; did you mean 'train'?"),
+    (["xyzzy", "--bogus"], "unknown command 'xyzzy' (commands: account, "),
     (["--bogus", "train"], "unknown option --bogus"),
     (["account", "--delat", "1e-5"], "did you mean --delta?"),
     (["study", "--bogus"], "study: unknown option --bogus"),

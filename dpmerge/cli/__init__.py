@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dpmerge.cli.parsing import Parser
 from dpmerge.environment import QUIET
 from dpmerge.errors import DPMergeError
+from dpmerge.formatting import did_you_mean
 from dpmerge.vocabulary import ExitCode
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -81,7 +82,12 @@ def main(
     for name, value in QUIET.items():  # a command's output is its own lines: no progress bars
         os.environ.setdefault(name, value)
     try:
-        args = build_parser(extra_commands, _command(argv)).parse_args(argv)
+        command, table = _command(argv), {**COMMANDS, **(extra_commands or {})}
+        parser = build_parser(extra_commands, command)
+        if command is not None and command not in table:
+            hint = did_you_mean(command, table) or f" (commands: {', '.join(table)})"
+            parser.error(f"unknown command {command!r}{hint}")
+        args = parser.parse_args(argv)
         return int(args.handler(args) or 0)
     except (DPMergeError, KeyboardInterrupt, BrokenPipeError) as error:
         return _ended(error)
