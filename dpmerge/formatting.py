@@ -38,14 +38,16 @@ def within_text(value: float, target: float) -> str:
     """``ε = … ≤ ε* = …`` for a release within its target: ε rounded up and ε* rounded down (or
     as given, when ``:g`` shows it exactly), at the fewest decimals from 4 to 12 at which the
     shown numbers keep the relation (1.21160707 within 1.21160828 reads ``1.211608 ≤ 1.211608``,
-    not ``1.2117 ≤ 1.21161``)."""
+    not ``1.2117 ≤ 1.21161``). A target ``:g`` shows exactly is compared as shown: 1.1999987
+    within 1.2 reads ``1.2000 ≤ 1.2`` (the float nearest 1.2 lies below it, and compared with
+    that the line read ``1.199999``)."""
     if value > target:
         return f"ε = {epsilon_text(value)} > ε* = {target:g}"
     exact = float(f"{target:g}") == target
     for digits in range(EPSILON_DIGITS, 13):
         shown = _ceiling(value, digits)
         limit = Decimal(target).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_FLOOR)
-        if shown <= (Decimal(target) if exact else limit):
+        if shown <= (Decimal(f"{target:g}") if exact else limit):
             break
     limit_text = f"{target:g}" if exact else f"{limit:.{digits}f}"
     return f"ε = {shown:.{digits}f} ≤ ε* = {limit_text}"

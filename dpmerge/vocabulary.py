@@ -123,6 +123,7 @@ class FindingKind(StrEnum):
     FILES_MISMATCH = "files_mismatch"
     NONCOMPLIANT = "noncompliant"
     QUARANTINE_DRIFT = "quarantine_drift"
+    CANDIDATE_FORGED = "candidate_forged"
 
 
 class BoundKind(StrEnum):

@@ -202,6 +202,8 @@ def test_within_text_keeps_the_shown_relation() -> None:
         "ε = 1.211608 ≤ ε* = 1.211608"
     )
     assert within_text(1.98341, 2.0) == "ε = 1.9835 ≤ ε* = 2"
+    # calibrated just under a target the float cannot hold exactly: four places, as the others
+    assert within_text(1.1999987, 1.2) == "ε = 1.2000 ≤ ε* = 1.2"
     assert within_text(2.0, 2.0) == "ε = 2.0000 ≤ ε* = 2"
     assert within_text(2.5, 2.0) == "ε = 2.5000 > ε* = 2"  # never shown as within
 

@@ -380,7 +380,7 @@ def test_postgres_as_root_without_unshare_is_one_clear_line(
 def test_stack_is_not_a_library_command(capsys: Any) -> None:
     with pytest.raises(SystemExit):
         library_main(["stack", "status"])
-    assert "invalid choice: 'stack'" in capsys.readouterr().err
+    assert "unknown command 'stack'" in capsys.readouterr().err
 
 
 @pytest.mark.integration

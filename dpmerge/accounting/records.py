@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from dp_accounting import dp_event
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -41,6 +40,9 @@ from dpmerge.documents import (
 )
 from dpmerge.errors import RecordError
 from dpmerge.vocabulary import Neighbouring, Optimizer, Sampling
+
+if TYPE_CHECKING:  # dp_accounting loads on first use: a policy or a command reads records
+    from dp_accounting import dp_event
 
 MIN_NOISE_MULTIPLIER = 0.1
 """Below this a single step already has ε in the tens, and the PLD grid at 1e-4 needs gigabytes
@@ -112,6 +114,8 @@ class MechanismRecord(_Frozen):
 
     def dp_event(self) -> dp_event.DpEvent:
         """The dp_accounting event this record describes."""
+        from dp_accounting import dp_event
+
         return dp_event.SelfComposedDpEvent(
             dp_event.PoissonSampledDpEvent(
                 self.sample_rate, dp_event.GaussianDpEvent(self.noise_multiplier)

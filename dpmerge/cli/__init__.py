@@ -24,7 +24,9 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from dpmerge.cli.parsing import Parser
+from dpmerge.environment import QUIET
 from dpmerge.errors import DPMergeError
+from dpmerge.formatting import did_you_mean
 from dpmerge.vocabulary import ExitCode
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -34,9 +36,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "study": ("dpmerge.cli.study", "reproduce an experiment of docs/design.md#studies"),
     "train": ("dpmerge.cli.train", "train one DP-SGD candidate"),
-    "merge": ("dpmerge.cli.models", "merge candidate directories (RS, LC or mixture)"),
-    "evaluate": ("dpmerge.cli.models", "evaluate a model directory on a split"),
-    "candidates": ("dpmerge.cli.models", "print the candidates file of candidate directories"),
+    "merge": ("dpmerge.cli.model_options", "merge candidate directories (RS, LC or mixture)"),
+    "evaluate": ("dpmerge.cli.model_options", "evaluate a model directory on a split"),
+    "candidates": (
+        "dpmerge.cli.model_options",
+        "print the candidates file of candidate directories",
+    ),
     "registry": ("dpmerge.cli.registry", "the MLflow model registry"),
     "ledger": ("dpmerge.cli.ledger", "the release ledger (add back what a rollback lost)"),
     "state": ("dpmerge.cli.ledger", "the release-state store (restore a damaged document)"),
@@ -74,8 +79,15 @@ def main(
     argv: Sequence[str] | None = None, extra_commands: Mapping[str, tuple[str, str]] | None = None
 ) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for name, value in QUIET.items():  # a command's output is its own lines: no progress bars
+        os.environ.setdefault(name, value)
     try:
-        args = build_parser(extra_commands, _command(argv)).parse_args(argv)
+        command, table = _command(argv), {**COMMANDS, **(extra_commands or {})}
+        parser = build_parser(extra_commands, command)
+        if command is not None and command not in table:
+            hint = did_you_mean(command, table) or f" (commands: {', '.join(table)})"
+            parser.error(f"unknown command {command!r}{hint}")
+        args = parser.parse_args(argv)
         return int(args.handler(args) or 0)
     except (DPMergeError, KeyboardInterrupt, BrokenPipeError) as error:
         return _ended(error)

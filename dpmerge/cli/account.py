@@ -1,23 +1,21 @@
 """``dpmerge account``: evaluate given weights, or calibrate to a target
-(docs/design.md#random-selection, docs/design.md#generic-bound, docs/design.md#calibration)."""
+(docs/design.md#random-selection, docs/design.md#generic-bound, docs/design.md#calibration).
+The accountants load after the options parsed: a misspelt option is refused at once."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dpmerge.accounting.account import account, check_candidates
-from dpmerge.accounting.bounds import PrivacyReport, finite_or_none
-from dpmerge.accounting.calibrated import Calibration, infeasible_document
-from dpmerge.accounting.calibration import calibrate
-from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.accounting.generic_search import reachable_range
-from dpmerge.accounting.records import load_candidates
 from dpmerge.cli.common import float_list, positive_float, print_json, probability
 from dpmerge.errors import InfeasibleTargetError, InputError
 from dpmerge.formatting import epsilon_text, number_text
 from dpmerge.vocabulary import BoundKind, GatingBound, Method
+
+if TYPE_CHECKING:  # the accountants (dp_accounting, scipy) load once the options have parsed
+    from dpmerge.accounting.bounds import PrivacyReport
+    from dpmerge.accounting.calibrated import Calibration
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -65,6 +63,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dpmerge.accounting.account import account, check_candidates
+    from dpmerge.accounting.bounds import finite_or_none
+    from dpmerge.accounting.calibrated import infeasible_document
+    from dpmerge.accounting.calibration import calibrate
+    from dpmerge.accounting.candidate import candidate_bound
+    from dpmerge.accounting.generic_search import reachable_range
+    from dpmerge.accounting.records import load_candidates
+
     candidates = load_candidates(args.candidates)
     check_candidates(candidates)
     if args.method != Method.LC and args.bound == GatingBound.STRUCTURED:

@@ -6,6 +6,9 @@ split; ``candidates`` turns candidate directories into the candidates file ``dpm
 reads. Calibration reads the records only; validation accuracy tunes LC weights within a subset
 only with ``--tune-weights``. The drawn index (RS, mixture) is never printed: it goes only to
 ``--audit-file`` (mode 0600).
+
+This module does the work and imports torch; the options are declared in
+:mod:`dpmerge.cli.model_options`, which checks them (and the dataset's source) first.
 """
 
 from __future__ import annotations
@@ -21,87 +24,13 @@ from dpmerge.accounting.calibration import Calibration, calibrate
 from dpmerge.accounting.delta import delta_check_for
 from dpmerge.accounting.records import candidates_from_dicts, candidates_to_document
 from dpmerge.artifacts import ModelDir, ModelSpec, load_model_dir
-from dpmerge.cli.common import float_list, fmt, positive_float, print_json, probability
-from dpmerge.data import DATASET_NAMES, DatasetSplits, Split, load_dataset
+from dpmerge.cli.common import fmt, print_json
+from dpmerge.data import DatasetSplits, Split, load_dataset
 from dpmerge.errors import DatasetError, InputError
 from dpmerge.evaluation import MergeAccuracy, evaluate, expected_accuracy
 from dpmerge.formatting import epsilon_text
 from dpmerge.merging import Metrics, merge_model_dirs, read_candidate_dir
-from dpmerge.vocabulary import Method, values
-
-
-def _add_data_options(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    parser.add_argument(
-        "--dataset", required=required, choices=DATASET_NAMES, help="dataset to evaluate on"
-    )
-    parser.add_argument("--data-root", help="folder holding the dataset files")
-    parser.add_argument("--limit", type=int, help="rows kept per file (as in training)")
-    parser.add_argument("--batch-size", type=int, default=1024, help="evaluation batch size")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    merge = subparsers.add_parser(
-        "merge",
-        help="release an RS, LC or mixture merge of candidate directories",
-        description="Merge candidate model directories by random selection (rs), linear "
-        "combination (lc), with given weights or calibrated to --target-epsilon, or by a "
-        "secret draw between two LC merges of subsets (mixture, calibrated only). RS and "
-        "mixture odds and every subset come from the records' noise proxy; LC weights within "
-        "a subset are inverse-variance unless --tune-weights (docs/design.md#calibration).",
-    )
-    merge.add_argument("--inputs", nargs="+", required=True, metavar="DIR")
-    merge.add_argument("--method", choices=values(Method), required=True)
-    chosen = merge.add_mutually_exclusive_group(required=True)
-    chosen.add_argument(
-        "--weights", type=float_list, help="π (rs) or λ (lc), comma-separated, summing to 1"
-    )
-    chosen.add_argument(
-        "--target-epsilon", type=positive_float, help="calibrate the weights to this ε"
-    )
-    merge.add_argument(
-        "--delta",
-        type=probability,
-        default=1e-5,
-        help="δ of the reported ε (default 1e-5; refused at 1/n or more for the n training rows)",
-    )
-    merge.add_argument(
-        "--bound",
-        choices=("generic", "structured"),
-        default="generic",
-        help=(
-            "LC bound that gates (default generic: docs/design.md#generic-bound; structured is "
-            "the paper's, opt-in)"
-        ),
-    )
-    merge.add_argument(
-        "--tune-weights",
-        action="store_true",
-        help=(
-            "lc and mixture, generic gate: tune the weights within each chosen subset on the "
-            "validation split of --dataset (opt-in; every weighting of a subset has its bound)"
-        ),
-    )
-    merge.add_argument("--out", required=True, metavar="DIR", help="new model directory")
-    merge.add_argument(
-        "--audit-file", metavar="PATH", help="rs, mixture: private record of the draw"
-    )
-    merge.add_argument("--json", action="store_true", help="print JSON instead of a summary")
-    _add_data_options(merge, required=False)
-    merge.set_defaults(handler=_merge)
-
-    score = subparsers.add_parser("evaluate", help="evaluate a model directory on a split")
-    score.add_argument("model", metavar="DIR")
-    score.add_argument("--split", choices=("test", "validation"), default="test")
-    score.add_argument("--json", action="store_true", help="print JSON instead of a summary")
-    _add_data_options(score, required=True)
-    score.set_defaults(handler=_evaluate)
-
-    listing = subparsers.add_parser(
-        "candidates", help="print the candidates file of candidate directories"
-    )
-    listing.add_argument("dirs", nargs="+", metavar="DIR")
-    listing.set_defaults(handler=_candidates)
+from dpmerge.vocabulary import Method
 
 
 def _load_data(args: argparse.Namespace) -> DatasetSplits:

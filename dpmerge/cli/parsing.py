@@ -8,6 +8,8 @@
 * An unknown option is named, with the nearest known one: ``unknown option --target-epsilom;
   did you mean --target-epsilon?``, even where a required option is then missing too.
 * Options are never abbreviated (``--target`` is not ``--target-epsilon``).
+* A negative number is a value, also in exponent form (``--delta -1e-5`` is refused as a δ,
+  not as a missing value).
 * What is echoed is escaped (:func:`dpmerge.formatting.printable`).
 
 Sub-command parsers are made of the same class, so every command, the workflow's and the local
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -30,6 +34,9 @@ _SEEN = "_dpmerge_options_seen"
 _ONCE = ("store", "store_const", "store_true", "store_false", None)
 """Action kinds that take one value: given twice, the earlier one would be lost silently.
 ``append`` and ``count`` repeat by design."""
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+"""A value, never an option: ``-1``, ``-0.5``, ``-.5`` and ``-1e-5`` (argparse's own pattern
+misses the exponent, so ``--delta -1e-5`` read as a missing value)."""
 
 
 @functools.cache
@@ -63,6 +70,7 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER
         for kind in _ONCE:
             self.register("action", kind, _once(self._registry_get("action", kind, kind)))
         self._given: list[str] = []
@@ -71,6 +79,10 @@ class Parser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         self._given = list(sys.argv[1:] if args is None else args)
+        if self._subparsers is not None:  # a group's own options, before its command parses
+            unknown = self._unknown_options(self._given)
+            if unknown:
+                self.error(unknown)
         parsed, extras = super().parse_known_args(args, namespace)
         parsed.__dict__.pop(_SEEN, None)
         unknown = self._unknown_options(extras)
@@ -80,9 +92,10 @@ class Parser(argparse.ArgumentParser):
 
     def _unknown_options(self, tokens: Sequence[str]) -> str | None:
         """``unknown option --x; did you mean --y?`` for the first token of ``tokens`` that
-        looks like an option of this (leaf) command and is none of its options."""
-        if self._subparsers is not None:  # a command's own options come after its name
-            return None
+        looks like an option of this command and is none of its options (a group's, such as
+        ``dpmerge policy``, are those before its command's name)."""
+        if self._subparsers is not None:
+            tokens = list(itertools.takewhile(lambda token: token.startswith("-"), tokens))
         known = sorted(self._option_string_actions)
         for token in tokens:
             if token == "--":

@@ -101,7 +101,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "One line per finding — an alias not where its serving pointer says, an alias no "
             "policy owns, a served release whose card or signature does not match, a served "
-            "release the ledger lacks, a release that no longer meets its policy — and exit 1 "
+            "release the ledger lacks, a release that no longer meets its policy, a ready "
+            "candidate whose signed record does not verify (forged) — and exit 1 "
             "if there is any (0 when everything agrees). --repair moves aliases back, removes "
             "unmanaged ones, counts unwitnessed releases and re-tags quarantined versions."
         ),

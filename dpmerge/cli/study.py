@@ -17,22 +17,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dpmerge.cli.common import float_list, fmt, positive_float, print_json, probability
+from dpmerge.cli.common import (
+    float_list,
+    fmt,
+    positive_float,
+    positive_int,
+    print_json,
+    probability,
+)
+from dpmerge.data.sources import check_source
+from dpmerge.vocabulary import DatasetName
 
 EXIT_INTERRUPTED = 130
 """As a shell reports a command ended by SIGINT (128 + 2)."""
 DEFAULT_THREADS = 1
 """One intra-op thread: on a shared 2-core CPU two can be 10× slower (docs/training.md)."""
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return value
 
 
 def float_tuple(text: str) -> tuple[float, ...]:
@@ -274,6 +273,8 @@ def run_mean_estimation(args: argparse.Namespace) -> int:
 
 
 def run_frontier(args: argparse.Namespace) -> int:
+    if args.dataset or args.quick:  # before torch loads; --quick is digits
+        check_source(args.dataset or DatasetName.DIGITS, args.data_root)
     from dpmerge.studies.convex import QUICK, FrontierStudy, run_frontier_study
 
     given = {
@@ -322,6 +323,7 @@ def _model_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_non_convex(args: argparse.Namespace) -> int:
+    check_source(args.dataset, args.data_root)  # before torch loads
     from dpmerge.studies.nonconvex import NonConvexStudy, run_nonconvex_study
 
     study = NonConvexStudy(
@@ -335,6 +337,7 @@ def run_non_convex(args: argparse.Namespace) -> int:
 
 
 def run_pretrained(args: argparse.Namespace) -> int:
+    check_source(args.dataset, args.data_root)  # before torch loads
     from dpmerge.studies.pretrained import PretrainedStudy, run_pretrained_study
 
     study = PretrainedStudy(

@@ -1,7 +1,8 @@
 """``dpmerge train``: train one DP-SGD candidate and write its model directory
 (docs/design.md#mechanism-record).
 
-Every check runs before training, so bad input writes nothing; δ is checked against the
+Every check runs before training, so bad input writes nothing (the options and the dataset's
+source are checked before torch loads: docs/design.md#studies); δ is checked against the
 training rows n (refused at δ ≥ 1/n, a warning above 1/(10·n): docs/design.md#mechanism-record).
 The output directory holds ``weights.safetensors``, ``model.json``, ``record.json`` (the
 mechanism record and its ε under PLD and RDP at ``--delta``) and ``metrics.json``. The summary
@@ -18,21 +19,15 @@ from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.accounting.delta import check_delta_against
 from dpmerge.cli.common import fmt
-from dpmerge.data import load_dataset
+from dpmerge.data.sources import check_source
 from dpmerge.formatting import epsilon_text
-from dpmerge.training import (
+from dpmerge.training.config import (
     Parameter,
     RunOptions,
     TrainConfig,
     TrainingConfigError,
     declared_parameters,
-    save_candidate,
-    train_candidate,
 )
 
 DEFAULTS = {"progress": True}
@@ -81,6 +76,14 @@ def handler(args: argparse.Namespace) -> int:
     options = RunOptions(**_declared(args, RunOptions))
     if args.out.exists():
         raise TrainingConfigError(f"output directory already exists: {args.out}")
+    check_source(config.dataset, options.data_root)  # before torch loads
+    import torch
+
+    from dpmerge.accounting.candidate import candidate_bound
+    from dpmerge.accounting.delta import check_delta_against
+    from dpmerge.data import load_dataset
+    from dpmerge.training.run import save_candidate, train_candidate
+
     torch.set_num_threads(options.torch_threads)
     data = load_dataset(config.dataset, options.data_root, limit=options.limit)
     delta_check = check_delta_against(config.delta, data.dataset_size)

@@ -19,12 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from dpmerge.data.readers import find_file, read_cifar_batch, read_idx
+from dpmerge.data.sources import FASHION_MNIST_PACKAGE, FASHION_MNIST_ROOT
 from dpmerge.data.splits import DatasetSplits, make_splits
 from dpmerge.errors import DatasetError
 from dpmerge.vocabulary import DatasetName, values
 
-FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
-FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_TEST_SEED = 20_240_601
 """The digits test split is fixed (independent of ``seed``) so test accuracies compare."""

@@ -26,7 +26,10 @@ before it projects the alias, so a pointer found then is the alias's source).
   signed manifest; reported (do not serve them: quarantine the version);
 * ``noncompliant`` — a served release does not meet its policy's current version (its next
   run decides), or is kept on purpose by the policy; reported;
-* ``quarantine_drift`` — MLflow's tag disagrees with a quarantine record; set back.
+* ``quarantine_drift`` — MLflow's tag disagrees with a quarantine record; set back;
+* ``candidate_forged`` — a ready candidate version's signed record (its manifest over the
+  record as published and every ``dp.*`` tag) does not verify: its tags were changed, or it was
+  planted without the workflow's key. A merge run refuses it; reported (quarantine it).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import asdict, dataclass
 
+from dpmerge.locate import command
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
 from dpmerge.policy_merge.promotion import served_text, unmet
@@ -90,6 +94,7 @@ def verify(
             findings += _alias(store, registry, state, alias, repair)
     findings += _unmanaged(store, registry, managed, repair, dataset)
     findings += _quarantine(store, registry, repair)
+    findings += _forged_candidates(store, registry, dataset)
     return findings
 
 
@@ -222,6 +227,31 @@ def _unmanaged(
                 f"{model}@{alias}",
                 f"names v{version}, but no policy's serving pointer does",
                 done,
+            )
+
+
+def _forged_candidates(
+    store: StateStore, registry: Registry, dataset: str | None
+) -> Iterator[Finding]:
+    """Every ready candidate version (of ``dataset`` if given) not quarantined whose signed
+    record does not verify under the release key."""
+    out: dict[str, set[str]] = {}
+    for stored in sorted(registry.ready_candidates(), key=lambda v: (v.name, int(v.version))):
+        if dataset is not None and stored.tags.get("dp.dataset") != dataset:
+            continue
+        if stored.name not in out:
+            out[stored.name] = set(quarantined(store, stored.name))
+        if stored.version in out[stored.name]:
+            continue
+        try:
+            registry.manifest(stored)
+        except ReleaseSignatureError as error:
+            subject = f"{stored.name} v{stored.version}"
+            yield Finding(
+                FindingKind.CANDIDATE_FORGED,
+                subject,
+                f"its signed record does not verify ({error}); a merge refuses it: "
+                f"`{command('registry', 'quarantine', stored.name, stored.version)}`",
             )
 
 

@@ -17,51 +17,48 @@ noise. The package, one concern a module:
 * :mod:`~dpmerge.training.record`: the mechanism record, read off what the engine ran;
 * :mod:`~dpmerge.training.run`: :func:`train_candidate`, :func:`train_kept` (one run kept at
   several epochs) and :func:`save_candidate`.
+
+Names load on first use (as :mod:`dpmerge` does): the declarations of
+:mod:`~dpmerge.training.config` import no torch, so ``dpmerge train`` parses and refuses its
+options before torch loads.
 """
 
-from dpmerge.training.config import (
-    DEFAULT_GRAD_SAMPLE_MODE,
-    DEFAULT_LEARNING_RATE,
-    GRAD_SAMPLE_MODES,
-    LINEAR_EXACT,
-    LINEAR_EXACT_MODELS,
-    OPACUS_MODES,
-    Parameter,
-    RunOptions,
-    TrainConfig,
-    TrainingConfigError,
-    declared_parameters,
-)
-from dpmerge.training.history import EpochMetrics
-from dpmerge.training.plan import MechanismPlan, plan_mechanism
-from dpmerge.training.run import (
-    TrainResult,
-    kept_name,
-    save_candidate,
-    train_candidate,
-    train_candidates,
-    train_kept,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_GRAD_SAMPLE_MODE",
-    "DEFAULT_LEARNING_RATE",
-    "GRAD_SAMPLE_MODES",
-    "LINEAR_EXACT",
-    "LINEAR_EXACT_MODELS",
-    "OPACUS_MODES",
-    "EpochMetrics",
-    "MechanismPlan",
-    "Parameter",
-    "RunOptions",
-    "TrainConfig",
-    "TrainResult",
-    "TrainingConfigError",
-    "declared_parameters",
-    "kept_name",
-    "plan_mechanism",
-    "save_candidate",
-    "train_candidate",
-    "train_candidates",
-    "train_kept",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DEFAULT_GRAD_SAMPLE_MODE": "dpmerge.training.config",
+    "DEFAULT_LEARNING_RATE": "dpmerge.training.config",
+    "GRAD_SAMPLE_MODES": "dpmerge.training.config",
+    "LINEAR_EXACT": "dpmerge.training.config",
+    "LINEAR_EXACT_MODELS": "dpmerge.training.config",
+    "OPACUS_MODES": "dpmerge.training.config",
+    "Parameter": "dpmerge.training.config",
+    "RunOptions": "dpmerge.training.config",
+    "TrainConfig": "dpmerge.training.config",
+    "TrainingConfigError": "dpmerge.training.config",
+    "declared_parameters": "dpmerge.training.config",
+    "EpochMetrics": "dpmerge.training.history",
+    "MechanismPlan": "dpmerge.training.plan",
+    "plan_mechanism": "dpmerge.training.plan",
+    "TrainResult": "dpmerge.training.run",
+    "kept_name": "dpmerge.training.run",
+    "save_candidate": "dpmerge.training.run",
+    "train_candidate": "dpmerge.training.run",
+    "train_candidates": "dpmerge.training.run",
+    "train_kept": "dpmerge.training.run",
+}
+"""Public name → the module defining it."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dpmerge.training' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -14,12 +14,13 @@ import math
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from enum import StrEnum
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dpmerge.errors import InputError
 from dpmerge.vocabulary import DatasetName, Engine, GradSampleMode, ModelName, values
+
+if TYPE_CHECKING:  # torch loads on first use: `dpmerge train --help` builds on this module
+    import torch
 
 LINEAR_EXACT = GradSampleMode.LINEAR_EXACT
 LINEAR_EXACT_MODELS = frozenset({ModelName.LOGREG})
@@ -206,6 +207,8 @@ class TrainConfig:
 
     def torch_device(self) -> torch.device:
         """The device to train on (``auto``: CUDA when present)."""
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import time
 from pathlib import Path
 from typing import Any
 
+from dpmerge.cli.common import float_list, positive_float, positive_int
+from dpmerge.data.sources import check_source, default_dataset
+from dpmerge.errors import InputError
 from dpmerge.locate import command, locate_registry, resolve_home
-from dpmerge.state.policies import set_policy
-from flows.commands.policy import EXIT_CODES, outcome_line, run_policy
-from flows.commands.policy_options import default_dataset
 
 POLICY_FILE = Path(__file__).resolve().parents[2] / "deployments" / "policies.yaml"
 DEMO_POLICY = "eu"
@@ -52,17 +53,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dataset",
         default=None,
+        choices=tuple(PLANS),
         help="fashion-mnist or digits (default: fashion-mnist if installed, else digits)",
     )
     parser.add_argument(
         "--noise-multipliers",
+        type=float_list,
         default=None,
         help="comma-separated σ levels (default: five levels per dataset)",
     )
-    parser.add_argument("--epochs", type=int, default=None, help="epochs per candidate")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first rows")
+    parser.add_argument("--epochs", type=positive_int, default=None, help="epochs per candidate")
+    parser.add_argument("--limit", type=positive_int, default=None, help="use only the first rows")
     parser.add_argument(
-        "--target-epsilon", type=float, default=None, help="override the example policy's ε*"
+        "--target-epsilon",
+        type=positive_float,
+        default=None,
+        help="override the example policy's ε*",
     )
     parser.add_argument("--retrain", action="store_true", help="train new candidates anyway")
     parser.set_defaults(handler=handle)
@@ -103,21 +109,24 @@ def _table(rows: list[list[str]]) -> str:
 def handle(args: argparse.Namespace) -> int:
     import warnings
 
-    from flows import runtime
-
     # known third-party noise (Opacus: secure RNG off, full backward hooks; the library draws
     # its own noise seeds from the OS)
     warnings.filterwarnings("ignore", module=r"opacus\.")
     warnings.filterwarnings("ignore", message=r".*Full backward hook.*")
     home = Path(args.home).absolute()
-    runtime.configure_embedded(home, force=True)
     dataset = args.dataset or default_dataset()
-    plan = dict(PLANS.get(dataset, PLANS["digits"]))
+    check_source(dataset, None)  # every check before the home is made: a refusal leaves nothing
+    plan = dict(PLANS[dataset])
     if args.noise_multipliers:
-        plan["noise_multipliers"] = [float(v) for v in args.noise_multipliers.split(",")]
+        if not all(0 < sigma < math.inf for sigma in args.noise_multipliers):
+            raise InputError(f"--noise-multipliers must be positive, got {args.noise_multipliers}")
+        plan["noise_multipliers"] = args.noise_multipliers
     if args.epochs:
         plan["epochs"] = args.epochs
     policy = _example_policy(dataset, args.target_epsilon)
+    from flows import runtime
+
+    runtime.configure_embedded(home, force=True)
     located = locate_registry(home=home, create=True)
     print(f"dpmerge demo — state in {home} (MLflow sqlite + artifacts, PREFECT_HOME, ledger)")
     print(located.describe())
@@ -129,6 +138,8 @@ def handle(args: argparse.Namespace) -> int:
 
     from dpmerge import policy_merge as pm
     from dpmerge.registry import RegistryError
+    from dpmerge.state.policies import set_policy
+    from flows.commands.policy import EXIT_CODES, outcome_line, run_policy
     from flows.training import train_candidates
 
     workspace = pm.Workspace.from_env()

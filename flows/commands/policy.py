@@ -24,12 +24,13 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dpmerge.cli.common import positive_float
-from dpmerge.errors import OutageError
+from dpmerge.errors import OutageError, is_transient
 from dpmerge.locate import Located, command, locate_registry
 from dpmerge.policies import (
     Policy,
@@ -61,6 +62,7 @@ EXIT_CODES = {
 (the same table as every command's: :mod:`dpmerge.exits`)."""
 DISPATCH_WAIT_S = 60.0
 POLL_S = 0.5
+T = TypeVar("T")
 
 
 class DispatchError(OutageError):
@@ -336,12 +338,11 @@ def wait_for_dispatch(
 ) -> dict[str, Any]:
     """The flow run the workflow created for ``version``; :class:`DispatchError` after
     ``timeout_s`` (the version stays stored: the dispatcher picks it up once it runs)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = stored_policies.dispatched(store, version.name, version.version)
-        if found is not None:
-            return found
-        time.sleep(POLL_S)
+    found = _poll(
+        lambda: stored_policies.dispatched(store, version.name, version.version), timeout_s
+    )
+    if found is not None:
+        return found
     raise DispatchError(
         f"policy {version.name} v{version.version} is stored, but no run was created for it "
         f"within {timeout_s:g} s: is the workflow's dispatcher running? "
@@ -352,14 +353,35 @@ def wait_for_dispatch(
 def wait_for_outcome(
     store: StateStore, version: PolicyVersion, timeout_s: float
 ) -> dict[str, Any] | None:
-    """The first recorded outcome of ``version`` within ``timeout_s``, else ``None``."""
+    """The newest recorded outcome of ``version`` within ``timeout_s``, else ``None``."""
+    found = _poll(lambda: stored_policies.outcomes(store, version.name, version.version), timeout_s)
+    return found[-1] if found else None
+
+
+def _poll(read: Callable[[], T | None], timeout_s: float) -> T | None:
+    """``read()`` every :data:`POLL_S` until it finds something or ``timeout_s`` has passed.
+
+    A transient outage (S3 or MLflow restarting: :func:`~dpmerge.errors.is_transient`) is
+    waited out, as the workflow's runs wait it out (docs/design.md#workflow); only one that
+    lasts until the deadline is raised (exit 1, naming it). Any other error is raised at once.
+    """
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = stored_policies.outcomes(store, version.name, version.version)
-        if found:
-            return found[-1]
+    while True:
+        outage: BaseException | None = None
+        try:
+            found = read()
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            outage = error
+        else:
+            if found:
+                return found
+        if time.monotonic() >= deadline:
+            if outage is not None:
+                raise outage
+            return None
         time.sleep(POLL_S)
-    return None
 
 
 def outcome_line(outcome: dict[str, Any]) -> str:

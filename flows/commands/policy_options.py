@@ -11,21 +11,15 @@ import argparse
 import types
 import typing
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
 from pydantic.fields import FieldInfo
 
+from dpmerge.data.sources import default_dataset
 from dpmerge.policies import Policy
 
-FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 ALIASES = {"target_delta": ("--delta",)}
 """Extra spellings of a field's option."""
-
-
-def default_dataset() -> str:
-    """Fashion-MNIST where its Debian package is installed, else scikit-learn's digits."""
-    return "fashion-mnist" if FASHION_MNIST_DIR.is_dir() else "digits"
 
 
 COMMAND_DEFAULTS = {"dataset": default_dataset, "model": lambda: "logreg"}
