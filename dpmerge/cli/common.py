@@ -34,6 +34,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    """A whole number ≥ 1 (argparse type), e.g. a dataset size; "1e4" and "2.0" are refused."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
 def probability(text: str) -> float:
     """A number strictly between 0 and 1 (argparse type), e.g. δ."""
     value = positive_float(text)

@@ -21,7 +21,14 @@ from dpmerge.accounting.calibration import Calibration, calibrate
 from dpmerge.accounting.delta import delta_check_for
 from dpmerge.accounting.records import candidates_from_dicts, candidates_to_document
 from dpmerge.artifacts import ModelDir, ModelSpec, load_model_dir
-from dpmerge.cli.common import float_list, fmt, positive_float, print_json, probability
+from dpmerge.cli.common import (
+    float_list,
+    fmt,
+    positive_float,
+    positive_int,
+    print_json,
+    probability,
+)
 from dpmerge.data import DATASET_NAMES, DatasetSplits, Split, load_dataset
 from dpmerge.errors import DatasetError, InputError
 from dpmerge.evaluation import MergeAccuracy, evaluate, expected_accuracy
@@ -64,6 +71,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=probability,
         default=1e-5,
         help="δ of the reported ε (default 1e-5; refused at 1/n or more for the n training rows)",
+    )
+    merge.add_argument(
+        "--dataset-size",
+        type=positive_int,
+        help=(
+            "n, the training rows δ is checked against where no record carries dataset_size "
+            "(required then: a merge is not released on an unchecked δ)"
+        ),
     )
     merge.add_argument(
         "--bound",
@@ -189,7 +204,9 @@ def _merge(args: argparse.Namespace) -> int:
     if args.method == Method.MIXTURE and args.target_epsilon is None:
         raise InputError("--method mixture is calibrated: give --target-epsilon, not --weights")
     dirs = [read_candidate_dir(p) for p in args.inputs]
-    delta_check = delta_check_for([d.record for d in dirs], args.delta)
+    delta_check = delta_check_for(
+        [d.record for d in dirs], args.delta, args.dataset_size, required=True
+    )
     data = _load_data(args) if args.dataset else None
     calibration = _calibrate(args, dirs, data) if args.target_epsilon is not None else None
     metrics: Metrics | None = None
