@@ -242,7 +242,7 @@ def ledger_line(ledger: Mapping[str, Any], details: Sequence[str]) -> str:
     """The cumulative bound, dated, and where to read it now."""
     as_of = f" as of {ledger['as_of']}" if ledger.get("as_of") else ""
     return (
-        f"All releases from this dataset together{as_of}: ε = "
+        f"All releases from this data source together (every subset){as_of}: ε = "
         f"**{epsilon_text(ledger.get('epsilon'))}** at δ = {num(ledger.get('delta'))}"
         + (f" ({'; '.join(details)})" if details else "")
         + f". Later releases raise it: `{LEDGER_COMMAND}` shows it now."

@@ -1,9 +1,10 @@
 """``dpmerge ledger show``, ``dpmerge ledger rebuild`` and ``dpmerge state restore``: the
 release ledger now, and the repairs of the release-state store (docs/design.md#release-state).
 
-* ``ledger show`` — each dataset's cumulative bound as of now (a card's ledger line is the
-  bound as of the time it states; later releases raise it). Reads only; the documents'
-  signatures are checked where the workflow's key is at hand, and the output says when not;
+* ``ledger show`` — each data source's cumulative bound (every subset) as of now (a card's
+  ledger line is the bound as of the time it states; later releases raise it). Reads only;
+  the documents' signatures are checked where the workflow's key is at hand, and the output
+  says when not;
 * ``state restore`` — a dataset document (the ledger and the serving pointers) that no longer
   matches its signature or cannot be read is replaced by its newest earlier version that does
   (the state bucket is versioned; the embedded store keeps earlier versions too);
@@ -40,11 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rebuild.set_defaults(handler=_rebuild)
     show = actions.add_parser(
         "show",
-        help="each dataset's cumulative bound now",
-        description="The cumulative bound of every release counted in each dataset's ledger "
-        "(the joint release of every candidate used, docs/design.md#release-ledger), now.",
+        help="each data source's cumulative bound now",
+        description="The cumulative bound of every release counted in each data source's "
+        "ledger, every subset together (the joint release of every candidate used, "
+        "docs/design.md#release-ledger), now.",
     )
-    show.add_argument("--dataset", help="only this published dataset identifier")
+    show.add_argument("--source", help="only this data source (a dataset name, e.g. digits)")
     show.add_argument(
         "--delta",
         type=probability,
@@ -117,7 +119,7 @@ def _restore(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     from dpmerge.formatting import epsilon_text
-    from dpmerge.state.serving import datasets, read_state
+    from dpmerge.state.serving import read_state, sources
     from dpmerge.state.store import stamp
     from dpmerge.workspace import Workspace
 
@@ -125,34 +127,38 @@ def _show(args: argparse.Namespace) -> int:
     store = Workspace.of_registry(located.tracking_uri).state()
     as_of, checked = stamp(), store.key is not None
     ledgers = []
-    for dataset in datasets(store):
-        state = read_state(store, dataset)
-        if not state.releases or args.dataset not in (None, dataset):
+    for source, datasets in sources(store).items():
+        if args.source not in (None, source):
             continue
-        delta = args.delta or max(r.delta for r in state.releases)
+        state = read_state(store, datasets[0])
+        ledger = state.ledger
+        if not ledger:
+            continue
+        delta = args.delta or max(r.delta for r in ledger)
         bound = state.cumulative(delta)
         ledgers.append(
             {
-                "dataset": dataset,
+                "source": source,
+                "datasets": datasets,
                 "epsilon": bound.epsilon,
                 "delta": delta,
                 "accountant": str(bound.accountant),
-                "releases": len(state.releases),
-                "last_counted_at": max(r.counted_at for r in state.releases),
+                "releases": len(ledger),
+                "last_counted_at": max(r.counted_at for r in ledger),
             }
         )
     if args.json:
         print_json({"as_of": as_of, "signatures_checked": checked, "ledgers": ledgers})
         return 0
     print(located.describe())
-    for ledger in ledgers:
+    for row in ledgers:
         print(
-            f"{ledger['dataset']}: ε = {epsilon_text(ledger['epsilon'])} at δ = "
-            f"{ledger['delta']:g} ({ledger['accountant']}), {ledger['releases']} release(s), "
-            f"the last counted {ledger['last_counted_at']}"
+            f"{row['source']} (every subset: {len(row['datasets'])} dataset identifier(s)): "
+            f"ε = {epsilon_text(row['epsilon'])} at δ = {row['delta']:g} ({row['accountant']}), "
+            f"{row['releases']} release(s), the last counted {row['last_counted_at']}"
         )
     if not ledgers:
-        print("no release is counted" + (f" for {args.dataset}" if args.dataset else ""))
+        print("no release is counted" + (f" for {args.source}" if args.source else ""))
     unchecked = "" if checked else "; signatures not checked (no workflow key here)"
     print(f"as of {as_of} (state {store.where}{unchecked})")
     return 0

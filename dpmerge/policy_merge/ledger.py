@@ -112,7 +112,7 @@ def check_witnessed(registry: Registry, state: DatasetState) -> None:
 def _summary(state: DatasetState, entry: CountedRelease, cap: float | None) -> LedgerSummary:
     state_serving.check_records(state, entry)
     bound = state.cumulative(entry.delta, entry)
-    others = [r for r in state.releases if r.release_id != entry.release_id]
+    others = [r for r in state.ledger if r.release_id != entry.release_id]
     names = sorted({name for r in [*others, entry] for name in r.names})
     refusal = None
     if cap is not None and bound.epsilon > cap:
