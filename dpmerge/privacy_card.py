@@ -194,21 +194,61 @@ def _ledger_section(ledger: Mapping[str, Any]) -> list[str]:
     if ledger.get("releases"):
         count = ledger["releases"]
         details.append(f"{count} release" + ("" if count == 1 else "s"))
-    lines = [
-        "## Release ledger (cumulative)",
-        "",
-        f"All releases from this dataset together: ε = **{epsilon_text(ledger.get('epsilon'))}** "
-        f"at δ = {num(ledger.get('delta'))}"
-        + (f" ({'; '.join(details)})" if details else "")
-        + ".",
-        "",
-    ]
+    lines = ["## Release ledger (cumulative)", "", ledger_line(ledger, details), ""]
     if ledger.get("candidates"):
         lines += [f"Candidates used by any release: {', '.join(ledger['candidates'])}.", ""]
     return lines
 
 
 ACCURACY_KEYS = ("test_accuracy", "validation_accuracy")
+LEDGER_COMMAND = "dpmerge ledger show"
+"""The command that shows a ledger's cumulative bound now (operators: it reads the state
+store); a card's ledger line is the bound as of the time it states."""
+ASSUMPTIONS = (
+    "Poisson sampling: each DP-SGD step included every training row independently with "
+    "probability q, as the accountants assume.",
+    "n is public: the number of training rows, and the rate, steps and batch size set from it, "
+    "are not protected.",
+    "The split: validation rows are 10 % of the training file (after any row limit), picked by "
+    "a permutation with the fixed public seed 0, not a secret key; test rows are the separate "
+    "test file (digits: a fixed 20 %). Candidates with other row limits may train on rows "
+    "another held out.",
+    "Floating-point noise: the analysis assumes exact Gaussian noise; it is sampled in "
+    "floating point.",
+)
+
+
+def assumption_lines(report: Mapping[str, Any]) -> list[str]:
+    """What the guarantee rests on (:data:`ASSUMPTIONS`) and which bound gates promotion
+    (docs/design.md#operator-trust)."""
+    return [
+        *ASSUMPTIONS,
+        f"Promotion is gated by the {report['bound']} bound's ε "
+        f"({str(report.get('accountant')).upper()}) at δ = {num(report.get('delta'))}, within "
+        "the target ε*.",
+    ]
+
+
+def assumptions_section(report: Mapping[str, Any]) -> list[str]:
+    return [
+        "## What the guarantee assumes",
+        "",
+        *(f"- {line}" for line in assumption_lines(report)),
+        "",
+    ]
+
+
+def ledger_line(ledger: Mapping[str, Any], details: Sequence[str]) -> str:
+    """The cumulative bound, dated, and where to read it now."""
+    as_of = f" as of {ledger['as_of']}" if ledger.get("as_of") else ""
+    return (
+        f"All releases from this data source together (every subset){as_of}: ε = "
+        f"**{epsilon_text(ledger.get('epsilon'))}** at δ = {num(ledger.get('delta'))}"
+        + (f" ({'; '.join(details)})" if details else "")
+        + f". Later releases raise it: `{LEDGER_COMMAND}` shows it now."
+    )
+
+
 ROW_PROTECTION = {
     "training": "covered by the guarantee above: the candidates were trained on them with DP-SGD",
     "validation_unused": "not used by this release (its weights are fixed from the mechanism "
@@ -412,6 +452,7 @@ def build_privacy_card(
         *attempts_lines(ledger or {}),
         *utility_lines(metrics or {}),
         *rows_section(tuned),
+        *assumptions_section(report),
         "## Bounds",
         "",
         *_bound_section(
@@ -476,6 +517,7 @@ def build_privacy_card(
         "ledger": dict(ledger) if ledger is not None else None,
         "accuracy": {k: accuracy_value(metrics or {}, k) for k in ACCURACY_KEYS},
         "rows": row_protection(tuned),
+        "assumptions": assumption_lines(report),
         "notes": notes,
         "libraries": versions,
     }

@@ -2,12 +2,15 @@
 
 Everything on it is a function of the released model, public data and the test rows (whose
 protection it states): the guarantee and the bounds' values, the target, the method and how
-many candidates and merges it combined, the test accuracy, the cumulative ledger bound, and the
-number of earlier attempts for the policy. It names no candidate, no candidate version, record,
-lineage or metric, no weight and no assumption text (which names release units): those are on
-the internal card (:mod:`dpmerge.privacy_card`), kept in the release-state store
-(docs/design.md#release-state, docs/design.md#row-protection). Like the internal card it computes
-no ε; displayed ε values are rounded up.
+many candidates and merges it combined, the test accuracy, the cumulative ledger bound as of
+the time it states, the number of earlier attempts for the policy, the warning when δ is weak
+for n, and what the guarantee assumes. It never shows a validation metric: a tuned release's
+would reveal the validation rows' count and accuracy, which its guarantee does not cover.
+It names no candidate, no candidate version, record, lineage or metric, no weight and no
+bound's assumption text (which names release units): those are on the internal card
+(:mod:`dpmerge.privacy_card`), kept in the release-state store (docs/design.md#release-state,
+docs/design.md#row-protection). Like the internal card it computes no ε; displayed ε values are
+rounded up.
 """
 
 from __future__ import annotations
@@ -15,19 +18,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dpmerge.formatting import epsilon_text
 from dpmerge.privacy_card import (
-    ACCURACY_KEYS,
     BOUND_LABELS,
     LEDGER_NOTE,
     METHODS,
     PrivacyCard,
     accuracy_value,
+    assumption_lines,
+    assumptions_section,
     attempts_lines,
     bound_rows,
     headline,
+    ledger_line,
     library_versions,
-    num,
     row_protection,
     rows_section,
     software_section,
@@ -45,7 +48,9 @@ BOUND_KEYS = (
     "discretisation",
     "neighbouring",
 )
-LEDGER_KEYS = ("epsilon", "delta", "accountant", "cap", "releases")
+LEDGER_KEYS = ("epsilon", "delta", "accountant", "cap", "releases", "as_of")
+ACCURACY_KEYS = ("test_accuracy",)
+"""The accuracy a public card shows: the test split's only (see the module docstring)."""
 INTERNAL_NOTE = (
     "The candidates this release was merged from, their mechanism records, metrics and the "
     "merge weights are internal (operators read them on the internal card: `dpmerge registry "
@@ -93,11 +98,14 @@ def build_public_card(
     metrics: Mapping[str, Any],
     tuned: bool,
     notes: Sequence[str] = (),
+    delta_warning: str | None = None,
 ) -> PrivacyCard:
     """The public card of the release ``report`` (a ``PrivacyReport.to_dict()``) describes;
-    ``metrics`` are the released model's, ``ledger`` the cumulative bound with it counted,
-    ``tuned``: its weights were tuned on validation accuracy; ``notes`` (e.g. why it spends less
-    than the target) must follow from the records and the target alone."""
+    ``metrics`` are the released model's (only its test accuracy is shown), ``ledger`` the
+    cumulative bound with it counted (``as_of``: when), ``tuned``: its weights were tuned on
+    validation accuracy; ``notes`` (e.g. why it spends less than the target) must follow from
+    the records and the target alone; ``delta_warning``: :attr:`DeltaCheck.warning
+    <dpmerge.accounting.delta.DeltaCheck.warning>` for the release's δ and n."""
     head = headline(
         report,
         target_epsilon=target_epsilon,
@@ -112,11 +120,15 @@ def build_public_card(
         if kind in ("gating", "generic", "structured") and bound
     }
     merge_line, merge, drawn = _combined(report)
+    public_metrics = {k: metrics[k] for k in ACCURACY_KEYS if k in metrics}
+    weak = [f"**Weak δ** — {delta_warning.removeprefix('warning: ')}.", ""] if delta_warning else []
     md = [
         *head.markdown,
+        *weak,
         *attempts_lines(ledger or {}, listed=False),
-        *utility_lines(metrics),
+        *utility_lines(public_metrics),
         *rows_section(tuned),
+        *assumptions_section(report),
         "## Bounds",
         "",
         "| bound | accountant | ε | δ | setting |",
@@ -133,16 +145,10 @@ def build_public_card(
     if ledger is not None:
         public_ledger = {k: ledger.get(k) for k in LEDGER_KEYS}
         public_ledger["attempts"] = len(ledger.get("attempts") or ())
-        md += [
-            "## Release ledger (cumulative)",
-            "",
-            f"All releases from this dataset together: ε = "
-            f"**{epsilon_text(ledger.get('epsilon'))}** at δ = {num(ledger.get('delta'))} "
-            f"({str(ledger.get('accountant')).upper()}, {ledger.get('releases')} release(s)"
-            + (f", cap ε = {ledger['cap']:g}" if ledger.get("cap") is not None else "")
-            + ").",
-            "",
-        ]
+        details = [str(ledger.get("accountant")).upper(), f"{ledger.get('releases')} release(s)"]
+        if ledger.get("cap") is not None:
+            details.append(f"cap ε = {ledger['cap']:g}")
+        md += ["## Release ledger (cumulative)", "", ledger_line(ledger, details), ""]
     notes = [*notes, *drawn, INTERNAL_NOTE, *([LEDGER_NOTE] if ledger is not None else [])]
     versions = library_versions()
     md += ["## Notes", "", *(f"- {n}" for n in notes), ""]
@@ -153,6 +159,8 @@ def build_public_card(
         "merge": merge,
         "ledger": public_ledger,
         "accuracy": {k: accuracy_value(metrics, k) for k in ACCURACY_KEYS},
+        "delta_warning": delta_warning,
+        "assumptions": assumption_lines(report),
         "rows": row_protection(tuned),
         "notes": notes,
         "libraries": versions,

@@ -256,3 +256,20 @@ def test_merge_refuses_a_delta_of_one_over_n_or_more(tmp_path, candidates, capsy
         "rows: a weak guarantee (δ < 1/n = 1.67e-05 is the least a release needs; δ ≤ 1.67e-06 "
         "is usual)\n"
     )
+
+
+def test_merge_refuses_a_delta_it_cannot_check_against_n(tmp_path, capsys) -> None:
+    """A record without dataset_size: the merge is refused unless --dataset-size gives n, and
+    then δ is checked against it (nothing written on a refusal)."""
+    unsized = make_record("u", 1.0, steps=50, sample_rate=0.05, dataset=DIGITS.fingerprint,
+                          dataset_size=None)  # fmt: skip
+    directory = save_model_dir(tmp_path / "u", class_means_weights(1.0), SPEC, record=unsized)
+    base = ("merge", "--inputs", directory, "--method", "lc", "--weights", "1", "--delta", "1e-6")
+    out = tmp_path / "lc"
+    code, stdout, err = run(capsys, *base, "--out", out)
+    assert code == 2 and stdout == "" and not out.exists()
+    assert err.count("\n") == 1 and "give --dataset-size" in err
+    code, stdout, err = run(capsys, *base, "--dataset-size", "1000000", "--out", out)
+    assert code == 2 and not out.exists() and "n = 1,000,000 training rows" in err
+    code, stdout, err = run(capsys, *base, "--dataset-size", "100000", "--out", out)
+    assert code == 0 and out.is_dir() and err == ""

@@ -47,3 +47,21 @@ def test_the_smallest_dataset_size_of_the_records_decides() -> None:
     with pytest.raises(DeltaError, match="n = 900"):
         delta_check_for(records, 2e-3)
     assert delta_check_for(records, 1e-4).dataset_size == 900
+
+
+def test_a_given_dataset_size_is_checked_and_never_loosens_the_records() -> None:
+    unsized = [make_record("a", 1.0, dataset_size=None)]
+    with pytest.raises(DeltaError, match="n = 10,000"):
+        delta_check_for(unsized, 0.5, 10_000)
+    assert delta_check_for(unsized, 1e-6, 10_000).dataset_size == 10_000
+    sized = [make_record("a", 1.0, dataset_size=900)]
+    with pytest.raises(DeltaError, match="n = 900"):
+        delta_check_for(sized, 2e-3, 100)  # a smaller given n does not loosen n = 900
+    with pytest.raises(DeltaError, match="n = 1,000,000"):
+        delta_check_for(sized, 1e-5, 1_000_000)  # δ must pass the given n too
+    assert delta_check_for(sized, 1e-5, 100).dataset_size == 900
+    with pytest.raises(DeltaError, match="give --dataset-size"):
+        delta_check_for(unsized, 1e-6, required=True)
+    for bad in (True, 0, -3, 2.0):
+        with pytest.raises(RecordError, match="dataset size"):
+            delta_check_for(unsized, 1e-6, bad)  # type: ignore[arg-type]

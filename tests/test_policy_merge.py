@@ -14,6 +14,7 @@ import stat
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -570,7 +571,7 @@ def test_a_mixture_release_draws_once_counts_both_merges_and_publishes_no_candid
     secrets_of_candidates = {pool.registered_model}
     # the release's own accuracies are published; a candidate's may equal one of them (a
     # one-member rung is that candidate; on 360 rows two models can score alike)
-    own = {outcome.test_accuracy, outcome.validation_accuracy}
+    own = {outcome.test_accuracy}
     accuracies = set()
     for c in candidates:
         published = c.published
@@ -640,3 +641,79 @@ def test_repairs_act_on_fresh_state_and_leave_a_running_policys_alias_alone(
     found = about_the_alias()
     assert found.repaired == f"alias set back to v{outcome.version}"
     assert _aliases(workspace, model)[alias] == outcome.version
+
+
+def test_a_tuned_release_publishes_no_validation_metric_and_its_ledger_line_is_dated(
+    workspace: pm.Workspace, registry_home, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tune_weights``: nothing MLflow holds of the release — card, tags, run metrics, files —
+    names a validation metric (its accuracy and count are of unprotected rows); the card's ledger
+    line says when it was read and names ``dpmerge ledger show``, which reads the same ledger
+    now (docs/design.md#operator-trust)."""
+    from dpmerge import cli
+
+    target = registry_home["epsilons"][1] * 1.2
+    policy = _policy(name="tuned", target_epsilon=target, method="lc", tune_weights=True)
+    outcome = _apply(workspace, policy)
+    assert outcome.status == pm.Status.PROMOTED, outcome.reasons
+    text = _published(workspace, outcome, tmp_path / "published")
+    assert "validation_accuracy" not in text and "validation_n" not in text
+    assert "validation_loss" not in text and "test_accuracy" in text
+    description = _client(workspace).get_model_version(outcome.merged_model, outcome.version)
+    as_of = re.search(
+        r"data source together \(every subset\) as of (\S+): ε = ", description.description
+    )
+    assert as_of is not None and "`dpmerge ledger show` shows it now" in description.description
+    state = _ledger(workspace, outcome)
+    assert datetime.fromisoformat(as_of.group(1)).utcoffset() == timedelta(0)
+    argv = ["ledger", "show", "--tracking-uri", workspace.tracking_uri, "--delta", str(DELTA)]
+    code = cli.main([*argv, "--json"])
+    shown = json.loads(capsys.readouterr().out)
+    assert code == 0 and shown["as_of"] >= as_of.group(1)
+    (ledger,) = [g for g in shown["ledgers"] if state.dataset in g["datasets"]]
+    assert ledger["source"] == "digits" and ledger["releases"] == len(state.ledger)
+    assert ledger["epsilon"] == state.cumulative(ledger["delta"]).epsilon
+    assert ledger["epsilon"] >= outcome.cumulative_epsilon - 1e-12
+    code = cli.main(["ledger", "show", "--tracking-uri", workspace.tracking_uri])
+    out = capsys.readouterr().out
+    assert code == 0 and "digits (every subset: " in out and "as of " in out
+
+
+def test_releases_of_two_subsets_of_one_source_are_charged_to_one_ledger(tmp_path: Path) -> None:
+    """The audit's case end to end: a candidate on every digits training row and one on the
+    first rows (another fingerprint, another published identifier, each released by its own
+    policy). The second release's cumulative bound counts the first: it is at least the joint
+    composition of both candidates, re-derived with dp_accounting."""
+    from dp_accounting import dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from dpmerge.accounting.records import candidate_from_dict
+
+    home = tmp_path / "home"
+    home.mkdir()
+    uri = f"sqlite:///{home / 'mlflow.db'}"
+    registry = Registry(uri)
+    paths = [train_digits(tmp_path / "c", 1.0), train_digits(tmp_path / "c", 0.9, limit=800)]
+    epsilons = [json.loads((p / "record.json").read_text())["privacy"]["epsilon"] for p in paths]
+    for path in paths:
+        registry.register_candidate(path)
+    workspace = pm.Workspace(uri, home, None)
+    client = MlflowClient(uri, uri)
+    identifiers = sorted({v.tags["dp.dataset"] for v in client.search_model_versions("")})
+    assert len(identifiers) == 2 and len({i.split("-hmac:")[0] for i in identifiers}) == 1
+    outcomes = [
+        _apply(
+            workspace,
+            _policy(name=f"s{i}", dataset=dataset, target_epsilon=max(epsilons) * 1.2, method="lc"),
+        )
+        for i, dataset in enumerate(identifiers)
+    ]
+    assert [o.status for o in outcomes] == [pm.Status.PROMOTED] * 2, [o.reasons for o in outcomes]
+    state = state_serving.read_state(workspace.state(), identifiers[1])
+    assert len(state.releases) == 1 and len(state.ledger) == 2
+    records = [candidate_from_dict(c) for e in state.ledger for c in e.candidates]
+    event = dp_event.ComposedDpEvent([r.dp_event() for r in records])
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    joint = accountant.compose(event).get_epsilon(DELTA)
+    assert outcomes[1].cumulative_epsilon >= joint > max(o.epsilon for o in outcomes)
+    assert state.cumulative(DELTA).epsilon >= joint

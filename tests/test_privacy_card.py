@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -11,11 +12,16 @@ from factories import make_record
 from dpmerge.accounting.account import account
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
+from dpmerge.accounting.delta import delta_check_for
 from dpmerge.accounting.records import MechanismRecord
+from dpmerge.data import load_dataset
+from dpmerge.data.datasets import DIGITS_TEST_FRACTION
 from dpmerge.errors import RecordError
 from dpmerge.formatting import epsilon_text, within_text
 from dpmerge.privacy_card import (
+    ASSUMPTIONS,
     INTERNAL_NOTE,
+    LEDGER_COMMAND,
     STRUCTURED_LABEL,
     CardCandidate,
     build_privacy_card,
@@ -288,3 +294,48 @@ def test_the_public_card_names_no_candidate_and_states_each_split_protection(met
         report, target_epsilon=7.0, target_delta=DELTA, candidates=entries(), ledger=ledger
     )
     assert all(r.name in internal.markdown for r in RECORDS)  # the internal card names them
+
+
+def test_the_public_card_warns_of_a_weak_delta_states_its_assumptions_and_dates_the_ledger():
+    """The weak-δ warning derived from the records' n, what the guarantee assumes (the split as
+    dpmerge.data really makes it), the ledger line with its time and the command that reads it
+    now; and no validation metric, whose value and count would reveal rows a tuned release does
+    not protect."""
+    defaults = inspect.signature(load_dataset).parameters
+    seed, fraction = defaults["seed"].default, defaults["validation_fraction"].default
+    split = next(a for a in ASSUMPTIONS if a.startswith("The split"))
+    assert f"fixed public seed {seed}," in split and f"are {fraction * 100:g} % of" in split
+    assert f"digits: a fixed {DIGITS_TEST_FRACTION * 100:g} %" in split
+    ledger = {"epsilon": 2.5, "delta": 5e-5, "accountant": "pld", "cap": None, "releases": 8}
+    ledger["as_of"] = "2026-12-05T08:00:00+00:00"
+    for delta in (5e-5, DELTA):
+        report = account(RECORDS, "lc", [0.2, 0.3, 0.5], delta).to_dict()
+        warning = delta_check_for(RECORDS, delta).warning
+        card = build_public_card(
+            report,
+            target_epsilon=7.0,
+            target_delta=delta,
+            model_name="m",
+            policy_id="p",
+            ledger=ledger,
+            metrics={"test_accuracy": 0.8125, "validation_accuracy": 0.7771, "validation_n": 1234},
+            tuned=True,
+            delta_warning=warning,
+        )
+        md, data = card.markdown, card.data
+        assert (warning is None) == (delta == DELTA)  # n = 10,000: 1e-5 is 1/(10·n) exactly
+        assert ("**Weak δ**" in md) == (warning is not None) and data["delta_warning"] == warning
+        if warning is not None:
+            assert f"**Weak δ** — {warning.removeprefix('warning: ')}" in md
+            assert "n = 10,000 training rows" in md
+        assert "## What the guarantee assumes" in md
+        assert data["assumptions"][: len(ASSUMPTIONS)] == list(ASSUMPTIONS)
+        assert all(f"- {a}" in md for a in data["assumptions"])
+        gate = data["assumptions"][-1]
+        assert "the generic bound" in gate and report["accountant"].upper() in gate
+        assert "as of 2026-12-05T08:00:00+00:00: ε = **2.5000**" in md
+        assert f"`{LEDGER_COMMAND}` shows it now" in md and LEDGER_COMMAND == "dpmerge ledger show"
+        assert data["ledger"]["as_of"] == ledger["as_of"]
+        text = md + card.to_json()
+        assert "0.7771" not in text and "1234" not in text and "1,234" not in text
+        assert data["accuracy"] == {"test_accuracy": 0.8125}

@@ -7,7 +7,8 @@ exactly that: it is refused, naming n. Common practice asks for δ well below 1/
 1/(10·n) the check passes with a warning (:attr:`DeltaCheck.warning`), which commands print and
 the privacy card can carry. n is the records' ``dataset_size``; where no record carries one
 (a privacy label, an older candidates file), δ is checked for range only and
-:attr:`DeltaCheck.note` says so.
+:attr:`DeltaCheck.note` says so; ``dpmerge account`` and ``merge`` take n from
+``--dataset-size`` then, and ``merge`` refuses without one (:func:`delta_check_for`).
 
 Every entry point that takes a δ for training, merging, accounting or a policy calls
 :func:`check_delta` (the number) and :func:`delta_check_for` or :func:`check_delta_against`
@@ -96,8 +97,29 @@ def check_delta_against(delta: float, dataset_size: int | None) -> DeltaCheck:
     return DeltaCheck(delta, dataset_size)
 
 
-def delta_check_for(records: Iterable[Any], delta: float) -> DeltaCheck:
+def delta_check_for(
+    records: Iterable[Any],
+    delta: float,
+    dataset_size: int | None = None,
+    *,
+    required: bool = False,
+) -> DeltaCheck:
     """``delta`` checked against the smallest ``dataset_size`` of ``records`` (mechanism
-    records; labels and records without one carry no n)."""
+    records; labels and records without one carry no n) and against a given ``dataset_size``:
+    δ must pass both, and the larger n is the stricter check, so a given n never loosens the
+    records'. ``required``: a :class:`DeltaError` when neither gives n (a release is not made
+    on an unchecked δ)."""
+    if dataset_size is not None and (
+        isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1
+    ):
+        raise RecordError(f"the dataset size must be a positive integer, got {dataset_size!r}")
     sizes = [s for s in (getattr(r, "dataset_size", None) for r in records) if s is not None]
-    return check_delta_against(delta, min(sizes) if sizes else None)
+    recorded = min(sizes) if sizes else None
+    if required and recorded is None and dataset_size is None:
+        raise DeltaError(
+            f"δ = {check_delta(delta):g} cannot be checked against the dataset size: no "
+            "candidate record carries dataset_size; give --dataset-size n (the number of "
+            "training rows)"
+        )
+    given = [n for n in (recorded, dataset_size) if n is not None]
+    return check_delta_against(delta, max(given) if given else None)

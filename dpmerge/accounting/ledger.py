@@ -1,5 +1,5 @@
-"""Release ledger (docs/design.md#release-ledger): the cumulative privacy of every promoted
-model of a dataset.
+"""Release ledger (docs/design.md#release-ledger): the cumulative privacy of every released
+model of a data source (every subset of it).
 
 Releases derived from the same candidates are correlated, so composing the releases' own ε
 values is not a valid bound. The valid cumulative bound is the joint release of the union of
@@ -77,11 +77,12 @@ def release_for(release_id: str, candidates: Sequence[Candidate], report: Privac
 
 def cumulative_bound(releases: Sequence[Release], delta: float) -> PairBound:
     """Bound of the joint release of the union of the releases' candidates, over their release
-    units."""
-    union: dict[str, Candidate] = {}
+    units. A source's ledger spans several dataset identifiers (subsets), whose candidates are
+    told apart by identifier and name."""
+    union: dict[tuple[str, str], Candidate] = {}
     for release in releases:
         for candidate in release.candidates:
-            known = union.setdefault(candidate.name, candidate)
+            known = union.setdefault((candidate.dataset, candidate.name), candidate)
             if known != candidate:
                 raise RecordError(
                     f"two different candidates are named {candidate.name!r} in the ledger"

@@ -43,7 +43,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "print the candidates file of candidate directories",
     ),
     "registry": ("dpmerge.cli.registry", "the MLflow model registry"),
-    "ledger": ("dpmerge.cli.ledger", "the release ledger (add back what a rollback lost)"),
+    "ledger": (
+        "dpmerge.cli.ledger",
+        "the release ledger: its bound now, or add back what a rollback lost",
+    ),
     "state": ("dpmerge.cli.ledger", "the release-state store (restore a damaged document)"),
     "verify": ("dpmerge.cli.verify", "check a release's signature and files before serving it"),
 }

@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from dpmerge.cli.common import float_list, positive_float, print_json, probability
+from dpmerge.cli.common import float_list, positive_float, positive_int, print_json, probability
 from dpmerge.errors import InfeasibleTargetError, InputError
 from dpmerge.formatting import epsilon_text, number_text
 from dpmerge.vocabulary import BoundKind, GatingBound, Method
@@ -16,6 +16,7 @@ from dpmerge.vocabulary import BoundKind, GatingBound, Method
 if TYPE_CHECKING:  # the accountants (dp_accounting, scipy) load once the options have parsed
     from dpmerge.accounting.bounds import PrivacyReport
     from dpmerge.accounting.calibrated import Calibration
+    from dpmerge.accounting.delta import DeltaCheck
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +44,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     goal = parser.add_mutually_exclusive_group(required=True)
     goal.add_argument("--weights", type=float_list, help="RS probabilities or LC weights")
     goal.add_argument("--target-epsilon", type=positive_float, help="calibrate to this ε")
-    parser.add_argument("--delta", type=probability, required=True, help="δ in (0, 1)")
+    parser.add_argument(
+        "--delta",
+        type=probability,
+        required=True,
+        help="δ in (0, 1); refused at 1/n or more for the n training rows",
+    )
+    parser.add_argument(
+        "--dataset-size",
+        type=positive_int,
+        help=(
+            "n, the number of training rows δ is checked against where no record carries "
+            "dataset_size (with records that do, δ must pass both)"
+        ),
+    )
     parser.add_argument(
         "--bound",
         choices=[b.value for b in GatingBound],
@@ -68,11 +82,13 @@ def run(args: argparse.Namespace) -> int:
     from dpmerge.accounting.calibrated import infeasible_document
     from dpmerge.accounting.calibration import calibrate
     from dpmerge.accounting.candidate import candidate_bound
+    from dpmerge.accounting.delta import delta_check_for
     from dpmerge.accounting.generic_search import reachable_range
     from dpmerge.accounting.records import load_candidates
 
     candidates = load_candidates(args.candidates)
     check_candidates(candidates)
+    delta_check = delta_check_for(candidates, args.delta, args.dataset_size)  # δ ≥ 1/n: refused
     if args.method != Method.LC and args.bound == GatingBound.STRUCTURED:
         raise InputError(
             f"--bound applies to LC only ({args.method} is gated by its mixture bound)"
@@ -101,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             feasible=report.gating.available,
             reachable_epsilon_range=[finite_or_none(low), finite_or_none(high)],
         )
-        _emit(args, document, report, None)
+        _emit(args, document, report, None, delta_check)
         return 0
     try:
         result = calibrate(
@@ -117,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             print_json(infeasible_document(error, args.method, args.bound))
         print(f"dpmerge: infeasible: {error}", file=sys.stderr)
         return 3
-    _emit(args, result.to_dict(), result.report, result)
+    _emit(args, result.to_dict(), result.report, result, delta_check)
     return 0
 
 
@@ -130,9 +146,12 @@ def _emit(
     document: dict[str, Any],
     report: PrivacyReport,
     result: Calibration | None,
+    delta_check: DeltaCheck,
 ) -> None:
+    if delta_check.warning:
+        print(f"dpmerge: {delta_check.warning}", file=sys.stderr)
     if args.json:
-        print_json(document)
+        print_json({**document, "delta_check": delta_check.to_dict()})
         return
     gating = report.gating
     if report.method == Method.MIXTURE:
@@ -177,6 +196,8 @@ def _emit(
         print(f"  assumes: {assumption}")
     for note in report.notes:
         print(f"  note: {note}")
+    if delta_check.note:
+        print(f"  note: {delta_check.note}")
     if result is not None:
         low, high = result.reachable_epsilon_range
         print(

@@ -35,9 +35,9 @@ def positive_float(text: str) -> float:
 
 
 def positive_int(text: str) -> int:
-    """A whole number ≥ 1 (argparse type)."""
+    """A whole number ≥ 1 (argparse type), e.g. a dataset size; "1e4" and "2.0" are refused."""
     try:
-        value = int(text)
+        value = int(text, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:

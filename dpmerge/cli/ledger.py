@@ -1,19 +1,24 @@
-"""``dpmerge ledger rebuild`` and ``dpmerge state restore``: the repairs of the release-state
-store (docs/design.md#release-state).
+"""``dpmerge ledger show``, ``dpmerge ledger rebuild`` and ``dpmerge state restore``: the
+release ledger now, and the repairs of the release-state store (docs/design.md#release-state).
 
+* ``ledger show`` — each data source's cumulative bound (every subset) as of now (a card's
+  ledger line is the bound as of the time it states; later releases raise it). Reads only;
+  the documents' signatures are checked where the workflow's key is at hand, and the output
+  says when not;
 * ``state restore`` — a dataset document (the ledger and the serving pointers) that no longer
   matches its signature or cannot be read is replaced by its newest earlier version that does
   (the state bucket is versioned; the embedded store keeps earlier versions too);
 * ``ledger rebuild`` — a ledger that was rolled back or replaced gets back every release whose
   signed merged version MLflow holds (adding releases only raises the cumulative bound).
 
-Both need the workflow's key (they sign what they write).
+The repairs need the workflow's key (they sign what they write).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from dpmerge.cli.common import print_json, probability
 from dpmerge.locate import locate_registry
 
 TRACKING_HELP = "MLflow tracking URI (default: found as every command finds it)"
@@ -22,7 +27,7 @@ TRACKING_HELP = "MLflow tracking URI (default: found as every command finds it)"
 def register(subparsers: argparse._SubParsersAction) -> None:
     ledger = subparsers.add_parser(
         "ledger",
-        help="the release ledger: add back releases a rolled-back ledger lacks",
+        help="the release ledger: its bound now, or add back releases a rollback lost",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -34,6 +39,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "ledger lacks, its candidates read from their verified records.",
     )
     rebuild.set_defaults(handler=_rebuild)
+    show = actions.add_parser(
+        "show",
+        help="each data source's cumulative bound now",
+        description="The cumulative bound of every release counted in each data source's "
+        "ledger, every subset together (the joint release of every candidate used, "
+        "docs/design.md#release-ledger), now.",
+    )
+    show.add_argument("--source", help="only this data source (a dataset name, e.g. digits)")
+    show.add_argument(
+        "--delta",
+        type=probability,
+        help="δ of the bound (default: the largest δ a counted release was made at)",
+    )
+    show.add_argument("--json", action="store_true", help="print JSON")
+    show.set_defaults(handler=_show)
     state = subparsers.add_parser(
         "state",
         help="the release-state store: restore a damaged document",
@@ -48,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "read) by its newest earlier version that verifies; report what was done.",
     )
     restore.set_defaults(handler=_restore)
-    for sub in (rebuild, restore):
+    for sub in (show, rebuild, restore):
         sub.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
 
 
@@ -95,3 +115,50 @@ def _restore(args: argparse.Namespace) -> int:
             print(f"{dataset}: verifies; nothing to restore")
     print(f"state {store.where}")
     return 1 if unrestorable else 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from dpmerge.formatting import epsilon_text
+    from dpmerge.state.serving import read_state, sources
+    from dpmerge.state.store import stamp
+    from dpmerge.workspace import Workspace
+
+    located = locate_registry(args.tracking_uri)
+    store = Workspace.of_registry(located.tracking_uri).state()
+    as_of, checked = stamp(), store.key is not None
+    ledgers = []
+    for source, datasets in sources(store).items():
+        if args.source not in (None, source):
+            continue
+        state = read_state(store, datasets[0])
+        ledger = state.ledger
+        if not ledger:
+            continue
+        delta = args.delta or max(r.delta for r in ledger)
+        bound = state.cumulative(delta)
+        ledgers.append(
+            {
+                "source": source,
+                "datasets": datasets,
+                "epsilon": bound.epsilon,
+                "delta": delta,
+                "accountant": str(bound.accountant),
+                "releases": len(ledger),
+                "last_counted_at": max(r.counted_at for r in ledger),
+            }
+        )
+    if args.json:
+        print_json({"as_of": as_of, "signatures_checked": checked, "ledgers": ledgers})
+        return 0
+    print(located.describe())
+    for row in ledgers:
+        print(
+            f"{row['source']} (every subset: {len(row['datasets'])} dataset identifier(s)): "
+            f"ε = {epsilon_text(row['epsilon'])} at δ = {row['delta']:g} ({row['accountant']}), "
+            f"{row['releases']} release(s), the last counted {row['last_counted_at']}"
+        )
+    if not ledgers:
+        print("no release is counted" + (f" for {args.source}" if args.source else ""))
+    unchecked = "" if checked else "; signatures not checked (no workflow key here)"
+    print(f"as of {as_of} (state {store.where}{unchecked})")
+    return 0

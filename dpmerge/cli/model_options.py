@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from dpmerge.cli.common import float_list, positive_float, probability
+from dpmerge.cli.common import float_list, positive_float, positive_int, probability
 from dpmerge.data.sources import check_source
 from dpmerge.errors import InputError
 from dpmerge.vocabulary import DatasetName, Method, values
@@ -55,6 +55,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=probability,
         default=1e-5,
         help="δ of the reported ε (default 1e-5; refused at 1/n or more for the n training rows)",
+    )
+    merge.add_argument(
+        "--dataset-size",
+        type=positive_int,
+        help=(
+            "n, the training rows δ is checked against where no record carries dataset_size "
+            "(required then: a merge is not released on an unchecked δ)"
+        ),
     )
     merge.add_argument(
         "--bound",

@@ -118,7 +118,9 @@ def _merge(args: argparse.Namespace) -> int:
     if args.method == Method.MIXTURE and args.target_epsilon is None:
         raise InputError("--method mixture is calibrated: give --target-epsilon, not --weights")
     dirs = [read_candidate_dir(p) for p in args.inputs]
-    delta_check = delta_check_for([d.record for d in dirs], args.delta)
+    delta_check = delta_check_for(
+        [d.record for d in dirs], args.delta, args.dataset_size, required=True
+    )
     data = _load_data(args) if args.dataset else None
     calibration = _calibrate(args, dirs, data) if args.target_epsilon is not None else None
     metrics: Metrics | None = None

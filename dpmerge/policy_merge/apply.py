@@ -192,11 +192,10 @@ class _Run:
         planned = steps.plan_release(self.workspace, request, entry, self.policy)
         if planned.refused:  # known before merging: nothing is merged, drawn or registered
             return self.unmet(pool, Status.NOT_PROMOTED, planned.refused, facts)
-        registered, metrics = planned.existing, {}
+        registered = planned.existing
         if registered is None:
             merged = steps.merge(self.workspace, request, candidates, plan, data, self.workdir)
             merged = replace(merged, internal_notes=prepared.notes)  # δ on the internal card
-            metrics = merged.metrics
             try:
                 counted = steps.count(self.workspace, entry, self.policy.cumulative_epsilon_cap)
             except RefusalError as refusal:  # a concurrent release took the room: unpublished
@@ -207,7 +206,6 @@ class _Run:
             version=registered.version,
             reused=registered.reused,
             test_accuracy=registered.accuracy,
-            validation_accuracy=metrics.get("validation_accuracy"),
         )
         served = steps.serve(self.workspace, self.version, registered, entry, self.run)
         card = steps.read_card(self.workspace, registered.name, registered.version)

@@ -1,13 +1,17 @@
-"""What-if: the release a policy would get, without side effects (docs/design.md#policies).
+"""What-if: the release a policy would get, without side effects (docs/design.md#policies,
+docs/design.md#operator-trust).
 
 :func:`dry_run` runs the read-only part of the state machine — find and load the candidates
 and the evaluation split, calibrate, look for an existing release of the same request, read
-the ledger — and evaluates the merge it would release: an LC merge is computed in memory and
-evaluated exactly; for RS and the mixture nothing is drawn (a draw is a release step that
-costs privacy and must stay secret): every component the draw could release (an RS candidate,
-a mixture's merge) is evaluated and the accuracy reported is the expectation over the draw. It
-writes no version, alias, ledger entry or audit record; only this host's caches (candidate
-files, evaluation splits, PLDs) may be filled, as any run would.
+the ledger — and shows only what is derived from the mechanism records: the plan (method,
+weights or a mixture's merges and odds), ε under each bound, the ledger's cap, and the expected
+utility by the records' noise proxy (:func:`~dpmerge.accounting.choice.expected_utility`). It
+evaluates nothing on validation or test rows: an operator who picked a target or a method from
+such accuracies would make a data-dependent choice no ε and no ledger covers. The accuracy
+minimum is checked when the policy is applied, on the released model. Nothing is drawn (a draw
+is a release step that costs privacy and must stay secret). It writes no version, alias, ledger
+entry or audit record; only this host's caches (candidate files, evaluation splits, PLDs) may
+be filled, as any run would.
 """
 
 from __future__ import annotations
@@ -16,12 +20,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from dpmerge.accounting.choice import expected_utility
 from dpmerge.accounting.delta import delta_check_for
-from dpmerge.artifacts import WEIGHTS_FILE
 from dpmerge.errors import InfeasibleTargetError
-from dpmerge.evaluation import expected_accuracy
 from dpmerge.formatting import epsilon_text, number_text, within_text
-from dpmerge.merging import linear_combination
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.calibration import PolicyPlan, calibrate_policy
 from dpmerge.policy_merge.candidates import (
@@ -30,10 +32,10 @@ from dpmerge.policy_merge.candidates import (
     load_candidates,
     refuse_fixed_seeds,
 )
-from dpmerge.policy_merge.evaluation_data import EvaluationData, load_evaluation_data
+from dpmerge.policy_merge.evaluation_data import load_evaluation_data
 from dpmerge.policy_merge.ledger import ledger_entry, ledger_summary
 from dpmerge.policy_merge.promotion import find_release, unmet
-from dpmerge.policy_merge.release import evaluation_metrics, merge_request
+from dpmerge.policy_merge.release import merge_request
 from dpmerge.registry import RegisteredCandidate
 from dpmerge.state import CountedRelease
 from dpmerge.state.policies import PolicyVersion
@@ -61,26 +63,6 @@ class Gate:
 
 
 @dataclass(frozen=True)
-class Component:
-    """One release a draw may make: its probability and LC weights over every candidate (RS:
-    one candidate at weight 1; LC: the one merge, probability 1; the mixture: a merge)."""
-
-    probability: float
-    weights: tuple[float, ...]
-
-
-def components(report: dict[str, Any]) -> list[Component]:
-    """The releases ``report`` (a privacy report dict) draws among."""
-    if report["method"] == Method.MIXTURE:
-        return [Component(float(r["probability"]), tuple(r["weights"])) for r in report["rungs"]]
-    weights = tuple(float(w) for w in report["weights"])
-    if report["method"] == Method.LC:
-        return [Component(1.0, weights)]
-    one_hot = [tuple(float(i == j) for j in range(len(weights))) for i in range(len(weights))]
-    return [Component(w, one_hot[i]) for i, w in enumerate(weights) if w > 0]
-
-
-@dataclass(frozen=True)
 class DryRun:
     """The release a policy would get (see the module docstring). JSON-safe; no RS draw."""
 
@@ -101,9 +83,7 @@ class DryRun:
     bound: str | None = None
     generic_epsilon: float | None = None
     structured_epsilon: float | None = None
-    validation_accuracy: float | None = None
-    test_accuracy: float | None = None
-    accuracy_is_expected: bool = False  # RS, the mixture: the expectation over the draw
+    expected_utility: float | None = None  # the records' noise proxy, never an accuracy
     existing_version: str | None = None
     gates: tuple[Gate, ...] = ()
     reachable_epsilon_range: tuple[float, float] | None = None
@@ -129,7 +109,6 @@ class DryRun:
         head = f"policy {self.policy} (dry run): {self.verdict.value.replace('_', ' ')}"
         if self.verdict == Verdict.INFEASIBLE:
             return f"{head} — {'; '.join((*self.reasons, *self.notes))}"
-        expected = "expected " if self.accuracy_is_expected else ""
         shown = self._shares(self.weights or ())
         if self.rungs:
             shown = "; ".join(
@@ -146,10 +125,7 @@ class DryRun:
             line += f", generic bound ε = {epsilon_text(self.generic_epsilon)}"
         if self.structured_epsilon is not None and self.bound != "structured":
             line += f", structured bound ε = {epsilon_text(self.structured_epsilon)}"
-        line += (
-            f"; {expected}validation accuracy {number_text(self.validation_accuracy)}, "
-            f"{expected}test accuracy {number_text(self.test_accuracy)}"
-        )
+        line += f"; expected noise-proxy utility {number_text(self.expected_utility)}"
         if self.existing_version:
             line += f"; reuses {self.merged_model} v{self.existing_version}"
         failing = [g.detail for g in self.gates if g.passes is not True]
@@ -197,7 +173,7 @@ def dry_run(version: PolicyVersion, workspace: Workspace) -> DryRun:
                 reasons=(str(error), action),
                 **base,
             )
-        return _planned(version, workspace, pool, candidates, data, plan, base)
+        return _planned(version, workspace, pool, candidates, plan, base)
     finally:
         remove_tree(scratch)
 
@@ -220,26 +196,25 @@ def _planned(
     workspace: Workspace,
     pool: CandidatePool,
     candidates: list[RegisteredCandidate],
-    data: EvaluationData,
     plan: PolicyPlan,
     base: dict[str, Any],
 ) -> DryRun:
     policy = version.policy
     calibration, report = plan.calibration, plan.calibration.report
     report_dict = report.to_dict()
-    drawn = components(report_dict)
-    scores = [_scores(candidates, c.weights, data) for c in drawn]
-    validation, test = (
-        expected_accuracy([s[f"{split}_accuracy"] for s in scores], [c.probability for c in drawn])
-        for split in ("validation", "test")
-    )
+    records = [c.model_dir.record for c in candidates if c.model_dir.record is not None]
     request = merge_request(policy, pool, candidates, plan)
     existing = find_release(workspace, request)
     entry = ledger_entry(request, candidates, plan, version)
     gates = [
         Gate("epsilon", report.epsilon <= policy.target_epsilon, "ε within the target"),
         Gate("delta", report.delta <= policy.target_delta, "δ within the target"),
-        _accuracy_gate(policy, drawn, [s["test_accuracy"] for s in scores]),
+        Gate(
+            "accuracy",
+            None,
+            f"the accuracy minimum {policy.min_accuracy:g} is checked on the released model when "
+            "the policy is applied (a dry run evaluates no validation or test rows)",
+        ),
         _ledger_gate(policy, workspace, entry),
     ]
     if any(g.passes is False for g in gates):
@@ -265,43 +240,12 @@ def _planned(
         structured_epsilon=report.structured.epsilon
         if report.structured and report.structured.available
         else None,
-        validation_accuracy=validation,
-        test_accuracy=test,
-        accuracy_is_expected=len(drawn) > 1,
+        expected_utility=expected_utility(calibration, records),
         existing_version=existing.version if existing else None,
         gates=tuple(gates),
         reachable_epsilon_range=calibration.reachable_epsilon_range,
         compared=plan.compared,
         **base,
-    )
-
-
-def _scores(
-    candidates: list[RegisteredCandidate], weights: tuple[float, ...], data: EvaluationData
-) -> dict[str, Any]:
-    """The metrics of the LC merge of ``candidates`` at ``weights`` (merged in memory)."""
-    files = [c.model_dir.path / WEIGHTS_FILE for c in candidates]
-    merged = linear_combination(files, weights)
-    return evaluation_metrics(data, validation=True)(candidates[0].model_dir.spec, merged)
-
-
-def _accuracy_gate(policy: Policy, drawn: list[Component], tests: list[float]) -> Gate:
-    """The accuracy minimum over the release's components: passes, fails, or (a draw between
-    components on both sides) fails with the probability shown."""
-    floor = policy.min_accuracy
-    if len(drawn) == 1:
-        passes = tests[0] >= floor
-        detail = f"test accuracy {number_text(tests[0])} vs minimum {floor:g}"
-        return Gate("accuracy", passes, detail)
-    below = sum(c.probability for c, t in zip(drawn, tests, strict=True) if t < floor)
-    if below == 0:
-        return Gate("accuracy", True, f"every release the draw may make meets {floor:g}")
-    if below >= 1 - 1e-12:
-        return Gate("accuracy", False, f"no release the draw may make meets {floor:g}")
-    return Gate(
-        "accuracy",
-        None,
-        f"the draw fails the accuracy minimum {floor:g} with probability {below:.4f}",
     )
 
 

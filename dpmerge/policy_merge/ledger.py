@@ -31,6 +31,7 @@ from dpmerge.state import CountedRelease, DatasetState
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.releases import read_release
+from dpmerge.state.store import stamp
 from dpmerge.workspace import Workspace
 
 
@@ -67,8 +68,8 @@ def ledger_entry(
 
 @dataclass(frozen=True)
 class LedgerSummary:
-    """The cumulative bound with a release counted, as its card shows it, and why a cap
-    refuses it (``refusal``; ``None`` when it does not)."""
+    """The cumulative bound with a release counted, as its card shows it (``as_of``: the UTC
+    time it was read), and why a cap refuses it (``refusal``; ``None`` when it does not)."""
 
     epsilon: float
     delta: float
@@ -78,6 +79,7 @@ class LedgerSummary:
     cap: float | None
     attempts: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     refusal: str | None = None
+    as_of: str = field(default_factory=stamp)
 
     def card(self) -> dict[str, Any]:
         data = asdict(self)
@@ -110,7 +112,7 @@ def check_witnessed(registry: Registry, state: DatasetState) -> None:
 def _summary(state: DatasetState, entry: CountedRelease, cap: float | None) -> LedgerSummary:
     state_serving.check_records(state, entry)
     bound = state.cumulative(entry.delta, entry)
-    others = [r for r in state.releases if r.release_id != entry.release_id]
+    others = [r for r in state.ledger if r.release_id != entry.release_id]
     names = sorted({name for r in [*others, entry] for name in r.names})
     refusal = None
     if cap is not None and bound.epsilon > cap:

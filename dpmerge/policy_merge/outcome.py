@@ -48,7 +48,6 @@ class PolicyOutcome:
     accountant: str | None = None
     bound: str | None = None
     test_accuracy: float | None = None
-    validation_accuracy: float | None = None
     cumulative_epsilon: float | None = None
     candidates: tuple[str, ...] = ()
     reachable_epsilon_range: tuple[float, float] | None = None

@@ -103,20 +103,18 @@ class Release:
     ended_ms: int | None = None
 
 
-def evaluation_metrics(data: EvaluationData, *, validation: bool) -> Any:
-    """A merged model's metrics: test accuracy and loss, and validation's too when
-    ``validation`` (a release publishes them only when its weights were tuned on validation
-    rows, which are then unprotected anyway; docs/design.md#row-protection)."""
-    splits = ("validation", "test") if validation else ("test",)
+def evaluation_metrics(data: EvaluationData) -> Any:
+    """A merged model's metrics: test accuracy, loss and n. Never a validation split's: a
+    release whose weights were tuned on validation rows must not publish their accuracy or
+    count, which its guarantee does not cover (docs/design.md#row-protection)."""
 
     def metrics(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for split_name in splits:
-            scores = evaluate((spec, weights), getattr(data, split_name))
-            result[f"{split_name}_accuracy"] = scores["accuracy"]
-            result[f"{split_name}_loss"] = scores["loss"]
-            result[f"{split_name}_n"] = scores["n"]
-        return result
+        scores = evaluate((spec, weights), data.test)
+        return {
+            "test_accuracy": scores["accuracy"],
+            "test_loss": scores["loss"],
+            "test_n": scores["n"],
+        }
 
     return metrics
 
@@ -150,7 +148,7 @@ def merge_release(
         Path(workdir) / "release",
         delta=calibration.delta,
         gating_bound=calibration.report.gating.kind if calibration.method == "lc" else "generic",
-        metrics=evaluation_metrics(data, validation=bool(request.policy["tune_weights"])),
+        metrics=evaluation_metrics(data),
         draw=lambda pi: stored_draw(workspace, request.content_hash, names, pi, notes),
     )
     report = result.report

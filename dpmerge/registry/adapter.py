@@ -288,12 +288,12 @@ class Registry(RegistryQueries):
         """Register ``release`` (from :meth:`prepare_merged`) with its public card, idempotent
         on its release hash; the run spans ``started_ms``..``ended_ms`` (the merge)."""
         merged, card = release.merged, release.public
-        tags = merged.tags(self._accuracy_tags(merged.loaded.metrics))
+        tags = merged.tags(self._accuracy_tags(merged.public_metrics))
         tags["dp.card_digest"] = card_digest(card.description(), card.data)
         requester = f"policy-{merged.policy_id}" if merged.policy_id else "merge"
         run = RunInfo(
             name=f"{requester} ε*={merged.target_epsilon:g}",
-            metrics=scalar_metrics(merged.loaded.metrics) | _privacy_metrics(tags),
+            metrics=scalar_metrics(merged.public_metrics) | _privacy_metrics(tags),
             dataset=merged.dataset,
             started_ms=started_ms,
             ended_ms=ended_ms,

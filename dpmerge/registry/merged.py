@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dpmerge.accounting.delta import delta_check_for
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.artifacts import ModelDir, load_model_dir
 from dpmerge.keys import WorkflowKey
@@ -116,9 +117,17 @@ class MergedDir:
             tuned=self.tuned,
         )
 
+    @property
+    def public_metrics(self) -> dict[str, Any]:
+        """The release's metrics a consumer may read: every one but a validation split's (a
+        tuned release's validation accuracy and count are of rows its guarantee does not
+        cover, docs/design.md#row-protection)."""
+        return {k: v for k, v in self.loaded.metrics.items() if not k.startswith("validation")}
+
     def public_card(
         self, name: str, ledger: Mapping[str, Any] | None, notes: Sequence[str] = ()
     ) -> PrivacyCard:
+        records = [record for record, _ in self.records]
         return build_public_card(
             self.report,
             target_epsilon=self.target_epsilon,
@@ -126,9 +135,10 @@ class MergedDir:
             model_name=name,
             policy_id=self.policy_id,
             ledger=ledger,
-            metrics=self.loaded.metrics,
+            metrics=self.public_metrics,
             notes=notes,
             tuned=self.tuned,
+            delta_warning=delta_check_for(records, self.report["delta"]).warning,
         )
 
     def tags(self, accuracy: Mapping[str, Any]) -> dict[str, str]:

@@ -3,8 +3,14 @@ compare-and-swap (docs/design.md#release-state).
 
 ``datasets/<dataset id>.json`` holds, for the dataset's published (keyed) identifier:
 
-* ``releases``: the release ledger — every release whose evaluation was ever published
-  (registered), with the candidates it used and the records they were counted with;
+* ``releases``: the releases counted under this identifier — every release whose evaluation
+  was ever published (registered), with the candidates it used and the records they were
+  counted with. The **ledger** is the data source's, not the identifier's: a source (today the
+  dataset's file, named by :func:`source_of`) has one identifier per subset a candidate trained
+  on (a row limit gives another fingerprint), and every release of any of them is charged to
+  everyone in the source (docs/design.md#release-ledger). :attr:`DatasetState.ledger` merges the
+  releases of every document of the source, so the documents written one per identifier before
+  are read and merged as they are (nothing is rewritten);
 * ``aliases``: per ``<registered model>@<alias>``, its owner (the policy that first claimed
   it) and its **serving pointer** — which release the alias serves (or that it was revoked, or
   is kept although it no longer meets its policy), since when, for which policy version and
@@ -52,6 +58,15 @@ class SupersededError(Exception):
 
 def dataset_key(dataset: str) -> str:
     return f"datasets/{dataset.replace(':', '=')}.json"
+
+
+def source_of(dataset: str) -> str:
+    """The data source a dataset identifier (or fingerprint) is a subset of: the dataset's name
+    (``digits-hmac:…`` → ``digits``). Every identifier of one name shares a ledger: two files of
+    one name would be charged together, which only raises the bound."""
+    from dpmerge.publication import dataset_name
+
+    return dataset_name(dataset)
 
 
 def alias_key(model: str, alias: str) -> str:
@@ -208,6 +223,14 @@ class DatasetState:
     dataset: str
     releases: tuple[CountedRelease, ...] = ()
     aliases: dict[str, AliasState] = field(default_factory=dict)
+    siblings: tuple[CountedRelease, ...] = field(default=(), compare=False)
+    """Releases counted in the other documents of the same source (read, never written here)."""
+
+    @property
+    def ledger(self) -> tuple[CountedRelease, ...]:
+        """Every release of the data source: this document's and its siblings', once each."""
+        own = {r.release_id for r in self.releases}
+        return (*self.releases, *(r for r in self.siblings if r.release_id not in own))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -238,12 +261,13 @@ class DatasetState:
         return self.aliases.get(alias_key(model, alias))
 
     def cumulative(self, delta: float, extra: CountedRelease | None = None) -> PairBound:
-        """The ledger's bound at ``delta``: the joint release of the union of every counted
-        release's candidates (with ``extra`` added), docs/design.md#release-ledger."""
+        """The source ledger's bound at ``delta``: the joint release of the union of every
+        counted release's candidates, in any document of the source (with ``extra`` added),
+        docs/design.md#release-ledger."""
         from dpmerge.accounting.ledger import cumulative_bound
 
-        entries = list(self.releases)
-        if extra is not None and self.entry(extra.release_id) is None:
+        entries = list(self.ledger)
+        if extra is not None and all(e.release_id != extra.release_id for e in entries):
             entries.append(extra)
         return cumulative_bound([e.release() for e in entries], delta)
 
@@ -285,8 +309,7 @@ def check_records(state: DatasetState, entry: CountedRelease) -> None:
             )
 
 
-def read_state(store: StateStore, dataset: str) -> DatasetState:
-    """The dataset's state (empty when none was written), signature checked."""
+def _read_own(store: StateStore, dataset: str) -> DatasetState:
     key = dataset_key(dataset)
     found = store.read_signed(key)
     if found is None:
@@ -299,15 +322,40 @@ def read_state(store: StateStore, dataset: str) -> DatasetState:
     return state
 
 
+def _siblings(store: StateStore, dataset: str) -> tuple[CountedRelease, ...]:
+    """The releases counted in the other documents of ``dataset``'s source."""
+    source = source_of(dataset)
+    others = [d for d in datasets(store) if d != dataset and source_of(d) == source]
+    return tuple(r for d in sorted(others) for r in _read_own(store, d).releases)
+
+
+def read_state(store: StateStore, dataset: str) -> DatasetState:
+    """The dataset's state (empty when none was written), signature checked, with its source's
+    other releases (:attr:`DatasetState.ledger`)."""
+    return replace(_read_own(store, dataset), siblings=_siblings(store, dataset))
+
+
+def sources(store: StateStore) -> dict[str, list[str]]:
+    """Each data source with a state document, and its dataset identifiers."""
+    found: dict[str, list[str]] = {}
+    for dataset in sorted(datasets(store)):
+        found.setdefault(source_of(dataset), []).append(dataset)
+    return found
+
+
 def _update(store: StateStore, dataset: str, change: Any) -> Any:
-    """Apply ``change(state) -> (new state or None, result)`` by compare-and-swap."""
+    """Apply ``change(state) -> (new state or None, result)`` by compare-and-swap. The source's
+    other documents are read once, before: a release counted in one of them meanwhile is not
+    seen by this write's cap check (it is by the next)."""
     key = dataset_key(dataset)
+    siblings = _siblings(store, dataset)
 
     def apply(document: dict[str, Any] | None) -> tuple[dict[str, Any] | None, Any]:
-        state = (
+        state = replace(
             DatasetState(dataset)
             if document is None
-            else DatasetState.from_dict(document, f"{store.where}/{key}")
+            else DatasetState.from_dict(document, f"{store.where}/{key}"),
+            siblings=siblings,
         )
         new, result = change(state)
         return (None if new is None else new.to_dict()), result

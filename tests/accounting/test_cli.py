@@ -403,3 +403,34 @@ def test_a_closed_pipe_ends_the_command_quietly(candidates_file):
     finally:
         os.close(write_end)
     assert done.returncode == 141 and b"Traceback" not in done.stderr, done.stderr[-500:]
+
+
+def test_account_checks_delta_against_a_given_or_recorded_dataset_size(capsys, tmp_path):
+    """δ = 0.5 with n = 10,000 gave ε = 0.0000 unchecked: now refused in one line, whether n
+    comes from ``--dataset-size`` or from the records; without any n the output says δ was not
+    checked."""
+    unsized = tmp_path / "unsized.json"
+    unsized.write_text(
+        json.dumps(candidates_to_document([make_record("a", 1.0, dataset_size=None)]))
+    )
+    base = ("account", "--candidates", unsized, "--method", "rs", "--weights", "1")
+    code, out, err = run(capsys, *base, "--delta", "0.5", "--dataset-size", "10000")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "δ = 0.5 is not below 1/n = 0.0001 for n = 10,000 training rows" in err
+    code, out, err = run(capsys, *base, "--delta", "5e-5", "--dataset-size", "10000", "--json")
+    assert code == 0 and json.loads(out)["delta_check"]["dataset_size"] == 10_000
+    assert err.startswith("dpmerge: warning: δ = 5e-05 is above 1/(10·n) = 1e-05")
+    code, out, err = run(capsys, *base, "--delta", "0.5")
+    assert code == 0 and err == ""
+    assert "note: δ = 0.5 was not checked against the dataset size" in out
+    sized = tmp_path / "sized.json"
+    sized.write_text(json.dumps(candidates_to_document([make_record("a", 1.0)])))
+    code, out, err = run(
+        capsys, "account", "--candidates", sized, "--method", "rs", "--weights", "1",
+        "--delta", "1e-3",
+    )  # fmt: skip
+    assert code == 2 and out == "" and "n = 60,000 training rows" in err
+    for bad in ("0", "-5", "1e4", "2.5", "true"):
+        code, out, err = run(capsys, *base, "--delta", "1e-6", "--dataset-size", bad)
+        assert code == 2 and out == "" and "Traceback" not in err, bad
