@@ -65,7 +65,7 @@ BATCHNORM_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 RELEASE_NONCE = "dpmerge.release_nonce"
 """Safetensors metadata key of a released file's random nonce (its bytes differ from every
 candidate's, whatever the weights)."""
-PIECE_BYTES = 4 * 2**20
+PIECE_BYTES = 16 * 2**20
 """About how many bytes of one candidate's tensor a merge reads at a time (whole rows)."""
 
 
@@ -148,9 +148,11 @@ def _read(path: Path, key: str, rows: slice | None) -> torch.Tensor:
     """Rows ``rows`` of tensor ``key``, through a handle opened for them alone. A handle maps
     the whole file, and every page read through it stays resident until it closes, so reading a
     candidate through one handle would hold all of it in memory; here only the returned piece's
-    pages are (released with the tensor)."""
+    pages are read (and released with the tensor). ``get_tensor`` returns a view of the
+    mapping, and slicing it reads nothing (the handle's ``get_slice`` was 10× slower)."""
     with safe_open(str(path), framework="pt") as handle:
-        return handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows]
+        tensor = handle.get_tensor(key)  # a view of the mapping: nothing read yet
+    return tensor if rows is None else tensor[rows]
 
 
 def _non_finite_error(
