@@ -3,9 +3,9 @@ mixture of two LC merges (docs/design.md#random-selection, docs/design.md#generi
 
 LC releases θ = Σ λ_i θ_i with λ on the simplex; RS releases θ_I for one secret draw I ~ π; the
 mixture releases the LC merge of rung I for one secret draw I ~ (p, 1 − p). All read the
-candidates' ``weights.safetensors`` one candidate and one tensor at a time, so memory stays
-near one candidate's mapped file plus the output (two for a mixture), whatever the number of
-inputs.
+candidates' ``weights.safetensors`` one tensor piece at a time (every candidate's piece, then
+the next piece), so memory stays near the output plus a few pieces, whatever the number of
+inputs (:func:`linear_combinations`).
 
 The arithmetic is exact where it can be tested: a weight of exactly 1 copies the candidate
 bit-for-bit (so RS, run as a one-hot LC, releases θ_I unchanged), and the first contributing
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import secrets
@@ -64,6 +65,8 @@ BATCHNORM_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 RELEASE_NONCE = "dpmerge.release_nonce"
 """Safetensors metadata key of a released file's random nonce (its bytes differ from every
 candidate's, whatever the weights)."""
+PIECE_BYTES = 16 * 2**20
+"""About how many bytes of one candidate's tensor a merge reads at a time (whole rows)."""
 
 
 @dataclass(frozen=True)
@@ -131,16 +134,36 @@ def _is_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
-def _non_finite_error(key: str, paths: Sequence[Path], weights: Sequence[float]) -> RecordError:
+def _pieces(info: TensorInfo) -> list[slice | None]:
+    """The row ranges (first dimension) in which a tensor is read: about ``PIECE_BYTES`` each, at
+    least one row; ``None`` reads a scalar or empty tensor whole."""
+    if not info.shape or info.shape[0] == 0:
+        return [None]
+    row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
+    rows = max(1, PIECE_BYTES // max(row_bytes, 1))
+    return [slice(start, start + rows) for start in range(0, info.shape[0], rows)]
+
+
+def _read(path: Path, key: str, rows: slice | None) -> torch.Tensor:
+    """Rows ``rows`` of tensor ``key``, through a handle opened for them alone. A handle maps
+    the whole file, and every page read through it stays resident until it closes, so reading a
+    candidate through one handle would hold all of it in memory; here only the returned piece's
+    pages are read (and released with the tensor). ``get_tensor`` returns a view of the
+    mapping, and slicing it reads nothing (the handle's ``get_slice`` was 10× slower)."""
+    with safe_open(str(path), framework="pt") as handle:
+        tensor = handle.get_tensor(key)  # a view of the mapping: nothing read yet
+    return tensor if rows is None else tensor[rows]
+
+
+def _non_finite_error(
+    key: str, rows: slice | None, paths: Sequence[Path], weights: Sequence[float]
+) -> RecordError:
     """Name the contributing candidate whose tensor ``key`` holds NaN or inf (slow path)."""
     for path, weight in zip(paths, weights, strict=True):
         if weight > 0:
-            with safe_open(str(path), framework="pt") as handle:
-                tensor = handle.get_tensor(key)
-                if not _is_finite(tensor.to(_accumulation_dtype(tensor.dtype))):
-                    return RecordError(
-                        f"{file_label(path)}: tensor {key!r} contains NaN or inf values"
-                    )
+            tensor = _read(path, key, rows)
+            if not _is_finite(tensor.to(_accumulation_dtype(tensor.dtype))):
+                return RecordError(f"{file_label(path)}: tensor {key!r} contains NaN or inf values")
     return RecordError(f"the merge overflowed in tensor {key!r} (values near the float limit)")
 
 
@@ -156,48 +179,113 @@ def linear_combination(
     ``weights`` must lie on the simplex (finite, non-negative, sum 1 within 1e-9); nothing is
     renormalised. Tensor names, shapes and dtypes must agree; NaN/inf values are refused in
     every candidate, even one with weight 0. Non-float tensors (integer, bool buffers) must be
-    equal across candidates and are copied.
+    equal across candidates and are copied. See :func:`linear_combinations` for the streaming.
+    """
+    return linear_combinations(files, [weights], keep=0, device=device)
 
-    Finiteness costs one extra pass over the output, not one per candidate: a NaN or inf in a
-    candidate with λ_i > 0 stays NaN or inf through every later addition, so the sum is checked
-    once; candidates with λ_i = 0 are never summed and are checked on their own.
+
+def linear_combinations(
+    files: Sequence[str | Path],
+    weight_sets: Sequence[Sequence[float]],
+    *,
+    keep: int,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """The LC merge of ``files`` for every weight vector in ``weight_sets``, of which only
+    ``weight_sets[keep]``'s is returned (a mixture computes both rungs, so neither its errors
+    nor its work depend on the draw; docs/design.md#rs-secrecy).
+
+    Streamed piece by piece: for each tensor, in row ranges of about ``PIECE_BYTES``, each
+    candidate's piece is read through a handle opened for it alone (:func:`_read`) and added
+    into one float32 (float64 for float64 tensors) sum per weight vector, which is checked and
+    cast into the output. Memory is the output plus a few pieces, whatever the number of
+    candidates or weight vectors. Each element sees the same operations in the same order as
+    summing whole models candidate by candidate, so the bits are those of that in-memory sum.
+
+    Finiteness costs one pass over each sum, not one per candidate: a NaN or inf in a candidate
+    with λ_i > 0 stays NaN or inf through every later addition, so the sum is checked once;
+    candidates with λ_i = 0 are never summed and are checked on their own.
     """
     paths = [Path(f) for f in files]
-    weights = simplex_weights(weights, len(paths), what="LC weights")
+    sets = [simplex_weights(w, len(paths), what="LC weights") for w in weight_sets]
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep < len(sets):
+        raise RecordError(f"keep must be the index of one of {len(sets)} weight vectors")
     headers = {file_label(p): read_header(p) for p in paths}
     if len(headers) != len(paths):
         raise RecordError("the same candidate is given twice")
     check_same_structure(headers)
     device = torch.device(device)
+    labels = list(headers)
+    columns = list(zip(*sets, strict=True))  # one candidate's weights, one per vector
+    scratch: dict[int, torch.Tensor] = {}  # a reused byte buffer per weight vector not kept
     merged: dict[str, torch.Tensor] = {}
-    first: dict[str, str] = {}  # key -> label of the candidate that initialised it
-    for path, weight in zip(paths, weights, strict=True):
-        label = file_label(path)
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                tensor = handle.get_tensor(key)
-                if not tensor.is_floating_point():
-                    if key not in merged:
-                        merged[key], first[key] = tensor.to(device, copy=True), label
-                    elif not torch.equal(merged[key], tensor.to(device)):
-                        raise RecordError(
-                            f"{label}: non-float tensor {key!r} differs from {first[key]}; "
-                            "integer and bool buffers cannot be averaged and must be equal"
-                        )
-                    continue
-                value = tensor.to(device, _accumulation_dtype(tensor.dtype))
-                if weight == 0:
-                    if not _is_finite(value):
-                        raise RecordError(f"{label}: tensor {key!r} contains NaN or inf values")
-                elif key not in merged:
-                    merged[key] = value.clone() if weight == 1 else value * weight
-                else:
-                    merged[key].add_(value, alpha=weight)
-    for key, value in merged.items():
-        if value.is_floating_point() and not _is_finite(value):
-            raise _non_finite_error(key, paths, weights)
-    ref = next(iter(headers.values()))
-    return {key: merged[key].to(info.dtype) for key, info in ref.items()}
+    for key, info in next(iter(headers.values())).items():
+        out = torch.empty(info.shape, dtype=info.dtype, device=device)
+        for rows in _pieces(info):
+            target = out if rows is None else out[rows]
+            if not info.dtype.is_floating_point:
+                _copy_equal(target, key, rows, paths, labels)
+                continue
+            dtype = _accumulation_dtype(info.dtype)
+            sums = [
+                target
+                if index == keep and dtype == info.dtype
+                else _scratch(scratch, index, target.shape, dtype, device)
+                for index in range(len(sets))
+            ]
+            started: set[int] = set()
+            for path, label, column in zip(paths, labels, columns, strict=True):
+                value = _read(path, key, rows).to(device, dtype)
+                if 0 in column and not _is_finite(value):
+                    raise RecordError(f"{label}: tensor {key!r} contains NaN or inf values")
+                for index, weight in enumerate(column):
+                    if weight == 0:
+                        continue
+                    if index in started:
+                        sums[index].add_(value, alpha=weight)
+                    elif weight == 1:
+                        sums[index].copy_(value)
+                    else:
+                        torch.mul(value, weight, out=sums[index])
+                    started.add(index)
+            for index, total in enumerate(sums):
+                if not _is_finite(total):
+                    raise _non_finite_error(key, rows, paths, sets[index])
+            if sums[keep] is not target:
+                target.copy_(sums[keep])
+        merged[key] = out
+    return merged
+
+
+def _scratch(
+    buffers: dict[int, torch.Tensor],
+    index: int,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A ``shape``/``dtype`` view of buffer ``index``, grown to fit: sums reuse one buffer
+    rather than allocate a tensor per piece (freed pieces fragment the heap)."""
+    size = math.prod(shape) * dtype.itemsize
+    if index not in buffers or buffers[index].numel() < size:
+        buffers[index] = torch.empty(size, dtype=torch.uint8, device=device)
+    return buffers[index][:size].view(dtype).view(shape)
+
+
+def _copy_equal(
+    target: torch.Tensor, key: str, rows: slice | None, paths: Sequence[Path], labels: list[str]
+) -> None:
+    """Copy a piece of a non-float tensor (integer, bool) into ``target``; every candidate's
+    must be equal to the first's."""
+    for position, (path, label) in enumerate(zip(paths, labels, strict=True)):
+        tensor = _read(path, key, rows)
+        if position == 0:
+            target.copy_(tensor)
+        elif not torch.equal(target, tensor.to(target.device)):
+            raise RecordError(
+                f"{label}: non-float tensor {key!r} differs from {labels[0]}; "
+                "integer and bool buffers cannot be averaged and must be equal"
+            )
 
 
 def draw_index(probabilities: Sequence[float], *, rng: random.Random | None = None) -> int:
@@ -342,8 +430,7 @@ def merge_model_dirs(
         if method != Method.LC:
             drawn = draw(odds) if draw is not None else draw_index(odds, rng=rng)
         if method == Method.MIXTURE:  # both rungs, whichever was drawn
-            computed = [linear_combination(files, w, device=device) for w in choices]
-            merged = computed[drawn]  # type: ignore[index]
+            merged = linear_combinations(files, choices, keep=drawn or 0, device=device)
         else:
             merged = linear_combination(files, choices[drawn or 0], device=device)
         spec = dirs[0].spec
