@@ -273,6 +273,87 @@ def test_swapped_served_weights_are_found_by_the_reconciler_and_refused_by_consu
     assert out == "" and err.count("\n") == 1 and "weights.safetensors" in err
 
 
+# --- issue 28 item 3: a release is its files ---------------------------------------------------
+
+
+def test_a_copy_of_a_served_releases_signed_tags_on_another_model_is_refused_on_reuse(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys
+) -> None:
+    """Issue 28 row A, what the workflow's MLflow credential alone can do: a new version of
+    the releases model whose files are a candidate's (a larger ε), with every tag (its
+    signature included) and the card of the served release copied onto it, and the served
+    one marked failed, so that a rerun finds the copy, whose signature alone verifies. The
+    rerun refuses to reuse it (its files are not the model its manifest names) and the alias
+    keeps the verified release; a consumer's verify refuses the copy too."""
+    policy = _policy(name="bind", target_epsilon=trained["epsilons"][2] * 1.5)
+    served = _apply(fresh, policy)
+    assert served.status == pm.Status.PROMOTED
+    name, client = served.merged_model, _client(fresh)
+    candidate = client.get_model_version(_pool(fresh).registered_model, "1")  # the largest ε
+    original = client.get_model_version(name, served.version)
+    copy = client.create_model_version(
+        name,
+        source=candidate.source,
+        run_id=original.run_id,
+        tags=dict(original.tags),
+        description=original.description,
+    )
+    forged = str(copy.version)
+    client.set_model_version_tag(name, served.version, "dp.status", "failed")
+    registry = fresh.registry()
+    found = registry.find_ready_version(name, original.tags["dp.content_hash"])
+    assert found is not None and found.version == forged and registry.signed(found)
+    again = _apply(fresh, policy)
+    assert (again.status, again.version, again.reused) == (pm.Status.REFUSED, forged, True)
+    assert "reads its files from" in again.reasons[0] and "signed manifest" in again.reasons[0]
+    assert f"quarantine {name} {forged}" in again.reasons[0]
+    assert f"keeps v{served.version}, which meets the policy" in again.reasons[-1]
+    assert (again.serving, again.serving_version) == ("serving", served.version)
+    assert _aliases(fresh, name) == {"policy-bind": served.version}
+    state = state_serving.read_state(fresh.state(), _pool(fresh).dataset)
+    assert state.alias(name, "policy-bind").serving == served.version
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    assert main(["verify", f"models:/{name}/{forged}", *key, *uri]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "reads its files from" in err
+    assert main(["verify", f"models:/{name}/{served.version}", *key, *uri]) == 0
+    capsys.readouterr()
+    client.set_model_version_tag(name, forged, "dp.status", "failed")
+    client.set_model_version_tag(name, served.version, "dp.status", "ready")
+    assert _apply(fresh, policy).status == pm.Status.UNCHANGED
+
+
+def test_weights_swapped_under_the_served_release_are_refused_and_revoked_on_rerun(
+    fresh: pm.Workspace, trained: dict[str, Any]
+) -> None:
+    """Issue 28 row I: the served release's weights replaced in the artifact store. The rerun
+    that would say "unchanged" refuses it and revokes the alias — even under
+    ``on_noncompliant: keep`` (a release that is not its files is never kept) — and a later
+    run that needs the alias refuses the same version again instead of serving it."""
+    policy = _policy(
+        name="swapped", target_epsilon=trained["epsilons"][2] * 1.5, on_noncompliant="keep"
+    )
+    served = _apply(fresh, policy)
+    assert served.status == pm.Status.PROMOTED
+    assert _apply(fresh, policy).status == pm.Status.UNCHANGED  # intact: a plain rerun
+    weights = _stored_dir(fresh, served.merged_model, served.version) / "weights.safetensors"
+    candidate = _stored_dir(fresh, _pool(fresh).registered_model, "1") / "weights.safetensors"
+    weights.write_bytes(candidate.read_bytes())
+    rerun = _apply(fresh, policy)
+    assert (rerun.status, rerun.version) == (pm.Status.REFUSED, served.version)
+    assert (
+        "weights.safetensors" in rerun.reasons[0] and "differ from the signed" in rerun.reasons[0]
+    )
+    assert (rerun.serving, rerun.serving_version) == ("revoked", None)
+    assert rerun.revoked_version == served.version and not rerun.compliant
+    assert _aliases(fresh, served.merged_model) == {}
+    pointer = state_serving.read_state(fresh.state(), _pool(fresh).dataset)
+    assert pointer.alias(served.merged_model, "policy-swapped").serving is None
+    again = _apply(fresh, policy)
+    assert (again.status, again.serving_version) == (pm.Status.REFUSED, None)
+
+
 # --- item 3: alias ownership ------------------------------------------------------------------
 
 

@@ -231,6 +231,17 @@ class MlflowConnection:
                 raise RegistryError(f"{name} v{version} does not exist") from None
             raise registry_error(f"reading {name} v{version}: {error.message}", error) from None
 
+    def _download_uri(self, name: str, version: str) -> str:
+        """Where version ``version``'s files are downloaded from: what a ``models:/`` URI, and
+        so MLflow's serving, reads (its source, or what a ``models:/`` source resolved to)."""
+        with self._errors(f"reading where {name} v{version} is stored"):
+            return self._client.get_model_version_download_uri(name, version)
+
+    def _logged_model_location(self, model_id: str) -> str:
+        """Where the files of logged model ``model_id`` are stored."""
+        with self._errors(f"reading logged model {model_id}"):
+            return self._client.get_logged_model(model_id).artifact_location
+
     def _model_tags(self, name: str) -> dict[str, str] | None:
         """The registered model's tags; ``None`` when there is no such model this user can see
         (MLflow's auth app answers PERMISSION_DENIED for a name the user has no grant on,
