@@ -12,6 +12,7 @@ import dataclasses
 import json
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -23,11 +24,12 @@ import torch
 from factories import DELTA, train_digits
 from mlflow import MlflowClient
 
-from dpmerge import manifests
+from dpmerge import manifests, model_signature
 from dpmerge import policy_merge as pm
 from dpmerge.cli import main
 from dpmerge.data import load_dataset
 from dpmerge.errors import RefusalError
+from dpmerge.keys import WorkflowKey
 from dpmerge.policies import Policy, PolicyError, policy_from_dict
 from dpmerge.policy_merge import draws
 from dpmerge.policy_merge import release as release_step
@@ -352,6 +354,77 @@ def test_weights_swapped_under_the_served_release_are_refused_and_revoked_on_rer
     assert pointer.alias(served.merged_model, "policy-swapped").serving is None
     again = _apply(fresh, policy)
     assert (again.status, again.serving_version) == (pm.Status.REFUSED, None)
+
+
+def _model_signing_verify(directory: Path, public_pem: Path) -> subprocess.CompletedProcess:
+    """OpenSSF's own verifier, as a consumer runs it on a downloaded release."""
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "model_signing", "verify", "key", str(directory)),
+            *("--signature", str(directory / model_signature.SIGNATURE_FILE)),
+            *("--public_key", str(public_pem)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_a_release_verifies_with_openssf_model_signing_and_both_verifiers_refuse_a_change(
+    fresh: pm.Workspace, trained: dict[str, Any], tmp_path: Path, capsys
+) -> None:
+    """Issue 28 item 3: a registered release directory (its card and record inside it) carries
+    ``model.sig``, an OpenSSF model-signing bundle in key mode, under the P-256 key derived
+    from the workflow's key: `python -m model_signing verify key` passes on the downloaded
+    release beside `dpmerge verify`. A changed, an extra or a missing file in the artifact
+    store is refused by both, naming the file."""
+    served = _apply(fresh, _policy(name="oss", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert served.status == pm.Status.PROMOTED
+    name, version, registry = served.merged_model, served.version, fresh.registry()
+    pem = tmp_path / "release.pem"
+    pem.write_bytes(model_signature.public_key_pem(fresh.workflow_key()))
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    manifest, downloaded = registry.verified_model(name, version, tmp_path / "ok", key[1])
+    assert model_signature.SIGNATURE_FILE in manifest.files  # the Ed25519 manifest covers it
+    assert {"extra_files/record.json", "extra_files/privacy_card.json"} <= manifest.files.keys()
+    passed = _model_signing_verify(downloaded, pem)
+    assert passed.returncode == 0, passed.stderr
+    assert main(["verify", f"models:/{name}/{version}", *key, *uri]) == 0
+    capsys.readouterr()
+    other = tmp_path / "other.pem"
+    other.write_bytes(model_signature.public_key_pem(WorkflowKey.generate()))
+    assert _model_signing_verify(downloaded, other).returncode != 0  # another key
+    stored = Path(urlparse(_client(fresh).get_model_version(name, version).source).path)
+    card = stored / "extra_files" / "privacy_card.json"
+    original = card.read_bytes()
+    tampers = {
+        "changed": lambda: card.write_bytes(original.replace(b'"epsilon"', b'"epsilon" ')),
+        "extra": lambda: (stored / "extra_files" / "evil.json").write_text("{}"),
+        "missing": card.unlink,
+    }
+    restores = {
+        "changed": lambda: card.write_bytes(original),
+        "extra": (stored / "extra_files" / "evil.json").unlink,
+        "missing": lambda: card.write_bytes(original),
+    }
+    for kind, tamper in tampers.items():
+        tamper()
+        try:
+            raw = registry.download_model(name, version, tmp_path / kind)
+            refused = _model_signing_verify(raw, pem)
+            code = main(["verify", f"models:/{name}/{version}", *key, *uri])
+        finally:
+            restores[kind]()
+        out, err = capsys.readouterr()
+        assert refused.returncode != 0, kind
+        named = "evil.json" if kind == "extra" else "privacy_card.json"
+        assert named in refused.stdout + refused.stderr, (kind, refused.stdout, refused.stderr)
+        said = {"changed": "changed: ", "extra": "added: ", "missing": "missing: "}[kind]
+        assert code == 2 and out == "" and f"{said}extra_files/{named}" in err, (kind, err)
+    assert main(["verify", f"models:/{name}/{version}", *key, *uri]) == 0
+    capsys.readouterr()
 
 
 # --- item 3: alias ownership ------------------------------------------------------------------
