@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -354,6 +355,9 @@ def test_weights_swapped_under_the_served_release_are_refused_and_revoked_on_rer
     assert pointer.alias(served.merged_model, "policy-swapped").serving is None
     again = _apply(fresh, policy)
     assert (again.status, again.serving_version) == (pm.Status.REFUSED, None)
+    shutil.rmtree(weights.parent.parent)  # every file of the release gone: refused, no crash
+    gone = _apply(fresh, policy)
+    assert (gone.status, gone.serving_version) == (pm.Status.REFUSED, None), gone.reasons
 
 
 def _model_signing_verify(directory: Path, public_pem: Path) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dpmerge.errors import RefusalError
+from dpmerge.errors import OutageError, RefusalError
 from dpmerge.formatting import epsilon_text
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policies import Policy
@@ -105,7 +105,9 @@ def release_problem(workspace: Workspace, name: str, version: str) -> str | None
     with tempfile.TemporaryDirectory(prefix="dpmerge-release-") as scratch:
         try:
             registry.verified_model(name, version, scratch, registry.public_key)
-        except ReleaseSignatureError as error:
+        except (ReleaseSignatureError, RegistryError) as error:
+            if isinstance(error, OutageError):  # MLflow down: nothing is known of the release
+                raise
             return (
                 f"{name} v{version} is not the release its signature says ({error}); take it "
                 f"out of use with `dpmerge registry quarantine {name} {version}`"
