@@ -27,6 +27,8 @@ from devstack.credentials import Credentials
 from dpmerge.environment import TELEMETRY_OFF
 from dpmerge.keys import WorkflowKey
 from dpmerge.manifests import PUBLIC_KEY_ENV, public_key_hex
+from dpmerge.model_signature import PUBLIC_KEY_ENV as MODEL_SIGNING_KEY_ENV
+from dpmerge.model_signature import published_public_key
 from dpmerge.registry.readers import READERS_ENV, format_readers
 from dpmerge.storage import DEFAULT_REGION, MLFLOW_ARTIFACTS_PREFIX, S3Config
 from dpmerge.vocabulary import StackDatabase, StackRole
@@ -141,6 +143,8 @@ def role_env(config: StackConfig, role: StackRole) -> dict[str, str]:
         "MLFLOW_TRACKING_PASSWORD": creds.mlflow_users[role.value],
         # public: every role verifies a release's signature with it (dpmerge verify)
         PUBLIC_KEY_ENV: public_key_hex(key),
+        # public: the PEM, base64, for `python -m model_signing verify key`
+        MODEL_SIGNING_KEY_ENV: published_public_key(key),
         **TELEMETRY_OFF,
     }
     if role in (StackRole.WORKFLOW, StackRole.OPERATOR):

@@ -9,8 +9,10 @@ distributed to workers; its public key is published (``dpmerge stack env --role 
 prints it, and every release names its fingerprint), so anyone can check a release without
 being able to make one:
 
-* the workflow reuses or serves only releases whose manifest verifies and whose tags equal the
-  signed facts (a version planted under a release hash, or a tag changed afterwards, fails);
+* the workflow reuses or serves only releases whose manifest verifies, whose tags equal the
+  signed facts, and whose files — read from the logged model the manifest names — are the
+  signed ones (a version planted under a release hash, a tag changed afterwards, a signed
+  release's tags copied onto other files, or swapped weights fail);
 * ``dpmerge registry verify`` checks the files of every served release against the manifest;
 * a consumer runs ``dpmerge verify models:/<releases>@<alias>`` (or
   :func:`dpmerge.registry.Registry.load_verified`) before serving: swapped weights are refused.

@@ -22,7 +22,8 @@ that meets this version — the *name* says how the run ended (Prefect emits
 * superseded (a later version of the policy) → Cancelled ``Superseded`` (5);
 * rejected (no such version, a policy not valid for this registry, another policy's alias) →
   Failed ``Rejected`` (2); refused (a record or state object fails verification, a fixed-seed
-  candidate) → Failed ``Refused`` (2).
+  candidate; or the release to serve, reuse or keep is not its signed files and model, when
+  the alias is also kept on a verified compliant release or revoked) → Failed ``Refused`` (2).
 
 An outage (MLflow or S3 down or not answering in time) ends ``Failed`` with its outcome
 ``failed`` recorded where the store can still be reached, so ``policy set --wait`` reports it
@@ -71,6 +72,7 @@ NAMES = {
     Status.INFEASIBLE: "Infeasible",
     Status.NOT_PROMOTED: "NotPromoted",
     Status.SUPERSEDED: "Superseded",
+    Status.REFUSED: REFUSED,
 }
 STATUS_OF_STATE = {
     **{name: status.value for status, name in NAMES.items()},
@@ -91,6 +93,8 @@ def state_of(outcome: PolicyOutcome) -> tuple[Any, str]:
     """The run's final state type and name for ``outcome`` (see the module docstring)."""
     if outcome.status == Status.SUPERSEDED:
         return Cancelled, NAMES[outcome.status]
+    if outcome.status == Status.REFUSED:  # a release that is not its files is news, always
+        return Failed, REFUSED
     if outcome.compliant:
         return Completed, NAMES[outcome.status]
     if outcome.revoked_version is not None:

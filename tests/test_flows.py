@@ -623,6 +623,41 @@ def test_cli_exit_codes_match_the_outcome(env, trained, capsys) -> None:
     assert capsys.readouterr().out.startswith("policy codes v3: not promoted — ")
 
 
+def test_a_rerun_over_swapped_weights_is_refused_revoked_and_exit_2(env, trained, capsys) -> None:
+    """Issue 28 row I through the CLI: weights swapped under the served release in the
+    artifact store; `policy set --rerun` does not say "unchanged": the run is Failed
+    ``Refused`` (exit 2), the alias is revoked, and the history records it."""
+    from urllib.parse import urlparse
+
+    from flows.cli import main
+
+    base = ["policy", "set", "--name", "swap", "--delta", "1e-5", "--dataset", "digits"]
+    assert main([*base, "--target-epsilon", f"{_eps(trained)[2] * 1.5:.4f}", "--json"]) == 0
+    served = _json_lines(capsys.readouterr().out)[-1]
+    model, version = served["merged_model"], served["version"]
+    assert main(["policy", "set", "--name", "swap", "--rerun"]) == 0
+    assert "unchanged" in capsys.readouterr().out
+    client = MlflowClient(env["uri"], env["uri"])
+    stored = Path(urlparse(client.get_model_version(model, version).source).path)
+    weights = stored / "extra_files" / "weights.safetensors"
+    original = weights.read_bytes()  # other policies of this module share the release
+    weights.write_bytes(original[:-8] + bytes(8))
+    try:
+        code = main(["policy", "set", "--name", "swap", "--rerun", "--json"])
+        outcome = _json_lines(capsys.readouterr().out)[-1]
+        state = _apply(env, _policy(name="swap", target_epsilon=served["target_epsilon"]))
+    finally:
+        weights.write_bytes(original)
+    assert code == 2 and outcome["status"] == "refused", outcome
+    assert outcome["revoked_version"] == version and outcome["serving"] == "revoked"
+    assert state.is_failed() and state.name == "Refused"  # already revoked: still refused
+    assert "serves nothing (revoked)" in state.message
+    assert "weights.safetensors" in outcome["reasons"][0]
+    assert _alias(env, model, "policy-swap") is None
+    assert main(["policy", "history", "swap"]) == 0
+    assert "outcome: refused" in capsys.readouterr().out
+
+
 def test_another_policys_alias_is_a_rejected_run_and_exit_2(env, trained, capsys) -> None:
     """Naming an alias another policy owns is bad input: a ``Rejected`` run (exit 2, one line),
     never a crash, and the owner's alias stays."""

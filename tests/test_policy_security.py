@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -23,11 +25,12 @@ import torch
 from factories import DELTA, train_digits
 from mlflow import MlflowClient
 
-from dpmerge import manifests
+from dpmerge import manifests, model_signature
 from dpmerge import policy_merge as pm
 from dpmerge.cli import main
 from dpmerge.data import load_dataset
 from dpmerge.errors import RefusalError
+from dpmerge.keys import WorkflowKey
 from dpmerge.policies import Policy, PolicyError, policy_from_dict
 from dpmerge.policy_merge import draws
 from dpmerge.policy_merge import release as release_step
@@ -271,6 +274,161 @@ def test_swapped_served_weights_are_found_by_the_reconciler_and_refused_by_consu
     assert main(["verify", "@policy-swap", *key, *uri]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "weights.safetensors" in err
+
+
+# --- issue 28 item 3: a release is its files ---------------------------------------------------
+
+
+def test_a_copy_of_a_served_releases_signed_tags_on_another_model_is_refused_on_reuse(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys
+) -> None:
+    """Issue 28 row A, what the workflow's MLflow credential alone can do: a new version of
+    the releases model whose files are a candidate's (a larger ε), with every tag (its
+    signature included) and the card of the served release copied onto it, and the served
+    one marked failed, so that a rerun finds the copy, whose signature alone verifies. The
+    rerun refuses to reuse it (its files are not the model its manifest names) and the alias
+    keeps the verified release; a consumer's verify refuses the copy too."""
+    policy = _policy(name="bind", target_epsilon=trained["epsilons"][2] * 1.5)
+    served = _apply(fresh, policy)
+    assert served.status == pm.Status.PROMOTED
+    name, client = served.merged_model, _client(fresh)
+    candidate = client.get_model_version(_pool(fresh).registered_model, "1")  # the largest ε
+    original = client.get_model_version(name, served.version)
+    copy = client.create_model_version(
+        name,
+        source=candidate.source,
+        run_id=original.run_id,
+        tags=dict(original.tags),
+        description=original.description,
+    )
+    forged = str(copy.version)
+    client.set_model_version_tag(name, served.version, "dp.status", "failed")
+    registry = fresh.registry()
+    found = registry.find_ready_version(name, original.tags["dp.content_hash"])
+    assert found is not None and found.version == forged and registry.signed(found)
+    again = _apply(fresh, policy)
+    assert (again.status, again.version, again.reused) == (pm.Status.REFUSED, forged, True)
+    assert "reads its files from" in again.reasons[0] and "signed manifest" in again.reasons[0]
+    assert f"quarantine {name} {forged}" in again.reasons[0]
+    assert f"keeps v{served.version}, which meets the policy" in again.reasons[-1]
+    assert (again.serving, again.serving_version) == ("serving", served.version)
+    assert _aliases(fresh, name) == {"policy-bind": served.version}
+    state = state_serving.read_state(fresh.state(), _pool(fresh).dataset)
+    assert state.alias(name, "policy-bind").serving == served.version
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    assert main(["verify", f"models:/{name}/{forged}", *key, *uri]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "reads its files from" in err
+    assert main(["verify", f"models:/{name}/{served.version}", *key, *uri]) == 0
+    capsys.readouterr()
+    client.set_model_version_tag(name, forged, "dp.status", "failed")
+    client.set_model_version_tag(name, served.version, "dp.status", "ready")
+    assert _apply(fresh, policy).status == pm.Status.UNCHANGED
+
+
+def test_weights_swapped_under_the_served_release_are_refused_and_revoked_on_rerun(
+    fresh: pm.Workspace, trained: dict[str, Any]
+) -> None:
+    """Issue 28 row I: the served release's weights replaced in the artifact store. The rerun
+    that would say "unchanged" refuses it and revokes the alias — even under
+    ``on_noncompliant: keep`` (a release that is not its files is never kept) — and a later
+    run that needs the alias refuses the same version again instead of serving it."""
+    policy = _policy(
+        name="swapped", target_epsilon=trained["epsilons"][2] * 1.5, on_noncompliant="keep"
+    )
+    served = _apply(fresh, policy)
+    assert served.status == pm.Status.PROMOTED
+    assert _apply(fresh, policy).status == pm.Status.UNCHANGED  # intact: a plain rerun
+    weights = _stored_dir(fresh, served.merged_model, served.version) / "weights.safetensors"
+    candidate = _stored_dir(fresh, _pool(fresh).registered_model, "1") / "weights.safetensors"
+    weights.write_bytes(candidate.read_bytes())
+    rerun = _apply(fresh, policy)
+    assert (rerun.status, rerun.version) == (pm.Status.REFUSED, served.version)
+    assert (
+        "weights.safetensors" in rerun.reasons[0] and "differ from the signed" in rerun.reasons[0]
+    )
+    assert (rerun.serving, rerun.serving_version) == ("revoked", None)
+    assert rerun.revoked_version == served.version and not rerun.compliant
+    assert _aliases(fresh, served.merged_model) == {}
+    pointer = state_serving.read_state(fresh.state(), _pool(fresh).dataset)
+    assert pointer.alias(served.merged_model, "policy-swapped").serving is None
+    again = _apply(fresh, policy)
+    assert (again.status, again.serving_version) == (pm.Status.REFUSED, None)
+    shutil.rmtree(weights.parent.parent)  # every file of the release gone: refused, no crash
+    gone = _apply(fresh, policy)
+    assert (gone.status, gone.serving_version) == (pm.Status.REFUSED, None), gone.reasons
+
+
+def _model_signing_verify(directory: Path, public_pem: Path) -> subprocess.CompletedProcess:
+    """OpenSSF's own verifier, as a consumer runs it on a downloaded release."""
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "model_signing", "verify", "key", str(directory)),
+            *("--signature", str(directory / model_signature.SIGNATURE_FILE)),
+            *("--public_key", str(public_pem)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_a_release_verifies_with_openssf_model_signing_and_both_verifiers_refuse_a_change(
+    fresh: pm.Workspace, trained: dict[str, Any], tmp_path: Path, capsys
+) -> None:
+    """Issue 28 item 3: a registered release directory (its card and record inside it) carries
+    ``model.sig``, an OpenSSF model-signing bundle in key mode, under the P-256 key derived
+    from the workflow's key: `python -m model_signing verify key` passes on the downloaded
+    release beside `dpmerge verify`. A changed, an extra or a missing file in the artifact
+    store is refused by both, naming the file."""
+    served = _apply(fresh, _policy(name="oss", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert served.status == pm.Status.PROMOTED
+    name, version, registry = served.merged_model, served.version, fresh.registry()
+    pem = tmp_path / "release.pem"
+    pem.write_bytes(model_signature.public_key_pem(fresh.workflow_key()))
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    manifest, downloaded = registry.verified_model(name, version, tmp_path / "ok", key[1])
+    assert model_signature.SIGNATURE_FILE in manifest.files  # the Ed25519 manifest covers it
+    assert {"extra_files/record.json", "extra_files/privacy_card.json"} <= manifest.files.keys()
+    passed = _model_signing_verify(downloaded, pem)
+    assert passed.returncode == 0, passed.stderr
+    assert main(["verify", f"models:/{name}/{version}", *key, *uri]) == 0
+    capsys.readouterr()
+    other = tmp_path / "other.pem"
+    other.write_bytes(model_signature.public_key_pem(WorkflowKey.generate()))
+    assert _model_signing_verify(downloaded, other).returncode != 0  # another key
+    stored = Path(urlparse(_client(fresh).get_model_version(name, version).source).path)
+    card = stored / "extra_files" / "privacy_card.json"
+    original = card.read_bytes()
+    tampers = {
+        "changed": lambda: card.write_bytes(original.replace(b'"epsilon"', b'"epsilon" ')),
+        "extra": lambda: (stored / "extra_files" / "evil.json").write_text("{}"),
+        "missing": card.unlink,
+    }
+    restores = {
+        "changed": lambda: card.write_bytes(original),
+        "extra": (stored / "extra_files" / "evil.json").unlink,
+        "missing": lambda: card.write_bytes(original),
+    }
+    for kind, tamper in tampers.items():
+        tamper()
+        try:
+            raw = registry.download_model(name, version, tmp_path / kind)
+            refused = _model_signing_verify(raw, pem)
+            code = main(["verify", f"models:/{name}/{version}", *key, *uri])
+        finally:
+            restores[kind]()
+        out, err = capsys.readouterr()
+        assert refused.returncode != 0, kind
+        named = "evil.json" if kind == "extra" else "privacy_card.json"
+        assert named in refused.stdout + refused.stderr, (kind, refused.stdout, refused.stderr)
+        said = {"changed": "changed: ", "extra": "added: ", "missing": "missing: "}[kind]
+        assert code == 2 and out == "" and f"{said}extra_files/{named}" in err, (kind, err)
+    assert main(["verify", f"models:/{name}/{version}", *key, *uri]) == 0
+    capsys.readouterr()
 
 
 # --- item 3: alias ownership ------------------------------------------------------------------

@@ -5,6 +5,7 @@ a registry and a store that are out of step are refused. Roles: tests/test_stack
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -346,6 +347,8 @@ def test_config_round_trip_and_role_env(tmp_path: Path) -> None:
     # every role verifies releases with the same public key (the workflow key's public half)
     keys = {e["DPMERGE_RELEASE_PUBLIC_KEY"] for e in env.values()}
     assert len(keys) == 1 and len(keys.pop()) == 64
+    pems = {e["DPMERGE_MODEL_SIGNING_PUBLIC_KEY"] for e in env.values()}  # model_signing's
+    assert len(pems) == 1 and base64.b64decode(pems.pop()).startswith(b"-----BEGIN PUBLIC KEY")
     assert configured_readers(env[StackRole.WORKFLOW]) == {
         "dpmerge-candidates": ("operator",),
         "dpmerge-releases": ("operator", "consumer"),

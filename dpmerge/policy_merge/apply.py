@@ -13,8 +13,10 @@ candidates to the alias (docs/design.md#release-state, docs/design.md#workflow).
     merge (RS: the draw stored for the release) ─▶ count ─▶ register ───┤ │
                                                    (cap: refused) ──────┼─┤
                                                                         ▼ │
-    serve ── gates, then count-and-point in one conditional write ─────┐  │
-       │     (a later version: superseded; a gate, quarantine, cap) ───┼──┤
+    serve ── the release is its signed files, then the gates, then ────┐  │
+       │     count-and-point in one conditional write (a later         │  │
+       │     version: superseded; not its files: refused; a gate, ─────┼──┤
+       │     quarantine, cap: not promoted)                            │  │
        ▼                                                               │  ▼
     project (MLflow alias := the serving pointer) ◀──── promoted /   enforce: the alias keeps a
                                                         unchanged    release only if it meets
@@ -212,8 +214,8 @@ class _Run:
         if served.status == Status.SUPERSEDED:
             outcome = self.outcome(Status.SUPERSEDED, reasons=served.reasons, **facts)
             return PolicyResult(outcome, dataset=pool.dataset)
-        if served.status == Status.NOT_PROMOTED:
-            return self.unmet(pool, Status.NOT_PROMOTED, served.reasons, facts, card)
+        if served.status in (Status.NOT_PROMOTED, Status.REFUSED):
+            return self.unmet(pool, served.status, served.reasons, facts, card)
         projection = steps.project(self.workspace, pool, str(self.policy.alias))
         outcome = self.outcome(
             served.status,

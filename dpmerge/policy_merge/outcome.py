@@ -21,6 +21,7 @@ class Status(StrEnum):
     PROMOTED = "promoted"  # a release passed the gates; the alias moved to it
     UNCHANGED = "unchanged"  # the alias already named this release
     NOT_PROMOTED = "not_promoted"  # a gate (or the cap) refused the release
+    REFUSED = "refused"  # the release is not its signed files and model; the alias kept or revoked
     INFEASIBLE = "infeasible"  # no merge meets the target
     SUPERSEDED = "superseded"  # a later version of the policy exists; nothing touched
 

@@ -1,13 +1,14 @@
 """Registration, serving and the serving invariant (steps 6–7, docs/design.md#release-state).
 
 * :func:`register_release` registers a counted release with its privacy card;
-* :func:`serve_release` checks the registry's gates on the release's signed facts, then counts
-  it (if it is not yet) and points the policy's alias at it in **one** conditional write to the
-  release-state store;
+* :func:`serve_release` checks that the release is its files (:func:`release_problem`: refused
+  otherwise), the registry's gates on its signed facts, then counts it (if it is not yet) and
+  points the policy's alias at it in **one** conditional write to the release-state store;
 * :func:`enforce` keeps the serving invariant when a run could not serve a compliant release
   (infeasible target, a failed gate, the cap): the alias keeps its release only if that release
   meets the policy's *current* version; otherwise it is revoked, or — if the policy says
-  ``on_noncompliant: keep`` — kept and flagged non-compliant;
+  ``on_noncompliant: keep`` — kept and flagged non-compliant; a release that is not its files
+  is always revoked;
 * :func:`project` makes the MLflow alias name what the serving pointer says (the alias is a
   projection of the pointer: moved after it, and repaired from it by every later run and by
   ``dpmerge registry verify``).
@@ -15,11 +16,13 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dpmerge.errors import RefusalError
+from dpmerge.errors import OutageError, RefusalError
 from dpmerge.formatting import epsilon_text
+from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.candidates import CandidatePool
 from dpmerge.policy_merge.ledger import LedgerSummary
@@ -92,6 +95,26 @@ def register_release(
     return Registered.of(registry.release_facts(stored), reused=registered.reused)
 
 
+def release_problem(workspace: Workspace, name: str, version: str) -> str | None:
+    """Why merged version ``version`` of ``name`` is not the release its signature says
+    (``None``: it is): its signed manifest must verify against its tags, name this version's
+    own MLflow model, and list exactly the files MLflow serves for it (downloaded from where
+    serving reads them; docs/design.md#security). Checked on every promotion, reuse and
+    unchanged rerun, and for the release an alias keeps."""
+    registry = workspace.registry()
+    with tempfile.TemporaryDirectory(prefix="dpmerge-release-") as scratch:
+        try:
+            registry.verified_model(name, version, scratch, registry.public_key)
+        except (ReleaseSignatureError, RegistryError) as error:
+            if isinstance(error, OutageError):  # MLflow down: nothing is known of the release
+                raise
+            return (
+                f"{name} v{version} is not the release its signature says ({error}); take it "
+                f"out of use with `dpmerge registry quarantine {name} {version}`"
+            )
+    return None
+
+
 def read_card(workspace: Workspace, name: str, version: str) -> str:
     """The public privacy card (Markdown) of a registered merged version."""
     return workspace.registry().card_text(name, version)
@@ -135,10 +158,14 @@ def serve_release(
 ) -> ServeResult:
     """Gates, then count-and-point in one conditional write (see the module docstring).
     ``superseded`` when a later version of the policy already changed the alias;
+    ``refused`` when the version is not its signed files and model (:func:`release_problem`);
     ``not_promoted`` when a gate, the quarantine or the ledger cap refuses."""
     policy = version.policy
     registry = workspace.registry()
     model = registered.name
+    problem = release_problem(workspace, model, registered.version)
+    if problem is not None:
+        return ServeResult(Status.REFUSED, reasons=(problem,))
     try:
         facts = registry.check_gates(
             model,
@@ -210,7 +237,8 @@ def enforce(
         )
         was = "revoked" if current.state == ServingState.REVOKED else "not set"
         return Enforced(after, f"alias {alias!r} serves nothing ({was})")
-    failing = unmet(current.guarantee, policy)
+    problem = release_problem(workspace, pool.merged_model, current.serving)
+    failing = [*([problem] if problem else []), *unmet(current.guarantee, policy)]
     if not failing:
         after = state_serving.touch(
             store,
@@ -221,7 +249,7 @@ def enforce(
             policy_version=version.version,
         )
         return Enforced(after, f"alias {alias!r} keeps v{current.serving}, which meets the policy")
-    keep = policy.on_noncompliant == OnNoncompliant.KEEP
+    keep = policy.on_noncompliant == OnNoncompliant.KEEP and problem is None
     why = "; ".join([*reasons, *failing])
     _, after = state_serving.withdraw(
         store,

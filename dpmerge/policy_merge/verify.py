@@ -23,7 +23,8 @@ before it projects the alias, so a pointer found then is the alias's source).
   reported (quarantine it);
 * ``card_mismatch`` — a served card differs from its signed digest; reported;
 * ``files_mismatch`` — a served release's files (weights, pt2 program, …) differ from its
-  signed manifest; reported (do not serve them: quarantine the version);
+  signed manifest, or are not those of the model it names; reported (do not serve them:
+  quarantine the version; its policy's next run refuses it and revokes the alias);
 * ``noncompliant`` — a served release does not meet its policy's current version (its next
   run decides), or is kept on purpose by the policy; reported;
 * ``quarantine_drift`` — MLflow's tag disagrees with a quarantine record; set back;

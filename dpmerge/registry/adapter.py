@@ -363,7 +363,14 @@ class Registry(RegistryQueries):
             with ThreadPoolExecutor(1) as beside:  # the run's metrics while the model uploads
                 logging = beside.submit(self._log_run, run_id, model_id, run, params, card)
                 source, files, digests = self._log_model(
-                    logged, run_id, self._module(loaded), loaded, record_bytes, card, run.dataset
+                    logged,
+                    run_id,
+                    self._module(loaded),
+                    loaded,
+                    record_bytes,
+                    card,
+                    run.dataset,
+                    self.keys,
                 )
                 logging.result()
             tags = {**tags, **self._signature(name, model_id, content_hash, tags, digests)}

@@ -52,8 +52,10 @@ from dpmerge.artifacts import (
 from dpmerge.data.datasets import DATASET_NAMES, preprocessing
 from dpmerge.environment import probe
 from dpmerge.formatting import cut
+from dpmerge.keys import WorkflowKey
 from dpmerge.locate import command
 from dpmerge.manifests import file_digests
+from dpmerge.model_signature import sign_directory
 from dpmerge.privacy_card import PrivacyCard
 from dpmerge.publication import dataset_name
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
@@ -231,6 +233,17 @@ class MlflowConnection:
                 raise RegistryError(f"{name} v{version} does not exist") from None
             raise registry_error(f"reading {name} v{version}: {error.message}", error) from None
 
+    def _download_uri(self, name: str, version: str) -> str:
+        """Where version ``version``'s files are downloaded from: what a ``models:/`` URI, and
+        so MLflow's serving, reads (its source, or what a ``models:/`` source resolved to)."""
+        with self._errors(f"reading where {name} v{version} is stored"):
+            return self._client.get_model_version_download_uri(name, version)
+
+    def _logged_model_location(self, model_id: str) -> str:
+        """Where the files of logged model ``model_id`` are stored."""
+        with self._errors(f"reading logged model {model_id}"):
+            return self._client.get_logged_model(model_id).artifact_location
+
     def _model_tags(self, name: str) -> dict[str, str] | None:
         """The registered model's tags; ``None`` when there is no such model this user can see
         (MLflow's auth app answers PERMISSION_DENIED for a name the user has no grant on,
@@ -324,10 +337,13 @@ class MlflowConnection:
         record_bytes: bytes,
         card: PrivacyCard | None,
         dataset: str,
+        key: WorkflowKey,
     ) -> tuple[str, list[str], dict[str, str]]:
-        """Save ``module`` as a pt2 model with the dpmerge files as extra files and upload it
-        as the run's logged model ``logged``. Returns its artifact location, the dpmerge files
-        and the SHA-256 of every file uploaded (what a release's manifest signs).
+        """Save ``module`` as a pt2 model with the dpmerge files as extra files, sign the
+        directory in OpenSSF's model-signing format under ``key``
+        (:mod:`dpmerge.model_signature`: ``model.sig``) and upload it as the run's logged model
+        ``logged``. Returns its artifact location, the dpmerge files and the SHA-256 of every
+        file uploaded, ``model.sig`` included (what a release's manifest signs).
 
         The input example (pt2 export traces with it and stores it) is random, drawn
         independently of everything: an RS release's weights are one candidate's, and a
@@ -366,6 +382,7 @@ class MlflowConnection:
                         extra_files=[str(f) for f in files],
                         serialization_format="pt2",
                     )
+                sign_directory(model_path, key)
                 digests = file_digests(model_path)
                 self._upload(logged.model_id, model_path)
         except BaseException:

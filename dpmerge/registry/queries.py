@@ -230,14 +230,34 @@ class RegistryQueries(MlflowConnection):
             result.append(self.verify_candidate(stored, path))
         return result
 
+    def bound_location(self, stored: StoredVersion, manifest: manifests.Manifest) -> str:
+        """Where the files of version ``stored`` are read from (what MLflow's serving reads),
+        once it is bound to its signed ``manifest``: that place must be the logged model the
+        manifest names (docs/design.md#security). MLflow's registry keeps no model id of a
+        version, only where its files are, so the place is what binds.
+        :class:`~dpmerge.manifests.ReleaseSignatureError` otherwise: a version made by another
+        hand, with a signed release's tags copied onto it."""
+        location = self._download_uri(stored.name, stored.version)
+        signed = self._logged_model_location(manifest.logged_model)
+        if location.rstrip("/") != signed.rstrip("/"):
+            raise manifests.ReleaseSignatureError(
+                f"{stored.name} v{stored.version} reads its files from {location[:200]}, not "
+                f"from the model its signed manifest names ({manifest.logged_model} at "
+                f"{signed[:200]}): its signed tags were copied from another version"
+            )
+        return location
+
     def download_model(self, name: str, version: str | int, dest: str | Path) -> Path:
         """Every file of a version's MLflow model (what ``mlflow.pyfunc.load_model`` loads),
-        downloaded under ``dest`` (not verified)."""
-        mv = self._version(name, str(version))
+        downloaded under ``dest`` from where MLflow's serving reads it (not verified)."""
+        location = self._download_uri(name, str(version))
+        return self._download_model(name, str(version), location, dest)
+
+    def _download_model(self, name: str, version: str, location: str, dest: str | Path) -> Path:
         with self._errors(f"downloading {name} v{version}"):
             return Path(
                 mlflow.artifacts.download_artifacts(
-                    artifact_uri=mv.source,
+                    artifact_uri=location,
                     dst_path=str(Path(dest) / f"{slug(name, 80)}-v{version}-model"),
                     tracking_uri=self.tracking_uri,
                 )
@@ -247,11 +267,13 @@ class RegistryQueries(MlflowConnection):
         self, name: str, version: str | int, dest: str | Path, public_key: str
     ) -> tuple[manifests.Manifest, Path]:
         """A release's manifest and model files, downloaded under ``dest`` and checked against
-        its Ed25519 signature under ``public_key`` (tags and every file);
+        its Ed25519 signature under ``public_key``: its tags, that it is the model its manifest
+        names (:meth:`bound_location`), and every file;
         :class:`~dpmerge.manifests.ReleaseSignatureError` when anything differs."""
         stored = self.get_version(name, version)
         manifest = self.manifest(stored, public_key)
-        root = self.download_model(name, version, dest)
+        location = self.bound_location(stored, manifest)
+        root = self._download_model(name, str(version), location, dest)
         manifests.check_files(manifest, root)
         return manifest, root
 
