@@ -123,6 +123,8 @@ class FindingKind(StrEnum):
     FILES_MISMATCH = "files_mismatch"
     NONCOMPLIANT = "noncompliant"
     QUARANTINE_DRIFT = "quarantine_drift"
+    REQUEST_REJECTED = "request_rejected"
+    """An object under an operator's prefix that is no valid request: never applied."""
 
 
 class BoundKind(StrEnum):

@@ -34,6 +34,7 @@ from dpmerge.locate import Located, command, locate_registry
 from dpmerge.policies import (
     Policy,
     PolicyError,
+    check_delta_known,
     check_fields,
     check_registered,
     load_policies,
@@ -246,6 +247,7 @@ def _check(desired: list[Desired], place: Place) -> None:
             f"train some first: {train}"
         )
     check_registered(merged, inventory)
+    check_delta_known(merged, inventory)
 
 
 # --- dry runs -----------------------------------------------------------------------------
