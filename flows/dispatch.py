@@ -18,14 +18,16 @@ each policy that has no run yet:
 An older version that was never dispatched is recorded as superseded at once (its outcome says
 by which version): only the newest version of a policy runs.
 
-Operators write ``policies/`` and ``quarantine/``: every object there is untrusted input
-(:mod:`dpmerge.state.rejections`). Each version is read within the store's size and depth caps
-and checked against the strict schema and its own key before anything is created; one that
-fails gets a ``Rejected`` outcome naming the key and the field (``dpmerge policy history``), is
-recorded as handled so it is never read again, and never delays another policy. Keys of
-another shape under either prefix, and quarantine records that are not exactly one, are
-recorded under ``rejected/`` (``dpmerge policy ls``); each rejection also emits
-``dpmerge.request.rejected``.
+Operators write requests, never state (:mod:`dpmerge.state.inbox`): each poll first records
+every new request under ``inbox/`` into the canonical tree, which only the workflow writes — the
+next policy version, a quarantine record, or a rejection naming the key and the field. What is
+in the canonical tree is read as untrusted input too (:mod:`dpmerge.state.rejections`): each
+version within the store's size and depth caps, against the strict schema and its own key,
+before anything is created; one that fails gets a ``Rejected`` outcome naming the key and the
+field (``dpmerge policy history``), is recorded as handled so it is never read again, and never
+delays another policy. Keys of another shape under ``policies/`` or ``quarantine/``, and
+quarantine records that are not exactly one, are recorded under ``rejected/`` (``dpmerge policy
+ls``); each rejection also emits ``dpmerge.policy.rejected``.
 
 A run whose process was lost (Prefect's ``Crashed``: killed, out of memory, its worker gone)
 records no outcome, and until the policy is applied again its alias may serve a release that
@@ -51,14 +53,14 @@ from typing import Any
 
 from dpmerge.errors import DPMergeError
 from dpmerge.policies import PolicyError
-from dpmerge.state import StateStore, rejections
+from dpmerge.state import StateStore, inbox, rejections
 from dpmerge.state import policies as stored_policies
 from dpmerge.state import quarantine as stored_quarantine
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.rejections import Rejection
 
 EVENT = "dpmerge.policy.updated"
-REJECTED_EVENT = "dpmerge.request.rejected"
+REJECTED_EVENT = "dpmerge.policy.rejected"
 
 POLL_S = 0.5
 DEPLOYMENT = "merge-on-policy/merge-on-policy"
@@ -171,8 +173,12 @@ class Dispatcher:
         return self.deployment_id
 
     def once(self) -> list[str]:
-        """One poll: dispatch what is pending, then record what is refused (see the module
-        docstring); the flow run ids created."""
+        """One poll: record the operators' requests, dispatch what is pending, then record
+        what is refused (see the module docstring); the flow run ids created."""
+        for key in inbox.pending(self.store):
+            handled = inbox.handle(self.store, key)
+            if handled.rejection is not None:
+                self._rejected(handled.rejection)
         valid: list[tuple[Pending, PolicyVersion]] = []
         refused: list[tuple[Pending, PolicyError]] = []
         for item in pending(self.store):

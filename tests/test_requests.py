@@ -1,9 +1,11 @@
-"""Objects operators write are untrusted input (issue 28, rows C and D; dpmerge.state.rejections,
-flows/dispatch.py): on the embedded home, with a recording stand-in for Prefect, no object under
-``policies/`` or ``quarantine/`` — whatever its key or bytes, a 200,000-deep JSON array
-included — crashes, stalls or delays the dispatcher or ``policy ls|show|history``; each ends in
-one recorded rejection naming its key and field, and a valid version stored among them is
-dispatched in the same poll."""
+"""Operators' writes are requests, never state, and every stored object is untrusted input
+(issue 28, item 1, rows C and D; dpmerge.state.inbox, dpmerge.state.rejections,
+flows/dispatch.py): on the embedded home, with a recording stand-in for Prefect, a request under
+``inbox/`` becomes the next version or a rejection naming its field, and deleting it undoes
+nothing; no object under ``inbox/``, ``policies/`` or ``quarantine/`` — whatever its key or
+bytes, a 200,000-deep JSON array included — crashes, stalls or delays the dispatcher or
+``policy ls|show|history``; each ends in one recorded rejection naming its key and field, and a
+valid version stored among them is dispatched in the same poll."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from test_dispatch import BASE, FakePrefect
 
 from dpmerge.keys import WorkflowKey
 from dpmerge.policies import PolicyError
-from dpmerge.state import LocalBackend, StateStore, rejections
+from dpmerge.state import LocalBackend, StateStore, inbox, rejections
 from dpmerge.state import policies as stored_policies
 from dpmerge.state import quarantine as stored_quarantine
 from dpmerge.state.store import MAX_DEPTH, MAX_OPERATOR_BYTES
@@ -254,7 +256,75 @@ def test_bad_quarantine_records_are_rejected_and_left_out(tmp_path: Path) -> Non
     assert len(seen.rejected) == 3
 
 
-# --- the fuzz: ≥ 200 malformed requests ----------------------------------------------------
+# --- the inbox: operators write requests, the workflow records them ---------------------------
+
+
+def _request(policy_name: str, **changed: Any) -> dict[str, Any]:
+    """A valid request to create policy ``policy_name``, with ``changed`` fields."""
+    return {
+        "schema": inbox.SCHEMA,
+        "name": policy_name,
+        "fields": {**BASE, "name": policy_name, "target_epsilon": 1.0},
+        "rerun": False,
+        "author": "operator@host",
+        "source": "test",
+        "created": "2026-01-01T00:00:00+00:00",
+        **changed,
+    }
+
+
+REQUEST_ID = "20260101T000000Z-0123456789abcdef"
+
+
+def test_a_request_becomes_the_next_version_and_deleting_it_undoes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = _store(tmp_path)
+    key = inbox.submit_policy(store, "eu", _request("eu")["fields"], source="test", rerun=False)
+    assert stored_policies.newest_number(store, "eu") == 0  # a request is not state
+    dispatcher, api, seen = _dispatcher(store)
+    (run,) = _poll(dispatcher)
+    assert stored_policies.dispatched(store, "eu", 1)["flow_run"] == run
+    handled = inbox.handled(store, key)
+    assert (handled["status"], handled["version"]) == ("applied", 1)
+    assert seen.dispatched == [("eu", 1)] and api.calls[0]["parameters"]["version"] == 1
+    version = stored_policies.read_version(store, "eu", 1)
+    assert version.author == stored_policies.actor() and key.rsplit("/", 1)[1][:-5] in (
+        version.source
+    )
+    (store.backend.root / key).unlink()  # the operator deletes the request: nothing changes
+    assert _poll(dispatcher) == [] and stored_policies.read_version(store, "eu", 1) == version
+    # the same fields again change nothing; a bad request is rejected naming the field
+    again = inbox.submit_policy(store, "eu", _request("eu")["fields"], source="test", rerun=False)
+    bad_fields = {**_request("eu")["fields"], "target_delta": 1.0}
+    bad = inbox.submit_policy(store, "eu", bad_fields, source="test", rerun=False)
+    _poll(dispatcher)
+    assert inbox.handled(store, again)["status"] == "unchanged"
+    rejected = inbox.handled(store, bad)
+    assert rejected["status"] == "rejected"
+    assert rejected["rejected"]["field"] == "fields.target_delta"
+    assert stored_policies.newest_number(store, "eu") == 1 and len(seen.rejected) == 1
+    out = _views(store, capsys)
+    assert f"rejected (never applied): {bad}: field 'fields.target_delta'" in out
+
+
+def test_a_quarantine_request_is_recorded_and_deleting_it_undoes_nothing(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    model = "dpmerge-digits-logreg-candidates"
+    key = inbox.submit_quarantine(store, model, "3", "forged record")
+    assert stored_quarantine.quarantined(store, model) == {}  # a request is not state
+    dispatcher, _, seen = _dispatcher(store)
+    _poll(dispatcher)
+    assert inbox.handled(store, key)["status"] == "applied"
+    (store.backend.root / key).unlink()
+    assert stored_quarantine.quarantined(store, model)["3"].reason == "forged record"
+    _plant(store, f"inbox/quarantine/{model}/00000004.json", b'{"model": 1}')
+    _poll(dispatcher)
+    assert [r.field for r in seen.rejected] == ["model"]
+    assert list(stored_quarantine.quarantined(store, model)) == ["3"]
+
+
+# --- the fuzz: ≥ 200 malformed requests through the inbox -----------------------------------
 
 _NAMES = st.one_of(
     st.from_regex(r"[a-z0-9][a-z0-9_-]{0,10}", fullmatch=True),
@@ -273,13 +343,14 @@ _JSON = st.recursive(
 
 @st.composite
 def _requests(draw: st.DrawFn) -> tuple[str, bytes]:
-    """A malformed request: a key of another shape, or a valid key holding no valid version."""
+    """A malformed request: a key of another shape under inbox/, or a request key holding no
+    valid request."""
     kind = draw(st.sampled_from(["key", "bytes", "json", "field", "deep"]))
     name = draw(st.from_regex(r"f[a-z0-9]{0,10}", fullmatch=True))
-    number = draw(st.integers(1, 99))
-    key = stored_policies.version_key(name, number)
+    request = draw(st.from_regex(r"[0-9]{8}T[0-9]{6}Z-[0-9a-f]{16}", fullmatch=True))
+    key = f"{inbox.POLICIES}{name}/{request}.json"
     if kind == "key":
-        prefix = draw(st.sampled_from(["policies/", "quarantine/"]))
+        prefix = draw(st.sampled_from([inbox.POLICIES, inbox.QUARANTINE, inbox.PREFIX]))
         key = f"{prefix}{draw(_NAMES)}/{draw(_NAMES)}.k"  # never a folder of another key
         return key, draw(st.binary(max_size=64))
     if kind == "bytes":
@@ -289,7 +360,7 @@ def _requests(draw: st.DrawFn) -> tuple[str, bytes]:
     if kind == "deep":
         depth = draw(st.integers(MAX_DEPTH + 1, 30_000))
         return key, b"[" * depth + b"]" * depth
-    document = json.loads(_document(name, number))
+    document = _request(name)
     field = draw(st.sampled_from(sorted(document)))
     document[field] = draw(_JSON.filter(lambda v: _breaks(field, v, document[field])))
     return key, json.dumps(document).encode()
@@ -300,21 +371,18 @@ def _breaks(field: str, value: Any, valid: Any) -> bool:
     valid author; an empty change map is valid)."""
     if field in ("created", "author", "source"):
         return not isinstance(value, str)
-    if field == "changes":
-        return not (
-            isinstance(value, dict)
-            and all(isinstance(v, list) and len(v) == 2 for v in value.values())
-        )
+    if field == "fields":  # no valid new policy (it lacks its target, or is no object)
+        return not (isinstance(value, dict) and "target_epsilon" in value)
     return value != valid or type(value) is not type(valid)
 
 
 def test_fuzz_every_malformed_request_is_one_rejection(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """At least 200 malformed requests, in batches, with a valid version stored among each
-    batch: each request ends in exactly one recorded rejection (a ``Rejected`` outcome, or a
-    ``rejected/`` record), no poll raises or exceeds its bound, and every valid version is
-    dispatched in the poll that first sees it."""
+    """At least 200 malformed requests through the inbox, in batches, with a valid request
+    among each batch: each malformed one ends in exactly one recorded rejection naming a field,
+    nothing of it reaches the canonical tree, no poll raises or exceeds its bound, and the
+    valid request is recorded and dispatched in the poll that first sees it."""
     seen_total = {"requests": 0}
 
     @settings(
@@ -327,19 +395,18 @@ def test_fuzz_every_malformed_request_is_one_rejection(
         store = _store(tmp_path_factory.mktemp("fuzz"))
         for key, data in batch:
             _plant(store, key, data)
-        valid = _valid(store, "zz-valid", 1.0)
+        fields = {**BASE, "target_epsilon": 1.0}
+        valid = inbox.submit_policy(store, "zz-valid", fields, source="fuzz", rerun=False)
         dispatcher, api, seen = _dispatcher(store)
         _poll(dispatcher)
-        assert seen.dispatched == [("zz-valid", valid)]
+        assert seen.dispatched == [("zz-valid", 1)]
+        assert inbox.handled(store, valid)["status"] == "applied"
         for key, _ in batch:
-            parsed = stored_policies.parse_key(key)
-            if parsed is not None:
-                (outcome,) = stored_policies.outcomes(store, *parsed)
-                assert outcome["status"] == "rejected" and outcome["rejected"]["field"]
-            else:
-                found = store.read(rejections.record_key(key))
-                assert found is not None and found.document["field"], key
+            handled = inbox.handled(store, key)
+            assert handled["status"] == "rejected" and handled["rejected"]["field"], key
         assert len(seen.rejected) == len(batch)
+        assert stored_policies.policy_names(store) == ["zz-valid"]
+        assert store.keys("quarantine/") == []
         _poll(dispatcher)
         assert len(seen.rejected) == len(batch) and len(api.calls) == 1
         seen_total["requests"] += len(batch)

@@ -95,7 +95,7 @@ class PolicyVersion:
     def _strict(cls, data: Mapping[str, Any], key: tuple[str, int] | None) -> PolicyVersion:
         for name in data:
             if name not in FIELDS:
-                raise FieldError(str(name)[:60], "unknown field")
+                raise FieldError(str(name)[:60] or "''", "unknown field")
         for name in FIELDS:
             if name not in data:
                 raise FieldError(name, "missing")
@@ -247,12 +247,14 @@ def set_policy(
     *,
     source: str,
     rerun: bool = False,
+    author: str | None = None,
 ) -> Change:
     """Store a new version of policy ``name`` with the fields ``given`` changed (a partial
     change; see :func:`merged`). Nothing is written when nothing changes, unless ``rerun``
     (a new version with the same fields: the workflow applies it again). A stored policy's
     alias never changes (:class:`PolicyError`): the alias it left would keep serving what it
-    served last, owned by a policy that no longer moves it (docs/design.md#release-state)."""
+    served last, owned by a policy that no longer moves it (docs/design.md#release-state).
+    ``author``: who asked (default :func:`actor`, this process's user)."""
     for _ in range(MAX_WRITE_ATTEMPTS):
         current = latest(store, name)
         policy = merged(current, {**given, "name": name})
@@ -266,7 +268,7 @@ def set_policy(
         if current is not None and not changes and not rerun:
             return Change(current, written=False)
         number = newest_number(store, name) + 1
-        version = PolicyVersion(policy, number, stamp(), actor(), source, changes)
+        version = PolicyVersion(policy, number, stamp(), author or actor(), source, changes)
         if store.create(version_key(name, number), version.to_dict()):
             return Change(version, written=True)
     raise StateConflictError(f"policy {name}: {MAX_WRITE_ATTEMPTS} concurrent changes in a row")

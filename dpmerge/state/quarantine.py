@@ -27,7 +27,7 @@ _KEY = re.compile(rf"quarantine/({MODEL})/([0-9]{{{DIGITS},12}})\.json")
 MAX_TEXT = 2000
 
 
-def _key(model: str, version: str | int) -> str:
+def key_of(model: str, version: str | int) -> str:
     return f"{PREFIX}{model}/{int(version):0{DIGITS}d}.json"
 
 
@@ -43,18 +43,18 @@ class Quarantine:
 def parse_key(key: str) -> tuple[str, str] | None:
     """``(model, version)`` of a quarantine key of the right shape (``None``: another shape)."""
     match = _KEY.fullmatch(key)
-    if match is None or int(match[2]) < 1 or key != _key(match[1], match[2]):
+    if match is None or int(match[2]) < 1 or key != key_of(match[1], match[2]):
         return None
     return match[1], str(int(match[2]))
 
 
-def _record(model: str, version: str, document: dict[str, Any]) -> Quarantine:
+def record_of(model: str, version: str, document: dict[str, Any]) -> Quarantine:
     """The record ``document`` holds; :class:`FieldError` when it is not exactly one for
     ``model`` ``version``."""
     names = [f.name for f in fields(Quarantine)]
     for name in document:
         if name not in names:
-            raise FieldError(name, "unknown field")
+            raise FieldError(str(name)[:60] or "''", "unknown field")
     for name in names:
         value = document.get(name)
         if type(value) is not str or len(value) > MAX_TEXT:
@@ -77,16 +77,21 @@ def read(store: StateStore, key: str) -> Quarantine | Rejection:
     if found is None:
         return Rejection(key, "key", "no longer stored")
     try:
-        return _record(*parsed, found.document)
+        return record_of(*parsed, found.document)
     except FieldError as error:
         return Rejection(key, error.field, error.reason)
 
 
 def quarantine(store: StateStore, model: str, version: str, reason: str) -> Quarantine:
     """Take ``model`` ``version`` out of use (idempotent: the first valid record stays)."""
-    record = Quarantine(model, str(int(version)), reason, actor(), stamp())
-    store.create(_key(model, version), record.__dict__)
-    return quarantined(store, model).get(record.version, record)
+    return record(store, Quarantine(model, str(int(version)), reason, actor(), stamp()))
+
+
+def record(store: StateStore, quarantined_version: Quarantine) -> Quarantine:
+    """Write ``quarantined_version`` (create-once); the record that stays."""
+    model, version = quarantined_version.model, quarantined_version.version
+    store.create(key_of(model, version), quarantined_version.__dict__)
+    return quarantined(store, model).get(version, quarantined_version)
 
 
 def models(store: StateStore) -> list[str]:

@@ -56,9 +56,13 @@ class Rejection:
         return {"key": shown_key(self.key), "field": self.field, "reason": cut(self.reason, SHOWN)}
 
 
+def digest(key: str) -> str:
+    """A fixed-length name for any key (its SHA-256, hex)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+
+
 def record_key(key: str) -> str:
-    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
-    return f"{PREFIX}{digest}.json"
+    return f"{PREFIX}{digest(key)}.json"
 
 
 def recorded_keys(store: StateStore) -> set[str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from dpmerge.formatting import epsilon_text
 from dpmerge.policies import PolicyError
-from dpmerge.state import AliasState, StateStore, rejections
+from dpmerge.state import AliasState, StateStore, inbox, rejections
 from dpmerge.state import policies as stored_policies
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
@@ -73,9 +73,11 @@ def show(command: str, args: argparse.Namespace, store: StateStore, where: dict[
 
 
 def refused(store: StateStore) -> list[dict[str, Any]]:
-    """Every object under the operators' prefixes refused as no request: recorded by the
-    dispatcher, or (embedded, or not yet polled) found now."""
-    return rejections.recorded(store) + [r.to_dict() for r in strays(store, set())]
+    """Every request the workflow rejected, and every object in the canonical tree that is
+    not what its key says: recorded by the dispatcher, or (embedded, or not yet polled) found
+    now."""
+    found = inbox.rejected(store) + rejections.recorded(store)
+    return found + [r.to_dict() for r in strays(store, set())]
 
 
 def _ls(store: StateStore, as_json: bool, where: dict[str, str]) -> int:
