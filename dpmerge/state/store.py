@@ -3,15 +3,21 @@ compare-and-swap, and signed where a gate trusts them (docs/design.md#release-st
 
 The key layout (one prefix per kind of fact, so storage permissions can differ per prefix):
 
-* ``policies/<name>/<version>.json`` — a policy version (create-once; operators);
+* ``inbox/policies/<name>/<id>.json``, ``inbox/quarantine/<model>/<version>.json`` — operators'
+  requests (create-once; operators), and ``requests/<sha-256 of the key>.json`` — how the
+  workflow handled each (create-once; the workflow; :mod:`dpmerge.state.inbox`);
+* ``policies/<name>/<version>.json`` — a policy version (create-once; the workflow, from
+  requests; embedded, ``policy set``);
 * ``outcomes/<name>/<version>/<stamp>.json`` — how a run of that version ended (create-once;
   the workflow);
 * ``dispatch/<name>/<version>.json`` — the flow run a version became (create-once; the
   workflow);
 * ``datasets/<dataset id>.json`` — the ledger and every alias's owner and serving pointer
   (compare-and-swap, signed; the workflow);
-* ``quarantine/<model>/<version>.json`` — a version taken out of use (create-once; operators
-  and the workflow);
+* ``quarantine/<model>/<version>.json`` — a version taken out of use (create-once; the
+  workflow, from requests);
+* ``rejected/<sha-256 of the key>.json`` — an object of the canonical tree that is not what its
+  key says (create-once; the workflow; :mod:`dpmerge.state.rejections`);
 * ``leases/<policy>.json`` — which run works on a policy, until when (compare-and-swap; the
   workflow).
 """
@@ -40,9 +46,9 @@ T = TypeVar("T")
 MAX_WRITE_ATTEMPTS = 30
 SIGNATURE = "signature"
 MAX_OPERATOR_BYTES = 64 * 2**10
-"""Largest object read under a prefix operators write (``policies/``, ``quarantine/``): a
-policy version is under 2 kB."""
-OPERATOR_PREFIXES = ("policies/", "quarantine/")
+"""Largest object read where operators' requests and what they become live (``inbox/``,
+``policies/``, ``quarantine/``): a policy version is under 2 kB."""
+OPERATOR_PREFIXES = ("inbox/", "policies/", "quarantine/")
 MAX_DEPTH = 32
 """Deepest nesting of arrays and objects read (a state document nests under 8): deeper input
 is refused before it is parsed, so no reader meets a ``RecursionError``."""
