@@ -144,8 +144,9 @@ def _stopped(store: StateStore, name: str, version: int, state: str, error: Exce
     document["reasons"] = [str(error)]
     _artifact(name, f"dpmerge policy {name}: {status}", [message], document)
     try:
-        if store.read(stored_policies.version_key(name, version)) is not None:
-            _record(store, name, version, document)  # its history shows how it ended
+        # stored, even if unreadable: its history shows how it ended
+        if store.backend.read(stored_policies.version_key(name, version)) is not None:
+            _record(store, name, version, document)
     except OutageError as unrecorded:  # the store itself is down: the run's state still says
         get_run_logger().error("outcome not recorded: %s", unrecorded)
     get_run_logger().error(message)
