@@ -147,6 +147,8 @@ def _print_status(statuses: list[stack.ServiceStatus], as_json: bool, header: st
     for row in rows:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, [*widths, 0], strict=True)))
     for s in statuses:
+        if s.reason:
+            print(f"  {s.name}: unhealthy: {s.reason}")
         if s.orphans:
             pids = ", ".join(map(str, s.orphans))
             print(f"  {s.name}: orphaned processes of an earlier instance: {pids}")

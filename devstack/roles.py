@@ -4,8 +4,8 @@
 * S3 (SeaweedFS ``-s3.config``): ``admin`` (the stack itself: buckets, the store generation),
   ``mlflow`` (the MLflow server's artifact proxy: ``<bucket>/mlartifacts/*`` only), ``workflow``
   (the state and audit buckets) and ``operator`` (reads the state bucket, writes only its
-  ``policies/`` and ``quarantine/``). A consumer has no S3
-  identity.
+  ``inbox/``: requests, which the workflow's dispatcher records into the canonical tree,
+  dpmerge.state.inbox). A consumer has no S3 identity.
 * MLflow (``--app-name basic-auth``, ``default_permission = NO_PERMISSIONS``): the users
   ``workflow``, ``operator``, ``consumer`` (created at ``up`` through the auth app's API by its
   admin). Only the workflow creates (:mod:`devstack.mlflow_auth`); what it creates it manages,
@@ -34,7 +34,7 @@ from dpmerge.storage import DEFAULT_REGION, MLFLOW_ARTIFACTS_PREFIX, S3Config
 from dpmerge.vocabulary import StackDatabase, StackRole
 
 SECRET_BLOCK = "dpmerge-key"
-OPERATOR_WRITES = ("policies", "quarantine")
+OPERATOR_WRITES = ("inbox",)
 
 MLFLOW_READERS = {
     "dpmerge-candidates": [StackRole.OPERATOR.value],

@@ -11,7 +11,10 @@ environment. ``down`` stops the stages in reverse.
 
 Healthy means answering *as itself*: every port of the service is listened on only by the
 process supervisord started or its descendants (:func:`devstack.processes.owns_ports`), and the
-service answers its health check; a worker's last heartbeat came after its process started.
+service answers its health check; a worker's last heartbeat came after its process started; the
+dispatcher's heartbeat came after its process started and is at most
+:data:`DISPATCH_HEARTBEAT_PERIOD_S` old (alive means dispatching, not merely running), and
+``stack status`` says why when it is not (:attr:`Service.problem`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -36,6 +40,10 @@ from dpmerge.vocabulary import StackDatabase, StackRole
 
 HEALTH_TIMEOUT_S = 5.0
 """How long one health probe waits for an answer (a loaded 2-core machine answers slowly)."""
+DISPATCH_HEARTBEAT_PERIOD_S = 30.0
+"""The dispatcher touches its heartbeat after every poll that reached the store and Prefect
+(every 0.5 s when idle, a poll dispatching a burst takes seconds): one older than this means it
+is stuck or failing every poll."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,8 @@ class Service:
     stop_timeout_s: float = 15.0
     stop_signal: str = "TERM"
     cwd: Path | None = None
+    problem: Callable[[int], str | None] | None = None
+    """Why the service is unhealthy, given its pid (``None``: healthy), where it can say."""
 
     def healthy(self, pid: int | None) -> bool:
         return pid is not None and owns_ports(pid, self.ports) and self.health(pid)
@@ -100,14 +110,31 @@ def dispatch_heartbeat(config: StackConfig) -> Path:
     return config.state_dir / "dispatcher.heartbeat"
 
 
-def beat_since_start(heartbeat: Path, pid: int) -> bool:
-    """The dispatcher touched its heartbeat file after process ``pid`` started: it reached the
-    state store and the Prefect API since."""
+def heartbeat_problem(
+    heartbeat: Path,
+    pid: int,
+    period_s: float = DISPATCH_HEARTBEAT_PERIOD_S,
+    now: float | None = None,
+) -> str | None:
+    """Why the dispatcher (process ``pid``) is not alive, or ``None``: it touched ``heartbeat``
+    after it started (it reached the state store and the Prefect API) and at most ``period_s``
+    before ``now`` (default: the time now)."""
     started = started_at(pid)
+    if started is None:
+        return f"process {pid} is gone"
     try:
-        return started is not None and heartbeat.stat().st_mtime >= started
+        beat = heartbeat.stat().st_mtime
     except OSError:
-        return False
+        return f"no heartbeat yet ({heartbeat})"
+    if beat < started:
+        return "no heartbeat since its process started (not reaching S3 or Prefect; see its log)"
+    age = (time.time() if now is None else now) - beat
+    if age > period_s:
+        return (
+            f"its last heartbeat is {age:.0f} s old (more than {period_s:g} s): it is not "
+            "dispatching (stuck, or every poll fails; see its log)"
+        )
+    return None
 
 
 def store_ready(config: StackConfig) -> bool:
@@ -265,7 +292,8 @@ def services(config: StackConfig) -> list[Service]:
                 *("--heartbeat", str(dispatch_heartbeat(config))),
             ),
             env={**role_env(config, StackRole.WORKFLOW), **prefect_env},
-            health=lambda pid: beat_since_start(dispatch_heartbeat(config), pid),
+            health=lambda pid: heartbeat_problem(dispatch_heartbeat(config), pid) is None,
+            problem=lambda pid: heartbeat_problem(dispatch_heartbeat(config), pid),
             stage=2,
             cwd=repo_root(),
         )

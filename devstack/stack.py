@@ -45,6 +45,7 @@ class ServiceStatus:
     url: str | None
     log: Path
     orphans: tuple[int, ...] = ()  # live processes of an earlier instance of this service
+    reason: str | None = None  # why it is unhealthy, where its service can say
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "log": str(self.log)}
@@ -185,18 +186,23 @@ def status(config: StackConfig) -> list[ServiceStatus]:
             info = supervisor.info(service.name)
             running = info.state in ("RUNNING", "STARTING")
             own = processes.descendants(info.pid) if info.pid else set()
+            healthy = running and service.healthy(info.pid)
+            reason = None
+            if running and not healthy and info.pid and service.problem is not None:
+                reason = service.problem(info.pid)
             result.append(
                 ServiceStatus(
                     name=service.name,
                     state=info.state,
                     pid=info.pid,
                     running=running,
-                    healthy=running and service.healthy(info.pid),
+                    healthy=healthy,
                     url=service.url,
                     log=supervisor.log_of(service.name),
                     orphans=tuple(
                         sorted(set(processes.marked(config.state_dir, service.name)) - own)
                     ),
+                    reason=reason,
                 )
             )
     return result

@@ -71,7 +71,7 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_StrictYamlLoader)
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object, refusing a key given twice (Python's ``json`` keeps the last silently)."""
     document: dict[str, Any] = {}
     for key, value in pairs:
@@ -84,8 +84,8 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def load_json(text: str) -> Any:
-    """Parse JSON strictly: a key given twice is an error (see :func:`_unique_keys`)."""
-    return json.loads(text, object_pairs_hook=_unique_keys)
+    """Parse JSON strictly: a key given twice is an error (see :func:`unique_keys`)."""
+    return json.loads(text, object_pairs_hook=unique_keys)
 
 
 def unknown_key(key: Any, known: Iterable[str]) -> str:

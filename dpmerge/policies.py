@@ -40,13 +40,19 @@ from dpmerge.vocabulary import GatingBound, OnNoncompliant, PolicyMethod
 if TYPE_CHECKING:
     from dpmerge.registry.catalog import Inventory
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+NAME = r"[a-z0-9][a-z0-9_-]{0,62}"
+"""A policy name (its alias defaults to policy-<name>; keys in the state store carry it)."""
 _ALIAS = re.compile(r"^[A-Za-z0-9_-]+$")  # MLflow's alias characters (ASCII only here)
 _VERSION_ALIAS = re.compile(r"^[vV]\d+$")  # MLflow reserves these for versions
 
 
 class PolicyError(InputError):
-    """A policy is malformed; the message names the field."""
+    """A policy is malformed; the message names the field, and ``field`` (where known) says
+    which, e.g. ``target_delta``."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Policy(BaseModel):
@@ -104,7 +110,7 @@ class Policy(BaseModel):
     @field_validator("name")
     @classmethod
     def _slug(cls, value: str) -> str:
-        if not _NAME.match(value):
+        if not re.fullmatch(NAME, value):
             raise ValueError(
                 "must be 1–63 characters of lower-case letters, digits, '-' or '_', starting "
                 "with a letter or digit"
@@ -174,6 +180,27 @@ def check_registered(policies: Iterable[Policy], inventory: Inventory) -> None:
             )
 
 
+def check_delta_known(policies: Iterable[Policy], inventory: Inventory) -> None:
+    """Each policy's δ* against the smallest n the ready candidates of its dataset and model
+    state (:class:`PolicyError` naming ``target_delta`` when δ* ≥ 1/n; the smallest n, on the
+    safe side): what its run would refuse is refused before anything is stored."""
+    from dpmerge.accounting.delta import DeltaError, check_delta_against
+
+    for policy in policies:
+        sizes = [
+            n
+            for (dataset, model), n in inventory.sizes.items()
+            if model == policy.model and dataset_name(dataset) == dataset_name(policy.dataset)
+        ]
+        if sizes:
+            try:
+                check_delta_against(policy.target_delta, min(sizes))
+            except DeltaError as error:
+                raise PolicyError(
+                    f"policy {policy.name!r}: field 'target_delta': {error}", "target_delta"
+                ) from None
+
+
 def _choices(values: Iterable[str]) -> str:
     listed = [repr(v) for v in values]
     return ", ".join(listed) if listed else "none (train candidates first)"
@@ -186,7 +213,9 @@ def policy_from_dict(data: Mapping[str, Any]) -> Policy:
     try:
         return Policy.model_validate(dict(data))
     except ValidationError as error:
-        raise PolicyError(describe_validation_error(where, error, Policy)) from None
+        loc = error.errors()[0]["loc"] if error.errors() else ()
+        field = ".".join(str(p) for p in loc) or "policy"
+        raise PolicyError(describe_validation_error(where, error, Policy), field) from None
 
 
 REQUIRED_PLACEHOLDERS = {

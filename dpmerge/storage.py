@@ -26,7 +26,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -344,14 +344,18 @@ class S3Store:
         with self._errors("reading", bucket, key):
             return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
 
-    def get_versioned(self, key: str, *, bucket: str | None = None) -> tuple[bytes, str] | None:
-        """An object's bytes and ETag (for a later ``put_bytes(if_match=…)``), or ``None`` when
-        it does not exist."""
+    def get_versioned(
+        self, key: str, *, bucket: str | None = None, limit: int | None = None
+    ) -> tuple[bytes, str] | None:
+        """An object's bytes (at most its first ``limit``) and ETag (for a later
+        ``put_bytes(if_match=…)``), or ``None`` when it does not exist."""
         bucket = bucket or self.config.bucket
         try:
             with self._errors("reading", bucket, key):
                 response = self.client.get_object(Bucket=bucket, Key=key)
-                return response["Body"].read(), str(response["ETag"])
+                with closing(response["Body"]) as body:
+                    data = body.read() if limit is None else body.read(limit)
+                return data, str(response["ETag"])
         except ObjectNotFoundError:
             return None
 

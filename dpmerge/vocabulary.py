@@ -124,6 +124,8 @@ class FindingKind(StrEnum):
     NONCOMPLIANT = "noncompliant"
     QUARANTINE_DRIFT = "quarantine_drift"
     CANDIDATE_FORGED = "candidate_forged"
+    REQUEST_REJECTED = "request_rejected"
+    """An object under an operator's prefix that is no valid request: never applied."""
 
 
 class BoundKind(StrEnum):

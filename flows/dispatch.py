@@ -18,6 +18,17 @@ each policy that has no run yet:
 An older version that was never dispatched is recorded as superseded at once (its outcome says
 by which version): only the newest version of a policy runs.
 
+Operators write requests, never state (:mod:`dpmerge.state.inbox`): each poll first records
+every new request under ``inbox/`` into the canonical tree, which only the workflow writes — the
+next policy version, a quarantine record, or a rejection naming the key and the field. What is
+in the canonical tree is read as untrusted input too (:mod:`dpmerge.state.rejections`): each
+version within the store's size and depth caps, against the strict schema and its own key,
+before anything is created; one that fails gets a ``Rejected`` outcome naming the key and the
+field (``dpmerge policy history``), is recorded as handled so it is never read again, and never
+delays another policy. Keys of another shape under ``policies/`` or ``quarantine/``, and
+quarantine records that are not exactly one, are recorded under ``rejected/`` (``dpmerge policy
+ls``); each rejection also emits ``dpmerge.policy.rejected``.
+
 A run whose process was lost (Prefect's ``Crashed``: killed, out of memory, its worker gone)
 records no outcome, and until the policy is applied again its alias may serve a release that
 misses the newest version. Every :data:`RESCUE_EVERY_S` the dispatcher looks at the run of each
@@ -42,10 +53,14 @@ from typing import Any
 
 from dpmerge.errors import DPMergeError
 from dpmerge.policies import PolicyError
-from dpmerge.state import StateStore
+from dpmerge.state import StateStore, inbox, rejections
 from dpmerge.state import policies as stored_policies
+from dpmerge.state import quarantine as stored_quarantine
+from dpmerge.state.policies import PolicyVersion
+from dpmerge.state.rejections import Rejection
 
 EVENT = "dpmerge.policy.updated"
+REJECTED_EVENT = "dpmerge.policy.rejected"
 
 POLL_S = 0.5
 DEPLOYMENT = "merge-on-policy/merge-on-policy"
@@ -64,14 +79,58 @@ class Pending:
 
 
 def pending(store: StateStore) -> list[Pending]:
-    """The newest undispatched version of each policy, and (``version`` < newest) the older
-    undispatched ones, in store order."""
-    done = {tuple(key.split("/")[1:3]) for key in store.keys("dispatch/")}
-    found = []
-    for key in store.keys("policies/"):
-        _, name, file = key.split("/")
-        if (name, file) not in done:
-            found.append(Pending(name, int(file.removesuffix(".json"))))
+    """Every stored version (a key of the right shape) with no dispatch record yet, by name
+    and version."""
+    done = {
+        stored_policies.parse_key(key.replace("dispatch/", stored_policies.PREFIX, 1))
+        for key in store.keys("dispatch/")
+    }
+    return [Pending(*p) for p in stored_policies.stored_keys(store) if p not in done]
+
+
+def reject(store: StateStore, item: Pending, error: PolicyError) -> Rejection:
+    """Record version ``item`` as handled and rejected: its outcome names the key and field."""
+    key = stored_policies.version_key(item.name, item.version)
+    field = error.field or "policy"
+    reason = str(error).removeprefix(f"{store.where}/{key}: ").removeprefix(f"field {field!r}: ")
+    rejection = Rejection(key, field, reason)
+    if stored_policies.record_dispatch(
+        store, item.name, item.version, {"rejected": rejection.to_dict()}
+    ):
+        stored_policies.record_outcome(
+            store,
+            item.name,
+            item.version,
+            {
+                "status": "rejected",
+                "state": "Rejected",
+                "policy": item.name,
+                "policy_version": item.version,
+                "rejected": rejection.to_dict(),
+                "reasons": [rejection.line()],
+            },
+            None,
+        )
+    return rejection
+
+
+def strays(store: StateStore, valid: set[str]) -> list[Rejection]:
+    """Objects under the operators' prefixes not yet recorded that are not requests: keys of
+    another shape under ``policies/`` or ``quarantine/``, quarantine records that are not
+    exactly one (``valid``: quarantine keys already found valid, not read again; extended)."""
+    done = rejections.recorded_keys(store) | valid
+    found = [
+        Rejection(key, "key", f"not {stored_policies.PREFIX}<name>/<version>.json")
+        for key in stored_policies.malformed_keys(store)
+        if rejections.record_key(key) not in done
+    ]
+    for key in store.keys(stored_quarantine.PREFIX):
+        if rejections.record_key(key) not in done:
+            examined = stored_quarantine.read(store, key)
+            if isinstance(examined, Rejection):
+                found.append(examined)
+            else:
+                valid.add(rejections.record_key(key))
     return found
 
 
@@ -97,13 +156,16 @@ class Dispatcher:
         store: StateStore,
         prefect_api: Any,
         notify: Callable[[Pending, str], None] | None = None,
+        notify_rejected: Callable[[Rejection], None] | None = None,
     ) -> None:
         self.store = store
         self.api = prefect_api
         self.notify = notify or _notify
+        self.notify_rejected = notify_rejected or _notify_rejected
         self.deployment_id: Any = None
         self.rescued_at = -RESCUE_EVERY_S
         self.settled: set[tuple[str, int]] = set()  # newest versions whose run has an outcome
+        self.valid_quarantine: set[str] = set()  # record keys of quarantine objects read valid
 
     def _deployment(self) -> Any:
         if self.deployment_id is None:
@@ -111,21 +173,44 @@ class Dispatcher:
         return self.deployment_id
 
     def once(self) -> list[str]:
-        """One poll: dispatch what is pending; the flow run ids created."""
-        items = pending(self.store)
+        """One poll: record the operators' requests, dispatch what is pending, then record
+        what is refused (see the module docstring); the flow run ids created."""
+        for key in inbox.pending(self.store):
+            handled = inbox.handle(self.store, key)
+            if handled.rejection is not None:
+                self._rejected(handled.rejection)
+        valid: list[tuple[Pending, PolicyVersion]] = []
+        refused: list[tuple[Pending, PolicyError]] = []
+        for item in pending(self.store):
+            try:
+                version = stored_policies.read_version(self.store, item.name, item.version)
+            except PolicyError as error:
+                refused.append((item, error))
+                continue
+            if version is not None:  # else removed since the listing
+                valid.append((item, version))
         newest: dict[str, int] = {}
-        for item in items:
+        for item, _ in valid:
             newest[item.name] = max(newest.get(item.name, 0), item.version)
         created = []
-        for item in items:
+        for item, version in valid:
             if item.version < newest[item.name]:
                 supersede(self.store, item, newest[item.name])
                 continue
-            created.append(self.dispatch(item))
+            created.append(self.dispatch(item, version))
+        for item, error in refused:
+            self._rejected(reject(self.store, item, error))
+        for stray in strays(self.store, self.valid_quarantine):
+            if rejections.record(self.store, stray):
+                self._rejected(stray)
         if time.monotonic() - self.rescued_at >= RESCUE_EVERY_S:
             self.rescued_at = time.monotonic()
             self.rescue()
         return created
+
+    def _rejected(self, rejection: Rejection) -> None:
+        log.warning("rejected %s", rejection.line())
+        self.notify_rejected(rejection)
 
     def rescue(self) -> list[Pending]:
         """Store again each policy whose newest version's run crashed without an outcome (see
@@ -189,11 +274,10 @@ class Dispatcher:
             count, number = count + 1, number - 1
         return count
 
-    def dispatch(self, item: Pending) -> str:
+    def dispatch(self, item: Pending, version: PolicyVersion) -> str:
         from flows.merge import run_name
 
-        version = stored_policies.read_version(self.store, item.name, item.version)
-        name = run_name(version) if version is not None else f"policy-{item.name} v{item.version}"
+        name = run_name(version)
         run = self.api.create_flow_run_from_deployment(
             self._deployment(),
             parameters={"policy": item.name, "version": item.version},
@@ -221,6 +305,16 @@ def _notify(item: Pending, run: str) -> None:
             "prefect.resource.name": item.name,
         },
         payload={"policy": item.name, "version": item.version, "flow_run": run},
+    )
+
+
+def _notify_rejected(rejection: Rejection) -> None:
+    from prefect.events import emit_event
+
+    emit_event(
+        event=REJECTED_EVENT,
+        resource={"prefect.resource.id": f"dpmerge.state.{rejections.record_key(rejection.key)}"},
+        payload=rejection.to_dict(),
     )
 
 

@@ -7,7 +7,8 @@ release-state store and turns it into the run's state (docs/workflow.md#outcomes
 Its parameters are a policy's name and a stored version number: the dispatcher
 (``flows/dispatch.py``) creates one run per new version, and ``dpmerge policy set`` runs it
 in-process when there is no server. A version that does not exist or is not valid for this
-registry ends as ``Rejected``, an alias another policy owns too; a record or state object that
+registry ends as ``Rejected``, as do an alias another policy owns and a δ* not below 1/n of
+the candidates' dataset; a record or state object that
 fails verification ends as ``Refused``.
 
 Final states: the state *type* says whether the policy is met — its alias serves a release
@@ -51,7 +52,7 @@ from dpmerge.policies import PolicyError, check_registered
 from dpmerge.policy_merge import PolicyOutcome, Status
 from dpmerge.policy_merge.verify import verify
 from dpmerge.registry.catalog import open_catalog
-from dpmerge.state import AliasOwnershipError, StateStore
+from dpmerge.state import StateStore
 from dpmerge.state import policies as stored_policies
 from dpmerge.state.leases import lease
 from dpmerge.state.policies import PolicyVersion
@@ -147,8 +148,9 @@ def _stopped(store: StateStore, name: str, version: int, state: str, error: Exce
     document["reasons"] = [str(error)]
     _artifact(name, f"dpmerge policy {name}: {status}", [message], document)
     try:
-        if store.read(stored_policies.version_key(name, version)) is not None:
-            _record(store, name, version, document)  # its history shows how it ended
+        # stored, even if unreadable: its history shows how it ended
+        if store.backend.read(stored_policies.version_key(name, version)) is not None:
+            _record(store, name, version, document)
     except OutageError as unrecorded:  # the store itself is down: the run's state still says
         get_run_logger().error("outcome not recorded: %s", unrecorded)
     get_run_logger().error(message)
@@ -194,7 +196,7 @@ def merge_on_policy(policy: str, version: int) -> State:
     try:
         with lease(store, policy, LEASE_WAIT_S):
             applied = pm.apply_policy(stored, workspace, run=run, steps=steps.STEPS)
-    except AliasOwnershipError as error:
+    except InputError as error:  # another policy's alias; δ ≥ 1/n of the candidates
         return _stopped(store, policy, version, REJECTED, error)
     except (IntegrityError, RefusalError) as error:
         return _stopped(store, policy, version, REFUSED, error)

@@ -137,3 +137,27 @@ def test_a_crashed_run_is_applied_again_at_most_twice_in_a_row(store: StateStore
     dispatcher.once()
     api.states[f"policy-eu-v{MAX_RESCUES + 2}"] = StateType.COMPLETED
     assert dispatcher.rescue() == []
+
+
+def test_a_stale_dispatcher_heartbeat_is_unhealthy_with_its_reason(tmp_path: Path) -> None:
+    """Health means alive (issue 28, item 7): a heartbeat touched after the process started and
+    within the period is healthy; one older than the period, one from before the process
+    started, none, or a process that is gone each say why."""
+    import os
+
+    from devstack.processes import started_at
+    from devstack.services import DISPATCH_HEARTBEAT_PERIOD_S, heartbeat_problem
+
+    beat, pid = tmp_path / "dispatcher.heartbeat", os.getpid()
+    assert "no heartbeat yet" in heartbeat_problem(beat, pid)
+    beat.touch()
+    assert heartbeat_problem(beat, pid) is None
+    later = beat.stat().st_mtime + DISPATCH_HEARTBEAT_PERIOD_S + 5
+    assert heartbeat_problem(beat, pid, now=later).startswith(
+        f"its last heartbeat is {DISPATCH_HEARTBEAT_PERIOD_S + 5:.0f} s old (more than"
+    )
+    before = started_at(pid) - 5
+    os.utime(beat, (before, before))
+    assert "no heartbeat since its process started" in heartbeat_problem(beat, pid)
+    gone = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10_000
+    assert heartbeat_problem(beat, gone) == f"process {gone} is gone"

@@ -325,7 +325,7 @@ MALFORMED = {
     "extra field": ({"gpu": "yes"}, "unknown field 'gpu'"),
     "unknown method": ({"method": "avg"}, "method"),
     "negative target": ({"target_epsilon": -1.0}, "target_epsilon"),
-    "huge name": ({"name": "x" * 100_000}, "name"),
+    "huge name": ({"name": "x" * 100_000}, "larger than 65,536 bytes"),  # refused unparsed
 }
 
 
@@ -344,6 +344,7 @@ def test_a_malformed_stored_version_is_a_rejected_run_that_changes_nothing(
     store = pm.Workspace(env["uri"], env["home"]).state()
     number = stored_policies.newest_number(store, "bad") + 1
     document = {"schema": stored_policies.SCHEMA, "name": "bad", "version": number}
+    document |= {"created": "", "author": "hand", "source": "hand", "changes": {}}
     store.create(stored_policies.version_key("bad", number), {**document, "policy": policy})
     before = _versions(env)
     state = merge_on_policy("bad", number, return_state=True)
@@ -675,6 +676,21 @@ def test_another_policys_alias_is_a_rejected_run_and_exit_2(env, trained, capsys
     out, err = capsys.readouterr()
     assert "belongs to policy 'owner'" in out + err and "Traceback" not in out + err
     assert _versions(env) == before and _alias(env, model, "policy-owner") == version
+
+
+def test_a_stored_delta_at_least_1_over_n_is_a_rejected_run_with_its_outcome(env, trained) -> None:
+    """Issue 28 row K, the run's side: a version stored with δ* ≥ 1/n (written around `policy
+    set`, which refuses it) ends `Rejected` with its outcome recorded, never a plain `Failed`
+    with a traceback, and changes nothing."""
+    before = _versions(env)
+    state = _apply(env, _policy(name="wide-delta", target_delta=0.5))
+    assert state.is_failed() and state.name == "Rejected", state.message
+    assert "1/n" in state.message and "\n" not in state.message
+    (outcome,) = stored_policies.outcomes(
+        pm.Workspace(env["uri"], env["home"]).state(), "wide-delta", 1
+    )
+    assert (outcome["status"], outcome["state"]) == ("rejected", "Rejected")
+    assert _versions(env) == before
 
 
 def test_verify_state_reports_drift_as_a_failed_run(env, trained) -> None:

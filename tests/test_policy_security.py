@@ -748,3 +748,54 @@ def test_bad_inputs_to_the_repair_commands_change_nothing(
     assert accepted == []
     assert [(v.version, v.tags) for v in _versions(fresh, pool.registered_model)] == before
     assert not (tmp_path / "nowhere").exists()
+
+
+# --- issue 28: operators' writes are untrusted input (rows E, K) -----------------------------
+
+
+def test_a_bad_quarantine_object_is_a_finding_and_merges_go_on(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Row E: objects under quarantine/ that are no quarantine record (a key of another shape,
+    a body nested 40,000 deep) never fail a merge run; they are `registry verify` findings."""
+    model = _pool(fresh).registered_model
+    store = fresh.state()
+    bad = [f"quarantine/{model}/evil.json", f"quarantine/{model}/00000001.json"]
+    store.backend.create(bad[0], b'{"reason": "veto"}')
+    store.backend.create(bad[1], b"[" * 40_000 + b"]" * 40_000)
+    outcome = _apply(fresh, _policy(name="e", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert outcome.status == pm.Status.PROMOTED, outcome.reasons
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    capsys.readouterr()
+    assert main(["registry", "verify", "--json", *uri]) == 1
+    out, err = capsys.readouterr()
+    findings = json.loads(out)["findings"]
+    rejected = {f["subject"]: f["detail"] for f in findings if f["kind"] == "request_rejected"}
+    assert sorted(rejected) == sorted(bad) and "Traceback" not in err
+    assert "field 'key'" in rejected[bad[0]] and "field 'body'" in rejected[bad[1]]
+
+
+def test_policy_set_refuses_what_a_run_would_before_storing(
+    fresh: pm.Workspace, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row K: δ* ≥ 1/n of the ready candidates' dataset, and a number spelt `1_0` (Python's
+    float reads 10), are refused in one line, exit 2, nothing stored."""
+    from flows import runtime
+    from flows.cli import main as dpmerge_main
+
+    monkeypatch.setattr(runtime, "configure_embedded", lambda *args, **kwargs: {})
+    base = ["policy", "set", "--name", "k", "--dataset", "digits", "--home", str(fresh.home)]
+    refused = {
+        "1/n = ": ["--target-epsilon", "5", "--delta", "0.5"],  # n = the digits training rows
+        "'1_0'": ["--target-epsilon", "1_0", "--delta", str(DELTA)],
+    }
+    for said, given in refused.items():
+        try:
+            code = dpmerge_main([*base, *given])
+        except SystemExit as exited:  # argparse refuses an option's value this way
+            code = exited.code
+        assert code == 2
+        out, err = capsys.readouterr()
+        assert len(err.strip().splitlines()) == 1 and said in err, err
+        assert "Traceback" not in out + err
+    assert not (fresh.home / "state" / "policies").exists()

@@ -282,7 +282,7 @@ def test_consumer_reads_releases_and_nothing_else(
     )
 
 
-def test_operator_reads_candidates_and_writes_only_policies_and_quarantine(
+def test_operator_reads_candidates_and_writes_only_requests(
     local_stack: devstack.StackConfig, registered: Registered
 ) -> None:
     operator = _session(local_stack, StackRole.OPERATOR)
@@ -321,13 +321,20 @@ def test_operator_reads_candidates_and_writes_only_policies_and_quarantine(
     state, audit, project = local_stack.state_bucket, local_stack.audit_bucket, local_stack.bucket
     workflow = _s3(local_stack, StackRole.WORKFLOW)
     workflow.put_object(Bucket=state, Key="ledger/releases.json", Body=b"{}")
-    for prefix in ("policies", "quarantine"):
+    for prefix in ("inbox/policies", "inbox/quarantine"):  # requests, never state
         s3.put_object(Bucket=state, Key=f"{prefix}/op.json", Body=b"{}")
         assert s3.get_object(Bucket=state, Key=f"{prefix}/op.json")["Body"].read() == b"{}"
     assert s3.get_object(Bucket=state, Key="ledger/releases.json")["Body"].read() == b"{}"
     listed = {o["Key"] for o in s3.list_objects_v2(Bucket=state)["Contents"]}
-    assert {"ledger/releases.json", "policies/op.json", "quarantine/op.json"} <= listed
-    for key in ("ledger/releases.json", "serving/policy-eu.json", "releases/r.json", "leases/x"):
+    assert {"ledger/releases.json", "inbox/policies/op.json", "inbox/quarantine/op.json"} <= listed
+    canonical = ("policies/eu/00000001.json", "quarantine/m/00000001.json", "requests/x.json")
+    for key in (
+        *canonical,
+        "ledger/releases.json",
+        "serving/policy-eu.json",
+        "releases/r.json",
+        "leases/x",
+    ):
         assert _denied(lambda k=key: s3.put_object(Bucket=state, Key=k, Body=b"x")) == (
             "AccessDenied"
         )

@@ -135,14 +135,13 @@ def _workspace(args: argparse.Namespace, located: Located | None = None):  # typ
 
 def _quarantine(args: argparse.Namespace) -> int:
     from dpmerge.registry.errors import RegistryPermissionError
-    from dpmerge.state.quarantine import quarantine
 
     located = _located(args)
     print(located.describe())
     workspace = _workspace(args, located)
     registry = workspace.registry()
     registry.get_version(args.model, args.version)  # it must exist
-    record = quarantine(workspace.state(), args.model, args.version, args.reason)
+    record = _record_quarantine(workspace, args.model, args.version, args.reason)
     try:  # MLflow's tag is a projection of the record (an operator may not set it)
         registry.quarantine(args.model, args.version, record.reason)
         projected = "tagged dp.status=quarantined in MLflow"
@@ -156,6 +155,25 @@ def _quarantine(args: argparse.Namespace) -> int:
         f"is never merged, reused or promoted again; {projected}"
     )
     return 0
+
+
+def _record_quarantine(workspace: Any, model: str, version: str, reason: str) -> Any:
+    """The quarantine record: embedded, written here; on a stack, requested (operators write
+    requests, never state) and recorded by the workflow's dispatcher."""
+    from dpmerge.errors import InputError
+    from dpmerge.state import inbox
+    from dpmerge.state.quarantine import quarantine, quarantined
+
+    store = workspace.state()
+    if workspace.s3 is None:
+        return quarantine(store, model, version, reason)
+    key = inbox.submit_quarantine(store, model, version, reason)
+    handled = inbox.wait(store, key)
+    recorded = quarantined(store, model).get(str(int(version)))
+    if recorded is None:
+        rejected = handled.get("rejected") or {}
+        raise InputError(f"the workflow rejected request {key}: {rejected.get('reason')}")
+    return recorded
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -31,6 +31,8 @@ before it projects the alias, so a pointer found then is the alias's source).
 * ``candidate_forged`` — a ready candidate version's signed record (its manifest over the
   record as published and every ``dp.*`` tag) does not verify: its tags were changed, or it was
   planted without the workflow's key. A merge run refuses it; reported (quarantine it).
+* ``request_rejected`` — an object under ``quarantine/`` is no quarantine record (a key of
+  another shape, a body that is not one): never applied; reported (dpmerge.state.rejections).
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ from dpmerge.registry import Registry, RegistryError
 from dpmerge.registry.tags import SERVED_TAG, STATUS_QUARANTINED
 from dpmerge.state import AliasState, DatasetState, StateIntegrityError, StateStore
 from dpmerge.state import policies as stored_policies
+from dpmerge.state import quarantine as stored_quarantine
 from dpmerge.state import serving as state_serving
 from dpmerge.state.leases import LeaseTimeoutError, lease
 from dpmerge.state.quarantine import quarantined
+from dpmerge.state.rejections import Rejection
 from dpmerge.vocabulary import FindingKind, ServingState
 from dpmerge.workspace import Workspace
 
@@ -257,8 +261,10 @@ def _forged_candidates(
 
 
 def _quarantine(store: StateStore, registry: Registry, repair: bool) -> Iterator[Finding]:
-    models = {key.split("/")[1] for key in store.keys("quarantine/")}
-    for model in sorted(models):
+    for examined in stored_quarantine.examine(store):
+        if isinstance(examined, Rejection):  # bounded reads: a finding, never a traceback
+            yield Finding(FindingKind.REQUEST_REJECTED, examined.key, examined.line())
+    for model in stored_quarantine.models(store):
         for version, record in sorted(quarantined(store, model).items()):
             status = registry.get_version(model, version).tags.get("dp.status")
             if status == STATUS_QUARANTINED:

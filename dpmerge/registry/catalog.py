@@ -23,7 +23,7 @@ import urllib.parse
 import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,12 @@ from dpmerge.registry.errors import (
     RegistryUnavailableError,
 )
 from dpmerge.registry.filters import search_filter
-from dpmerge.registry.tags import ROLE_CANDIDATE, ROLE_MERGED, STATUS_READY
+from dpmerge.registry.tags import (
+    PUBLISHED_RECORD_TAG,
+    ROLE_CANDIDATE,
+    ROLE_MERGED,
+    STATUS_READY,
+)
 from dpmerge.registry.versions import StoredVersion, VersionSummary
 
 ROLES = (ROLE_CANDIDATE, ROLE_MERGED)
@@ -67,10 +72,12 @@ class VersionDetail:
 
 @dataclass(frozen=True)
 class Inventory:
-    """Ready candidates by (dataset fingerprint, model family): what a policy can target."""
+    """Ready candidates by (dataset fingerprint, model family): what a policy can target, and
+    the smallest training-set size n their published records state (where one does)."""
 
     tracking_uri: str
     counts: dict[tuple[str, str], int]
+    sizes: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def datasets(self) -> list[str]:
@@ -143,11 +150,25 @@ class Catalog(ABC):
     def inventory(self) -> Inventory:
         """The ready candidates, counted by dataset fingerprint and model family."""
         counts: dict[tuple[str, str], int] = {}
+        sizes: dict[tuple[str, str], int] = {}
         for v in self.search(ROLE_CANDIDATE):
             if v.tags.get("dp.status") == STATUS_READY:
                 key = (v.tags.get("dp.dataset", ""), v.tags.get("dp.model", ""))
                 counts[key] = counts.get(key, 0) + 1
-        return Inventory(self.tracking_uri, counts)
+                size = _dataset_size(v.tags.get(PUBLISHED_RECORD_TAG))
+                if size is not None:
+                    sizes[key] = min(sizes.get(key, size), size)
+        return Inventory(self.tracking_uri, counts, sizes)
+
+
+def _dataset_size(published: str | None) -> int | None:
+    """The ``dataset_size`` of a published record (``None``: none, or not a record)."""
+    try:
+        record = json.loads(published or "null")
+    except ValueError:
+        return None
+    size = record.get("dataset_size") if isinstance(record, dict) else None
+    return size if type(size) is int and size > 0 else None
 
 
 def summaries(

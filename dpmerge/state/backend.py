@@ -30,6 +30,7 @@ from pathlib import Path
 from dpmerge.storage import ObjectChangedError, ObjectExistsError, S3Store, StorageError
 
 __all__ = [
+    "MAX_OBJECT_BYTES",
     "Backend",
     "LocalBackend",
     "ObjectChangedError",
@@ -37,6 +38,12 @@ __all__ = [
     "S3Backend",
     "Stored",
 ]
+
+
+MAX_OBJECT_BYTES = 16 * 2**20
+"""Largest state object read whole (a dataset document with a long ledger is far smaller):
+:meth:`Backend.read` returns at most one byte more, so a reader sees it is too large without
+holding a runaway object in memory."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,8 @@ class Backend(ABC):
 
     @abstractmethod
     def read(self, key: str) -> Stored | None:
-        """The object at ``key``, or ``None`` when there is none."""
+        """The object at ``key`` (its first :data:`MAX_OBJECT_BYTES` + 1 bytes), or ``None``
+        when there is none."""
 
     @abstractmethod
     def create(self, key: str, data: bytes) -> None:
@@ -90,7 +98,9 @@ class S3Backend(Backend):
         self.where = f"s3://{self.bucket}"
 
     def read(self, key: str) -> Stored | None:
-        found = self.store.get_versioned(_check_key(key), bucket=self.bucket)
+        found = self.store.get_versioned(
+            _check_key(key), bucket=self.bucket, limit=MAX_OBJECT_BYTES + 1
+        )
         return None if found is None else Stored(found[0], found[1])
 
     def create(self, key: str, data: bytes) -> None:
@@ -138,7 +148,8 @@ class LocalBackend(Backend):
     def read(self, key: str) -> Stored | None:
         path = self._path(key)
         try:
-            data = path.read_bytes()
+            with path.open("rb") as handle:
+                data = handle.read(MAX_OBJECT_BYTES + 1)
         except FileNotFoundError:
             return None
         return Stored(data, _digest(data))

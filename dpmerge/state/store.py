@@ -3,15 +3,21 @@ compare-and-swap, and signed where a gate trusts them (docs/design.md#release-st
 
 The key layout (one prefix per kind of fact, so storage permissions can differ per prefix):
 
-* ``policies/<name>/<version>.json`` — a policy version (create-once; operators);
+* ``inbox/policies/<name>/<id>.json``, ``inbox/quarantine/<model>/<version>.json`` — operators'
+  requests (create-once; operators), and ``requests/<sha-256 of the key>.json`` — how the
+  workflow handled each (create-once; the workflow; :mod:`dpmerge.state.inbox`);
+* ``policies/<name>/<version>.json`` — a policy version (create-once; the workflow, from
+  requests; embedded, ``policy set``);
 * ``outcomes/<name>/<version>/<stamp>.json`` — how a run of that version ended (create-once;
   the workflow);
 * ``dispatch/<name>/<version>.json`` — the flow run a version became (create-once; the
   workflow);
 * ``datasets/<dataset id>.json`` — the ledger and every alias's owner and serving pointer
   (compare-and-swap, signed; the workflow);
-* ``quarantine/<model>/<version>.json`` — a version taken out of use (create-once; operators
-  and the workflow);
+* ``quarantine/<model>/<version>.json`` — a version taken out of use (create-once; the
+  workflow, from requests);
+* ``rejected/<sha-256 of the key>.json`` — an object of the canonical tree that is not what its
+  key says (create-once; the workflow; :mod:`dpmerge.state.rejections`);
 * ``leases/<policy>.json`` — which run works on a policy, until when (compare-and-swap; the
   workflow).
 """
@@ -19,24 +25,49 @@ The key layout (one prefix per kind of fact, so storage permissions can differ p
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from dpmerge.documents import unique_keys
 from dpmerge.errors import IntegrityError
 from dpmerge.keys import WorkflowKey
-from dpmerge.state.backend import Backend, ObjectChangedError, ObjectExistsError
+from dpmerge.state.backend import (
+    MAX_OBJECT_BYTES,
+    Backend,
+    ObjectChangedError,
+    ObjectExistsError,
+)
 from dpmerge.vocabulary import KeyPurpose
 
 T = TypeVar("T")
 MAX_WRITE_ATTEMPTS = 30
 SIGNATURE = "signature"
+MAX_OPERATOR_BYTES = 64 * 2**10
+"""Largest object read where operators' requests and what they become live (``inbox/``,
+``policies/``, ``quarantine/``): a policy version is under 2 kB."""
+OPERATOR_PREFIXES = ("inbox/", "policies/", "quarantine/")
+MAX_DEPTH = 32
+"""Deepest nesting of arrays and objects read (a state document nests under 8): deeper input
+is refused before it is parsed, so no reader meets a ``RecursionError``."""
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 class StateIntegrityError(IntegrityError):
     """A state object is unreadable or its signature does not verify; the message names the
     repair (docs/design.md#release-state)."""
+
+
+class UnreadableObjectError(StateIntegrityError):
+    """A state object is no JSON object within the caps; ``reason`` says why, alone."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class StateConflictError(IntegrityError):
@@ -50,6 +81,51 @@ def now() -> datetime:
 def stamp(moment: datetime | None = None) -> str:
     """An ISO 8601 UTC time as stored."""
     return (moment or now()).astimezone(UTC).isoformat()
+
+
+class UnreadableError(ValueError):
+    """Why bytes are not a state document (:func:`parse_document`)."""
+
+
+def nesting(text: str) -> int:
+    """How deep arrays and objects nest in JSON ``text`` (strings skipped), without parsing
+    it: bounded time and stack, whatever the input."""
+    depth = deepest = 0
+    for step in map(_STEP.__getitem__, _NOT_BRACKET.sub("", _STRING.sub("", text))):
+        depth += step
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_document(data: bytes, limit: int = MAX_OBJECT_BYTES) -> dict[str, Any]:
+    """A JSON object from untrusted ``data``: at most ``limit`` bytes, UTF-8, nested at most
+    :data:`MAX_DEPTH` deep, no key twice, no NaN or Infinity; else :class:`UnreadableError`
+    saying why (docs/design.md#release-state)."""
+    if len(data) > limit:
+        raise UnreadableError(f"larger than {limit:,} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UnreadableError("not UTF-8") from None
+    depth = nesting(text)
+    if depth > MAX_DEPTH:
+        raise UnreadableError(f"nested {depth} deep (at most {MAX_DEPTH})")
+    try:
+        document = json.loads(text, object_pairs_hook=unique_keys, parse_constant=_constant)
+    except ValueError as error:  # JSONDecodeError, a key twice, NaN, an overlong integer
+        raise UnreadableError(f"not valid JSON: {str(error)[:200]}") from None
+    if not isinstance(document, dict):
+        raise UnreadableError(f"a JSON {type(document).__name__}, not an object")
+    return document
+
+
+def limit_for(key: str) -> int:
+    """The size cap of the object at ``key`` (tighter where operators write)."""
+    return MAX_OPERATOR_BYTES if key.startswith(OPERATOR_PREFIXES) else MAX_OBJECT_BYTES
 
 
 def canonical(document: Any) -> bytes:
@@ -93,15 +169,13 @@ class StateStore:
 
     def _parse(self, key: str, data: bytes) -> dict[str, Any]:
         try:
-            document = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise StateIntegrityError(
+            return parse_document(data, limit_for(key))
+        except UnreadableError as error:
+            raise UnreadableObjectError(
                 f"state object {self.where}/{key} cannot be read ({error}); restore it from "
-                "its earlier versions: `dpmerge state restore`"
+                "its earlier versions: `dpmerge state restore`",
+                str(error),
             ) from None
-        if not isinstance(document, dict):
-            raise StateIntegrityError(f"state object {self.where}/{key} is not a JSON object")
-        return document
 
     def create(self, key: str, document: dict[str, Any]) -> bool:
         """Write ``document`` at ``key`` unless something is there; whether this call wrote."""

@@ -8,10 +8,12 @@ state, and only the policies that differ from their stored version get a new ver
 is checked first — its fields, and its dataset and model against the ready candidates of the
 registry it targets — and nothing is stored unless all pass (one line naming the field, exit 2).
 
-Where a new version goes: on a stack (the release-state store in S3) it is stored and the
-workflow's dispatcher turns it into a ``merge-on-policy`` run; the command waits until the run
-exists (and with ``--wait S`` until it ends). Embedded (``$DPMERGE_HOME`` or ./.dpmerge), the run
-happens in this process. Every answer names the registry and the state store it used.
+Where a new version goes: on a stack (the release-state store in S3) the command writes a
+request (``inbox/``; operators write requests, never state), the workflow's dispatcher records
+it as the next version (or rejects it, naming the field) and turns it into a ``merge-on-policy``
+run; the command waits until the run exists (and with ``--wait S`` until it ends). Embedded
+(``$DPMERGE_HOME`` or ./.dpmerge), the run happens in this process. Every answer names the
+registry and the state store it used.
 
 Exit codes (``--wait``, or in-process): 0 promoted or unchanged (or stored and dispatched, or a
 dry run that would promote); 2 bad input or a rejected/refused run; 3 infeasible; 4 not promoted;
@@ -35,11 +37,12 @@ from dpmerge.locate import Located, command, locate_registry
 from dpmerge.policies import (
     Policy,
     PolicyError,
+    check_delta_known,
     check_fields,
     check_registered,
     load_policies,
 )
-from dpmerge.state import StateStore
+from dpmerge.state import StateStore, inbox
 from dpmerge.state import policies as stored_policies
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.vocabulary import ExitCode
@@ -184,16 +187,8 @@ def handle(args: argparse.Namespace) -> int:
     _check(desired, place)
     if args.dry_run:
         return _dry_runs(desired, place, args)
-    changes = [
-        stored_policies.set_policy(
-            place.store,
-            change.name,
-            _target(place, change)[1].event_payload(),
-            source=change.source,
-            rerun=getattr(args, "rerun", False),
-        )
-        for change in desired
-    ]
+    rerun = getattr(args, "rerun", False)
+    changes = [_store(place, change, rerun) for change in desired]
     codes = [_applied(change, place, args) for change in changes]
     return max(codes) if codes else 0
 
@@ -215,6 +210,29 @@ def _desired(args: argparse.Namespace) -> list[Desired]:
         return [Desired(fields["name"], fields, "dpmerge policy set")]
     source = f"dpmerge policy apply -f {args.file}"
     return [Desired(p.name, p.event_payload(), source) for p in load_policies(args.file)]
+
+
+def _store(place: Place, change: Desired, rerun: bool) -> stored_policies.Change:
+    """Store the new version: embedded, here; on a stack, as a request the workflow's
+    dispatcher records (operators write requests, never state: dpmerge.state.inbox)."""
+    fields = _target(place, change)[1].event_payload()
+    if not place.stack:
+        return stored_policies.set_policy(
+            place.store, change.name, fields, source=change.source, rerun=rerun
+        )
+    key = inbox.submit_policy(place.store, change.name, fields, source=change.source, rerun=rerun)
+    handled = inbox.wait(place.store, key)
+    if handled.get("status") not in ("applied", "unchanged"):
+        rejected = handled.get("rejected") or {}
+        raise PolicyError(
+            f"policy {change.name}: the workflow rejected request {key}: field "
+            f"{rejected.get('field')!r}: {rejected.get('reason')}",
+            rejected.get("field"),
+        )
+    version = stored_policies.read_version(place.store, change.name, handled["version"])
+    if version is None:
+        raise PolicyError(f"policy {change.name}: version {handled['version']} is not stored")
+    return stored_policies.Change(version, written=handled["status"] == "applied")
 
 
 def _target(place: Place, change: Desired) -> tuple[PolicyVersion | None, Policy]:
@@ -248,6 +266,7 @@ def _check(desired: list[Desired], place: Place) -> None:
             f"train some first: {train}"
         )
     check_registered(merged, inventory)
+    check_delta_known(merged, inventory)
 
 
 # --- dry runs -----------------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """The ``policy set`` options, generated from :class:`dpmerge.policies.Policy` so that the two
 never drift: one ``--field-name`` per field, its help the field's description, ``choices=``
 for the closed vocabularies (the field's enum), numbers parsed as numbers (the model still
-checks the ranges). Only ``--name`` is required: ``set`` changes the fields it is given and
+checks the ranges; a number is spelt as in JSON: ``1_0``, which Python's ``float`` reads as 10,
+is refused). Only ``--name`` is required: ``set`` changes the fields it is given and
 keeps the stored values of the others (docs/design.md#release-state); a new policy needs its
 target, and takes the command's dataset and model defaults (``--dataset``, ``--model``)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import types
 import typing
 from enum import StrEnum
@@ -35,6 +37,17 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
+NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+"""A decimal number: no underscores, no ``inf``/``nan``, no hexadecimal."""
+
+
+def strict_float(text: str) -> float:
+    """A decimal number (see :data:`NUMBER`); ``1_0``, ``nan`` and ``0x1p3`` are refused."""
+    if not NUMBER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected a decimal number, got {text!r}")
+    return float(text)
+
+
 def _boolean(text: str) -> bool:
     """``true`` or ``false`` (a given option can also switch a stored ``true`` off)."""
     if text not in ("true", "false"):
@@ -49,7 +62,7 @@ def _option(name: str, field: FieldInfo) -> tuple[list[str], dict[str, Any]]:
     if isinstance(kind, type) and issubclass(kind, StrEnum):
         options["choices"] = [member.value for member in kind]
     elif kind is float:
-        options["type"] = float
+        options["type"] = strict_float
         options["metavar"] = "X"
     elif kind is bool:
         options["type"] = _boolean

@@ -1,6 +1,8 @@
 """``dpmerge policy ls|show|history``: the stored policies, read from the release-state store
 (docs/design.md#release-state). Read-only; readers without the workflow's key (operators) see
-the documents without their signatures checked."""
+the documents without their signatures checked. Every object is read within the store's caps:
+one that is not what its key says is shown as rejected (naming the key and the field), never
+a traceback (:mod:`dpmerge.state.rejections`)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ from typing import Any
 
 from dpmerge.formatting import epsilon_text
 from dpmerge.policies import PolicyError
-from dpmerge.state import AliasState, StateStore
+from dpmerge.state import AliasState, StateStore, inbox, rejections
 from dpmerge.state import policies as stored_policies
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
+from flows.dispatch import strays
 
 
 def aliases_by_owner(store: StateStore) -> dict[str, list[AliasState]]:
@@ -55,16 +58,26 @@ def _summary(version: PolicyVersion, alias: AliasState | None) -> dict[str, Any]
 def show(command: str, args: argparse.Namespace, store: StateStore, where: dict[str, str]) -> int:
     if command == "ls":
         return _ls(store, args.json, where)
-    history = stored_policies.versions(store, args.name)
     current = stored_policies.latest(store, args.name)
-    if current is None:
+    known = current is not None or (
+        command == "history" and stored_policies.newest_number(store, args.name) > 0
+    )
+    if not known:
         names = stored_policies.policy_names(store)
         raise PolicyError(
             f"no policy {args.name!r} in {store.where}; stored: {', '.join(names) or 'none'}"
         )
-    if command == "show":
+    if command == "show" and current is not None:
         return _show(store, current, args.json, where)
-    return _history(store, history, args.json, where)
+    return _history(store, args.name, args.json, where)
+
+
+def refused(store: StateStore) -> list[dict[str, Any]]:
+    """Every request the workflow rejected, and every object in the canonical tree that is
+    not what its key says: recorded by the dispatcher, or (embedded, or not yet polled) found
+    now."""
+    found = inbox.rejected(store) + rejections.recorded(store)
+    return found + [r.to_dict() for r in strays(store, set())]
 
 
 def _ls(store: StateStore, as_json: bool, where: dict[str, str]) -> int:
@@ -74,12 +87,19 @@ def _ls(store: StateStore, as_json: bool, where: dict[str, str]) -> int:
         current = stored_policies.latest(store, name)
         if current is not None:
             rows.append((current, _alias_of(current, owned)))
+    bad = refused(store)
     if as_json:
-        print(json.dumps({**where, "policies": [_summary(v, a) for v, a in rows]}, indent=2))
+        document = {**where, "policies": [_summary(v, a) for v, a in rows], "rejected": bad}
+        print(json.dumps(document, indent=2, ensure_ascii=False))
         return 0
     registry = where["registry"]
     print(f"registry: {registry['uri']} ({registry['kind']}; from {registry['source']})")
     print(f"state {where['state']}")
+    for entry in bad:
+        print(
+            f"rejected (never applied): {entry.get('key')}: field {entry.get('field')!r}: "
+            f"{entry.get('reason')}"
+        )
     if not rows:
         print("no policies stored")
         return 0
@@ -125,16 +145,22 @@ def _show(store: StateStore, version: PolicyVersion, as_json: bool, where: dict[
     return 0
 
 
-def _history(
-    store: StateStore,
-    history: list[PolicyVersion | PolicyError],
-    as_json: bool,
-    where: dict[str, str],
-) -> int:
+def _history(store: StateStore, name: str, as_json: bool, where: dict[str, str]) -> int:
     entries: list[dict[str, Any]] = []
-    for version in history:
-        if isinstance(version, PolicyError):
-            entries.append({"invalid": str(version)})
+    for _, number in stored_policies.stored_keys(store, name):
+        try:
+            version = stored_policies.read_version(store, name, number)
+        except PolicyError as error:
+            entries.append(
+                {
+                    "version": number,
+                    "invalid": str(error),
+                    "field": error.field,
+                    "outcomes": stored_policies.outcomes(store, name, number),
+                }
+            )
+            continue
+        if version is None:
             continue
         entries.append(
             {
@@ -148,7 +174,8 @@ def _history(
         return 0
     for entry in entries:
         if "invalid" in entry:
-            print(f"(not a valid version: {entry['invalid']}; it supersedes nothing)")
+            print(f"v{entry['version']}  rejected (field {entry['field']!r}; supersedes nothing)")
+            print(f"    why: {entry['invalid']}")
             continue
         changes = ", ".join(
             f"{k}: {old!r} → {new!r}" for k, (old, new) in sorted(entry["changes"].items())
