@@ -4,6 +4,7 @@ started only when a test asks for them."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,21 @@ needing one starts its own, so the modules that share one run on one worker."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the group marker, so the suite also runs without pytest-xdist (``-p no:xdist``)."""
+    """Register the group marker, so the suite also runs without pytest-xdist (``-p no:xdist``),
+    and keep absl's log handler off pytest's capture file."""
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
+    _absl_writes_to_the_real_stderr()
+
+
+def _absl_writes_to_the_real_stderr() -> None:
+    """absl's handler (imported with dp_accounting) closes its stream on every
+    ``logging.config.dictConfig`` — Prefect's and MLflow's imports call one — unless that stream
+    is the *current* ``sys.stderr``. Imported during collection, its stream is pytest's capture
+    file; a first ``import prefect`` inside a test that uses ``capsys`` then closed that file,
+    and every later test of the worker failed on "I/O operation on closed file"."""
+    from absl import logging as absl_logging
+
+    absl_logging.get_absl_handler().python_handler.setStream(sys.__stderr__)
 
 
 @pytest.hookimpl(tryfirst=True)
