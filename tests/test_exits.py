@@ -56,6 +56,7 @@ EXPECTED = {
     "ObjectNotFoundError": ExitCode.REFUSED,
     "ObjectExistsError": ExitCode.REFUSED,
     "ObjectChangedError": ExitCode.REFUSED,
+    "UnreadableObjectError": ExitCode.REFUSED,
     # an outage (or a bug)
     "OutageError": ExitCode.FAILURE,
     "TransientError": ExitCode.FAILURE,
@@ -64,6 +65,7 @@ EXPECTED = {
     "RegistryUnavailableError": ExitCode.FAILURE,
     "StackNotRunningError": ExitCode.FAILURE,
     "BoundContradictionError": ExitCode.FAILURE,
+    "RequestWaitError": ExitCode.FAILURE,
     # outcomes
     "InfeasibleTargetError": ExitCode.INFEASIBLE,
     "NotPromotedError": ExitCode.NOT_PROMOTED,
