@@ -14,7 +14,7 @@ methods the registry adapter makes (``dpmerge/registry/``: ``create_experiment``
 ``log_model_artifact`` through the artifact proxy, ``create_registered_model``,
 ``create_model_version``, the tag and alias setters and deleters) and the auth app's grant
 (``dpmerge/registry/grants.py``); no flow, task or command calls MLflow but through it
-(docs/design.md's one door per external system). Every role gets the ``POST`` routes that only
+(docs/design.md#registry). Every role gets the ``POST`` routes that only
 read and that MLflow filters by the user's permissions (:data:`SEARCHES`): the clients' and the
 UI's searches and the UI's GraphQL, whose only mutations are searches.
 """
