@@ -8,8 +8,10 @@
   dpmerge.state.inbox). A consumer has no S3 identity.
 * MLflow (``--app-name basic-auth``, ``default_permission = NO_PERMISSIONS``): the users
   ``workflow``, ``operator``, ``consumer`` (created at ``up`` through the auth app's API by its
-  admin). Only the workflow creates (:mod:`devstack.mlflow_auth`); what it creates it manages,
-  and the registry grants READ as ``$DPMERGE_MLFLOW_READERS`` (:data:`MLFLOW_READERS`) says.
+  admin). Each role writes only what its allow-list names (:mod:`devstack.mlflow_writes`,
+  applied by :mod:`devstack.mlflow_auth`): only the workflow creates; what it creates it
+  manages, and the registry grants READ as ``$DPMERGE_MLFLOW_READERS`` (:data:`MLFLOW_READERS`)
+  says.
 * Prefect (``PREFECT_SERVER_API_AUTH_STRING``): all or nothing, so only ``workflow`` holds it.
 
 :func:`role_env` is one role's environment (``dpmerge stack env --role ROLE``): its own

@@ -22,7 +22,7 @@ from factories import synthetic_candidates
 from servers import Shell, environment, one_line, workflow_prefect
 
 import devstack
-from devstack import credentials, mlflow_auth
+from devstack import credentials, mlflow_writes
 from devstack.roles import prefect_headers
 from dpmerge.keys import WorkflowKey
 from dpmerge.merging import merge_model_dirs
@@ -349,31 +349,34 @@ def test_operator_reads_candidates_and_writes_only_requests(
     )
 
 
-def test_only_the_workflow_creates_mlflow_objects(
+def test_mlflow_writes_are_an_allow_list(
     local_stack: devstack.StackConfig, registered: Registered
 ) -> None:
     """MLflow lets any signed-in user create an experiment or a registered model (and manage
-    it); the stack's hook refuses a consumer's and an operator's, so neither can take a name the
-    workflow needs or put a look-alike model under a policy's alias. The workflow still
-    creates, and reads are untouched."""
+    it), its UI's demo generator included (row L of the attack run); the stack's hook refuses
+    every request but a read that is not on the role's allow-list, so a consumer or an operator
+    can neither take a name the workflow needs nor create anything. The workflow still creates,
+    and reads and searches are untouched."""
     url = registered.url
     squatted = merged_model_name("cnn-squat", "cnn")
+    attempts = (
+        ("POST", "/ajax-api/3.0/mlflow/demo/generate", {}),
+        ("POST", "/api/2.0/mlflow/experiments/create", {"name": "dpmerge-studies-squat"}),
+        ("POST", "/api/2.0/mlflow/registered-models/create", {"name": squatted}),
+        ("POST", "/ajax-api/2.0/mlflow/registered-models/create", {"name": squatted}),
+        ("POST", "/api/3.0/mlflow/gateway/model-definitions/create", {"name": "squat"}),
+        ("POST", "/api/2.0/mlflow/webhooks", {"name": "squat", "url": "http://127.0.0.1:9"}),
+        ("POST", "/api/2.0/mlflow/traces", {}),
+        ("POST", "/api/3.0/mlflow/datasets/create", {"name": "squat"}),
+        ("POST", "/api/3.0/mlflow/scorers/register", {"name": "squat"}),
+        ("POST", "/api/2.0/mlflow/logged-models", {"experiment_id": "0"}),
+        ("POST", "/v1/traces", {}),
+    )
     for role in (StackRole.CONSUMER, StackRole.OPERATOR):
         session = _session(local_stack, role)
-        attempts = [
-            _post(session, url, "experiments/create", name="dpmerge-studies-squat"),
-            _post(session, url, "registered-models/create", name=squatted),
-            session.post(
-                f"{url}/ajax-api/2.0/mlflow/registered-models/create", json={"name": squatted}
-            ),
-            session.post(
-                f"{url}/api/3.0/mlflow/gateway/model-definitions/create",
-                json={"name": "squat", "provider": "openai", "model_name": "x"},
-            ),
-        ]
-        assert [(r.status_code, r.text) for r in attempts] == [(403, mlflow_auth.REFUSAL)] * len(
-            attempts
-        )
+        answers = [session.request(m, f"{url}{path}", json=body) for m, path, body in attempts]
+        expected = [(403, mlflow_writes.refusal(role.value, m, p)) for m, p, _ in attempts]
+        assert [(r.status_code, r.text) for r in answers] == expected
         found = _post(session, url, "experiments/search", max_results=100)
         assert found.status_code == 200  # a POST that reads is still answered
     workflow = _session(local_stack, StackRole.WORKFLOW)
@@ -383,8 +386,15 @@ def test_only_the_workflow_creates_mlflow_objects(
         timeout=30,
     )
     assert found.status_code == 200 and not found.json().get("registered_models"), found.text
+    admin = requests.Session()  # sees every experiment, whoever created it
+    admin.auth = (credentials.MLFLOW_ADMIN, credentials.require(local_stack.state_dir).mlflow_admin)
+    everything = _post(admin, url, "experiments/search", max_results=1000).json()["experiments"]
+    names = {e["name"] for e in everything}
+    assert not {"MLflow Demo", "dpmerge-studies-squat"} & names, names
     created = _post(workflow, url, "experiments/create", name="dpmerge-roles-created")
     assert created.status_code == 200, created.text[:200]
+    demo = workflow.post(f"{url}/ajax-api/3.0/mlflow/demo/generate", json={}, timeout=30)
+    assert demo.status_code == 403  # not on the workflow's list either
 
 
 def test_a_consumer_gets_no_local_stand_in_for_the_stacks_state(
