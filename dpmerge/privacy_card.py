@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any
 
+from dpmerge.accounting.private_accuracy import PrivateAccuracy
 from dpmerge.accounting.records import Candidate, MechanismRecord
 from dpmerge.errors import RecordError
 from dpmerge.formatting import epsilon_text
@@ -208,7 +209,8 @@ ASSUMPTIONS = (
     "Poisson sampling: each DP-SGD step included every training row independently with "
     "probability q, as the accountants assume.",
     "n is public: the number of training rows, and the rate, steps and batch size set from it, "
-    "are not protected.",
+    "are not protected; so is the number of test rows, which sets the scale of the test "
+    "accuracy's noise.",
     "The split: validation rows are 10 % of the training file (after any row limit), picked by "
     "a permutation with the fixed public seed 0, not a secret key; test rows are the separate "
     "test file (digits: a fixed 20 %). Candidates with other row limits may train on rows "
@@ -249,35 +251,77 @@ def ledger_line(ledger: Mapping[str, Any], details: Sequence[str]) -> str:
     )
 
 
-ROW_PROTECTION = {
-    "training": "covered by the guarantee above: the candidates were trained on them with DP-SGD",
-    "validation_unused": "not used by this release (its weights are fixed from the mechanism "
-    "records alone)",
-    "validation_tuned": "**not protected**: the merge weights were tuned on their accuracy "
-    "(the policy opted into `tune_weights`)",
-    "test": "**not protected**: the test accuracy on this card is computed on them, and "
-    "promotion is gated on it",
-}
+@dataclass(frozen=True)
+class RowProtection:
+    """How a release protects one split's rows: ``epsilon`` and ``delta`` where it does
+    (0 for rows it does not use), ``text`` for the card (docs/design.md#row-protection)."""
+
+    protected: bool
+    epsilon: float | None
+    delta: float | None
+    text: str
 
 
-def row_protection(tuned: bool) -> dict[str, str]:
-    """How the release protects each split's rows (docs/design.md#row-protection); ``tuned``:
-    its LC weights were tuned on validation accuracy."""
+NOT_PROTECTED = "**not protected**"
+VALIDATION_UNUSED = (
+    "not used by this release (its weights are fixed from the mechanism records alone)"
+)
+VALIDATION_TUNED = (
+    "the merge weights were tuned on their accuracy (the policy opted into `tune_weights`)"
+)
+TEST_EXACT = "a test accuracy on this card is exact, computed on them, and gates promotion"
+
+
+def test_protection(estimate: PrivateAccuracy | None) -> RowProtection:
+    """The test rows' protection: the estimate's ε when the card's accuracy is one."""
+    if estimate is None:
+        return RowProtection(False, None, None, f"{NOT_PROTECTED}: {TEST_EXACT}")
+    text = (
+        f"protected: ε = {epsilon_text(estimate.epsilon)}, δ = {num(estimate.delta)} "
+        f"({estimate.mechanism.value.capitalize()} mechanism, sensitivity 1/n_test, "
+        f"n_test = {estimate.n}): the test accuracy on this card is this differentially "
+        "private estimate, and promotion is gated on it; each release's estimate spends its own "
+        "ε on the same test rows"
+    )
+    return RowProtection(True, estimate.epsilon, estimate.delta, text)
+
+
+def row_protection(
+    report: Mapping[str, Any], metrics: Mapping[str, Any], tuned: bool
+) -> dict[str, RowProtection]:
+    """How the release ``report`` describes protects each split's rows
+    (docs/design.md#row-protection): the training rows by its (ε, δ), the validation rows
+    unused unless ``tuned`` (its LC weights were tuned on validation accuracy), the test rows
+    by the private estimate ``metrics`` carry, if they carry one."""
+    epsilon, delta = report["epsilon"], report["delta"]
+    training = (
+        f"protected: ε = {epsilon_text(epsilon)}, δ = {num(delta)} — the guarantee above: the "
+        "candidates were trained on them with DP-SGD"
+    )
+    validation = (
+        RowProtection(False, None, None, f"{NOT_PROTECTED}: {VALIDATION_TUNED}")
+        if tuned
+        else RowProtection(True, 0.0, 0.0, f"protected: {VALIDATION_UNUSED}")
+    )
     return {
-        "training": ROW_PROTECTION["training"],
-        "validation": ROW_PROTECTION["validation_tuned" if tuned else "validation_unused"],
-        "test": ROW_PROTECTION["test"],
+        "training": RowProtection(True, epsilon, delta, training),
+        "validation": validation,
+        "test": test_protection(PrivateAccuracy.from_metrics(metrics)),
     }
 
 
-def rows_section(tuned: bool) -> list[str]:
+def rows_data(rows: Mapping[str, RowProtection]) -> dict[str, dict[str, Any]]:
+    return {split: asdict(row) for split, row in rows.items()}
+
+
+def rows_section(rows: Mapping[str, RowProtection]) -> list[str]:
     """The card's section on which private rows the guarantee covers."""
     return [
         "## Which rows the guarantee protects",
         "",
         "| rows | protection |",
         "|---|---|",
-        *(f"| {split} | {text} |" for split, text in row_protection(tuned).items()),
+        *(f"| {split} | {row.text} |" for split, row in rows.items()),
         "",
     ]
 
@@ -289,10 +333,17 @@ def accuracy_value(metrics: Mapping[str, Any], key: str) -> float | None:
 
 def utility_lines(metrics: Mapping[str, Any]) -> list[str]:
     """The released model's accuracy (the only accuracy a card shows: candidates' are
-    internal)."""
+    internal), said to be a private estimate where it is one."""
     values = {key.split("_")[0]: accuracy_value(metrics, key) for key in ACCURACY_KEYS}
     shown = [f"{split} {value:.4f}" for split, value in values.items() if value is not None]
-    return [f"**Accuracy** of this model: {', '.join(shown)}.", ""] if shown else []
+    estimate = PrivateAccuracy.from_metrics(metrics)
+    how = (
+        f" (test: an ε = {epsilon_text(estimate.epsilon)} differentially private estimate, "
+        f"{estimate.mechanism.value.capitalize()} noise on {estimate.n} test rows)"
+        if estimate is not None and values["test"] is not None
+        else ""
+    )
+    return [f"**Accuracy** of this model: {', '.join(shown)}{how}.", ""] if shown else []
 
 
 def _bound_section(title: str, bound: Mapping[str, Any]) -> list[str]:
@@ -447,11 +498,12 @@ def build_privacy_card(
         policy_id=policy_id,
         audience="internal",
     )
+    rows = row_protection(report, metrics or {}, tuned)
     md = [
         *head.markdown,
         *attempts_lines(ledger or {}),
         *utility_lines(metrics or {}),
-        *rows_section(tuned),
+        *rows_section(rows),
         *assumptions_section(report),
         "## Bounds",
         "",
@@ -516,7 +568,7 @@ def build_privacy_card(
         },
         "ledger": dict(ledger) if ledger is not None else None,
         "accuracy": {k: accuracy_value(metrics or {}, k) for k in ACCURACY_KEYS},
-        "rows": row_protection(tuned),
+        "rows": rows_data(rows),
         "assumptions": assumption_lines(report),
         "notes": notes,
         "libraries": versions,

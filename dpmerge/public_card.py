@@ -2,7 +2,8 @@
 
 Everything on it is a function of the released model, public data and the test rows (whose
 protection it states): the guarantee and the bounds' values, the target, the method and how
-many candidates and merges it combined, the test accuracy, the cumulative ledger bound as of
+many candidates and merges it combined, the test accuracy (for a policy's release an ε-DP
+estimate, its ε and n_test: docs/design.md#row-protection), the cumulative ledger bound as of
 the time it states, the number of earlier attempts for the policy, the warning when δ is weak
 for n, and what the guarantee assumes. It never shows a validation metric: a tuned release's
 would reveal the validation rows' count and accuracy, which its guarantee does not cover.
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dpmerge.accounting.private_accuracy import PRIVACY_KEYS
 from dpmerge.privacy_card import (
     BOUND_LABELS,
     LEDGER_NOTE,
@@ -32,6 +34,7 @@ from dpmerge.privacy_card import (
     ledger_line,
     library_versions,
     row_protection,
+    rows_data,
     rows_section,
     software_section,
     utility_lines,
@@ -51,6 +54,9 @@ BOUND_KEYS = (
 LEDGER_KEYS = ("epsilon", "delta", "accountant", "cap", "releases", "as_of")
 ACCURACY_KEYS = ("test_accuracy",)
 """The accuracy a public card shows: the test split's only (see the module docstring)."""
+PUBLIC_METRICS = (*ACCURACY_KEYS, *PRIVACY_KEYS, "test_n")
+"""The metrics a public card reads: the test accuracy and, where it is a private estimate, its
+guarantee and n_test (public)."""
 INTERNAL_NOTE = (
     "The candidates this release was merged from, their mechanism records, metrics and the "
     "merge weights are internal (operators read them on the internal card: `dpmerge registry "
@@ -120,14 +126,15 @@ def build_public_card(
         if kind in ("gating", "generic", "structured") and bound
     }
     merge_line, merge, drawn = _combined(report)
-    public_metrics = {k: metrics[k] for k in ACCURACY_KEYS if k in metrics}
+    public_metrics = {k: metrics[k] for k in PUBLIC_METRICS if k in metrics}
+    rows = row_protection(report, public_metrics, tuned)
     weak = [f"**Weak δ** — {delta_warning.removeprefix('warning: ')}.", ""] if delta_warning else []
     md = [
         *head.markdown,
         *weak,
         *attempts_lines(ledger or {}, listed=False),
         *utility_lines(public_metrics),
-        *rows_section(tuned),
+        *rows_section(rows),
         *assumptions_section(report),
         "## Bounds",
         "",
@@ -161,7 +168,7 @@ def build_public_card(
         "accuracy": {k: accuracy_value(metrics, k) for k in ACCURACY_KEYS},
         "delta_warning": delta_warning,
         "assumptions": assumption_lines(report),
-        "rows": row_protection(tuned),
+        "rows": rows_data(rows),
         "notes": notes,
         "libraries": versions,
     }

@@ -36,6 +36,13 @@ class Neighbouring(StrEnum):
     ADD_OR_REMOVE_ONE = "add_or_remove_one"
 
 
+class EvaluationMechanism(StrEnum):
+    """The mechanism that protects the test rows of a released model's published accuracy
+    (docs/design.md#row-protection). Only Laplace: pure ε, δ = 0, its scale exact."""
+
+    LAPLACE = "laplace"
+
+
 class Sampling(StrEnum):
     """Batch sampling scheme of a DP-SGD run. Only Poisson sampling has a claimed
     amplification; shuffled or fixed-size batches are not Poisson (docs/design.md#sharp-edges)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dpmerge.accounting.private_accuracy import PrivateAccuracy
 from dpmerge.accounting.records import MechanismRecord
 
 DELTA = 1e-5
@@ -119,3 +120,16 @@ def synthetic_candidates(
             )
         )
     return dirs
+
+
+def laplace_delta(estimate: PrivateAccuracy, epsilon: float) -> float:
+    """δ(ε) of the estimate under dp_accounting's PLD accountant (add-or-remove-one, the
+    records' relation): a Laplace event with noise multiplier scale/sensitivity."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    accountant = pld_privacy_accountant.PLDAccountant(
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
+    )
+    accountant.compose(dp_accounting.LaplaceDpEvent(estimate.scale / (1 / estimate.n)))
+    return float(accountant.get_delta(epsilon))

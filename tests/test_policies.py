@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dpmerge.policies import PolicyError, load_policies, policy_from_dict
+from dpmerge.policies import EVALUATION_EPSILON, PolicyError, load_policies, policy_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,6 +29,7 @@ def test_defaults_are_the_safe_ones():
     assert policy.on_noncompliant == "revoke"
     assert policy.method == "auto"
     assert policy.alias == "policy-eu"
+    assert policy.evaluation_epsilon == EVALUATION_EPSILON == 1.0  # the test rows' ε
     assert policy.resource_id == "dpmerge.policy.eu"
     assert set(policy.event_payload()) >= {"name", "target_epsilon", "target_delta", "alias"}
 
@@ -42,6 +43,10 @@ def test_defaults_are_the_safe_ones():
         ({"method": "average"}, "method"),
         ({"gating_bound": "heuristic"}, "gating_bound"),
         ({"min_accuracy": 1.2}, "min_accuracy"),
+        ({"evaluation_epsilon": 0.0}, "evaluation_epsilon"),
+        ({"evaluation_epsilon": -1.0}, "evaluation_epsilon"),
+        ({"evaluation_epsilon": float("inf")}, "evaluation_epsilon"),
+        ({"evaluation_epsilon": float("nan")}, "evaluation_epsilon"),
         ({"on_noncompliant": "ignore"}, "on_noncompliant"),
         ({"name": "EU region!"}, "name"),
         ({"alias": "latest"}, "alias"),
@@ -91,6 +96,8 @@ def test_policy_files_are_checked_whole(tmp_path):
         ({"target_delta": False}, "target_delta"),
         ({"min_accuracy": "0.8"}, "min_accuracy"),
         ({"cumulative_epsilon_cap": True}, "cumulative_epsilon_cap"),
+        ({"evaluation_epsilon": True}, "evaluation_epsilon"),
+        ({"evaluation_epsilon": "0.5"}, "evaluation_epsilon"),
         ({"dataset": 7}, "dataset"),
         ({"method": True}, "method"),
     ],

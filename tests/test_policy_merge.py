@@ -29,6 +29,7 @@ from dpmerge.accounting.calibration import calibrate
 from dpmerge.data import load_dataset
 from dpmerge.errors import DatasetError
 from dpmerge.evaluation import MergeAccuracy
+from dpmerge.formatting import epsilon_text
 from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.policy_merge.evaluation_data import _limits_for
 from dpmerge.registry import Registry, RegistryError
@@ -283,6 +284,18 @@ def test_apply_counts_serves_and_reuses(workspace: pm.Workspace, registry_home) 
     pointer = state.alias(first.merged_model, "policy-lc-one")
     assert (pointer.owner, pointer.serving, pointer.policy_version) == ("lc-one", "1", 1)
     assert first.to_dict()["status"] == "promoted"
+    # the test rows are protected: what is published and gated is the stored ε-DP estimate
+    kept = json.loads(
+        (workspace.home / "audit" / f"{tags['dp.content_hash']}.test-accuracy.json").read_text()
+    )["metrics"]
+    metrics = _client(workspace).get_run(description.run_id).data.metrics
+    assert float(tags["dp.accuracy"]) == kept["test_accuracy"] == first.test_accuracy
+    assert metrics["test_accuracy"] == kept["test_accuracy"] and "test_loss" not in metrics
+    assert kept["test_accuracy_epsilon"] == policy.evaluation_epsilon == 1.0
+    assert kept["test_accuracy_delta"] == 0.0 and f"n_test = {kept['test_n']})" in result.card
+    for split in ("training", "validation", "test"):
+        assert f"| {split} | protected: " in result.card
+    assert f"| test | protected: ε = {epsilon_text(1.0)}, δ = 0 (Laplace" in result.card
     # the same policy again: the registered release is reused, nothing is merged or drawn again
     calls.clear()
     again = pm.apply_policy(_store(workspace, policy), workspace, steps=_recording(calls)).outcome
@@ -300,7 +313,8 @@ def test_rs_draw_goes_only_to_the_private_audit_file(workspace: pm.Workspace, re
     outcome = _apply(workspace, policy, steps=_recording(calls))
     assert outcome.status == pm.Status.PROMOTED
     assert calls == NEW_RELEASE
-    (audit,) = set((workspace.home / "audit").glob("*.json")) - before
+    audit, accuracy = sorted(set((workspace.home / "audit").glob("*.json")) - before)
+    assert accuracy.name == audit.name.replace(".json", ".test-accuracy.json")
     assert audit.name == _tags(workspace, outcome)["dp.content_hash"] + ".json"
     assert stat.S_IMODE(audit.stat().st_mode) == 0o600
     assert stat.S_IMODE((workspace.home / "audit").stat().st_mode) == 0o700
@@ -585,7 +599,7 @@ def test_a_mixture_release_draws_once_counts_both_merges_and_publishes_no_candid
     numbers = set(re.findall(r"\d+\.\d+(?:e-?\d+)?", text))  # whole numbers, not digits of one
     found += sorted(accuracies & numbers)
     assert not found, f"published release mentions its candidates: {found}"
-    assert "Which rows the guarantee protects" in text and "**not protected**" in text
+    assert "Which rows the guarantee protects" in text and "**not protected**" not in text
 
 
 def test_repairs_act_on_fresh_state_and_leave_a_running_policys_alias_alone(

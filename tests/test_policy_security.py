@@ -539,7 +539,17 @@ def _count_draws(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_retried_rs_release_draws_once(
     fresh: pm.Workspace, trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A retry after a crash past the merge uses the stored RS draw and publishes the stored
+    test-accuracy estimate: neither is drawn again (docs/design.md#row-protection)."""
     drawn = _count_draws(monkeypatch)
+    estimates: list[Any] = []
+    real = draws.private_accuracy
+
+    def estimated(*args: Any) -> Any:
+        estimates.append(real(*args))
+        return estimates[-1]
+
+    monkeypatch.setattr(draws, "private_accuracy", estimated)
     policy = _policy(target_epsilon=trained["epsilons"][1] * 1.05, method="rs")
 
     def crash(*args: Any) -> Any:
@@ -549,9 +559,20 @@ def test_a_retried_rs_release_draws_once(
         _apply(fresh, policy, register=crash)
     outcome = _apply(fresh, policy)  # the re-run of the same request
     assert outcome.status == pm.Status.PROMOTED and len(drawn) == 1
-    audit = list((fresh.home / "audit").glob("*.json"))
-    assert [a.name for a in audit] == [f"{outcome_hash(fresh, outcome)}.json"]
+    audit = _audit_files(fresh, outcome_hash(fresh, outcome))
     assert json.loads(audit[0].read_text())["drawn_index"] == drawn[0]
+    assert len(estimates) == 1 and outcome.test_accuracy == estimates[0].value
+    assert json.loads(audit[1].read_text())["metrics"] == estimates[0].metrics()
+
+
+def _audit_files(ws: pm.Workspace, release: str) -> list[Path]:
+    """The release's two audit records, the RS draw first; any other is another release's
+    accuracy estimate (an LC warm-up's), never a second RS draw."""
+    audit = sorted((ws.home / "audit").glob("*.json"))
+    mine = [a for a in audit if a.name.startswith(release)]
+    assert [a.name for a in mine] == [f"{release}.json", f"{release}.test-accuracy.json"]
+    assert all(a.name.endswith(".test-accuracy.json") for a in audit if a not in mine)
+    return mine
 
 
 def outcome_hash(ws: pm.Workspace, outcome: Any) -> str:
@@ -604,8 +625,7 @@ def test_concurrent_runs_of_one_rs_release_use_one_draw_and_register_once(
     assert results["one"].version == results["two"].version
     versions = _versions(fresh, results["one"].merged_model)
     assert len([v for v in versions if v.tags["dp.status"] == "ready"]) == 2  # LC warm-up + RS
-    audit = list((fresh.home / "audit").glob("*.json"))
-    assert [a.name for a in audit] == [f"{outcome_hash(fresh, results['one'])}.json"]
+    audit = _audit_files(fresh, outcome_hash(fresh, results["one"]))
     stored = json.loads(audit[0].read_text())["drawn_index"]
     assert stored in drawn and used == [stored, stored]  # both merges used the stored draw
 

@@ -7,12 +7,13 @@ import json
 from typing import Any
 
 import pytest
-from factories import make_record
+from factories import laplace_delta, make_record
 
 from dpmerge.accounting.account import account
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.delta import delta_check_for
+from dpmerge.accounting.private_accuracy import private_accuracy
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.data import load_dataset
 from dpmerge.data.datasets import DIGITS_TEST_FRACTION
@@ -24,6 +25,7 @@ from dpmerge.privacy_card import (
     LEDGER_COMMAND,
     STRUCTURED_LABEL,
     CardCandidate,
+    PrivacyCard,
     build_privacy_card,
 )
 from dpmerge.public_card import build_public_card
@@ -248,6 +250,22 @@ def test_a_mixture_card_shows_both_merges_their_odds_and_the_mixture_bound():
         build_privacy_card(broken, target_epsilon=5.0, target_delta=DELTA, candidates=entries())
 
 
+def public_card(
+    report: dict[str, Any], ledger: dict[str, Any] | None, metrics: dict[str, Any], tuned: bool
+) -> PrivacyCard:
+    """The public card of ``report`` for policy ``p``'s target (ε*, δ*) = (7, DELTA)."""
+    return build_public_card(
+        report,
+        target_epsilon=7.0,
+        target_delta=DELTA,
+        model_name="m",
+        policy_id="p",
+        ledger=ledger,
+        metrics=metrics,
+        tuned=tuned,
+    )
+
+
 @pytest.mark.parametrize("method", ["lc", "rs", "mixture"])
 def test_the_public_card_names_no_candidate_and_states_each_split_protection(method: str) -> None:
     """The public card holds the guarantee, the bounds' values and counts; no candidate name,
@@ -261,16 +279,7 @@ def test_the_public_card_names_no_candidate_and_states_each_split_protection(met
     ledger = {"epsilon": 9.5, "delta": DELTA, "accountant": "pld", "cap": None, "releases": 2}
     ledger |= {"candidates": [r.name for r in RECORDS], "attempts": [{"release": "f" * 64}]}
     for tuned in (False, True):
-        card = build_public_card(
-            report,
-            target_epsilon=7.0,
-            target_delta=DELTA,
-            model_name="m",
-            policy_id="p",
-            ledger=ledger,
-            metrics={"test_accuracy": 0.8125},
-            tuned=tuned,
-        )
+        card = public_card(report, ledger, {"test_accuracy": 0.8125}, tuned)
         text = card.markdown + card.to_json()
         for secret in (
             *(r.name for r in RECORDS),
@@ -287,9 +296,12 @@ def test_the_public_card_names_no_candidate_and_states_each_split_protection(met
         assert card.data["merge"]["candidates"] == len(report["used_candidates"])
         assert card.data["ledger"]["attempts"] == 1 and "0.8125" in card.markdown
         rows = card.data["rows"]
-        assert rows["test"].startswith("**not protected**")
-        assert rows["validation"].startswith("**not protected**") == tuned
-        assert "| training | covered by the guarantee" in card.markdown
+        assert not rows["test"]["protected"]  # an exact accuracy: its rows are not protected
+        assert rows["test"]["text"].startswith("**not protected**")
+        assert rows["validation"]["protected"] != tuned
+        assert rows["validation"]["text"].startswith("**not protected**") == tuned
+        assert rows["training"]["epsilon"] == report["epsilon"]
+        assert f"| training | protected: ε = {epsilon_text(report['epsilon'])}" in card.markdown
     internal = build_privacy_card(
         report, target_epsilon=7.0, target_delta=DELTA, candidates=entries(), ledger=ledger
     )
@@ -339,3 +351,23 @@ def test_the_public_card_warns_of_a_weak_delta_states_its_assumptions_and_dates_
         text = md + card.to_json()
         assert "0.7771" not in text and "1234" not in text and "1,234" not in text
         assert data["accuracy"] == {"test_accuracy": 0.8125}
+
+
+def test_every_row_reads_protected_on_the_default_cards_with_its_epsilon() -> None:
+    """The public card of a release with a private test estimate: training rows at the
+    release's ε, validation rows unused (ε 0), test rows at the estimate's ε (re-derived with
+    dp_accounting); under ``tune_weights`` the validation rows read not protected."""
+    report = account(RECORDS, "lc", [0.2, 0.3, 0.5], DELTA).to_dict()
+    estimate = private_accuracy(0.8, 360, 0.5)
+    for tuned in (False, True):
+        card = public_card(report, None, {**estimate.metrics(), "test_loss": 0.123456}, tuned)
+        rows, md = card.data["rows"], card.markdown
+        assert rows["training"]["protected"] and rows["training"]["epsilon"] == report["epsilon"]
+        assert rows["training"]["delta"] == report["delta"]
+        assert rows["validation"]["protected"] != tuned
+        assert rows["test"]["protected"] and rows["test"]["delta"] == 0.0
+        assert laplace_delta(estimate, rows["test"]["epsilon"]) <= 1e-12
+        assert f"| test | protected: ε = {epsilon_text(0.5)}, δ = 0 (Laplace" in md
+        assert f"test {estimate.value:.4f} (test: an ε = {epsilon_text(0.5)} differentially" in md
+        assert "0.123456" not in md + card.to_json()  # only the estimate is shown
+        assert all(r["protected"] for r in rows.values()) != tuned

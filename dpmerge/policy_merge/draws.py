@@ -1,29 +1,36 @@
-"""One RS draw per release, stored before it is used (docs/design.md#rs-secrecy).
+"""Draws kept once per release, stored before they are used (docs/design.md#rs-secrecy,
+docs/design.md#row-protection): the RS index, and the noise of the test-accuracy estimate.
 
-A retried or concurrent run of the same release must not draw again: a second draw is a
-selection step that costs privacy, and two versions from two draws reveal both. So the draw for
-a release (keyed by its hash, which does not depend on the draw) is read first; only when
-there is none is a new index drawn from the OS's cryptographic RNG and written create-once —
-to the audit bucket (``If-None-Match: *``), or without S3 as a 0600 file under
-``<home>/audit`` (``O_EXCL``). If another run wrote first, its draw is used and this one is
-discarded unused. The record is the release's audit record: the index never goes anywhere
-else."""
+A retried or concurrent run of the same release must not draw again: a second RS draw is a
+selection step that costs privacy, and two versions from two draws reveal both; a second noisy
+accuracy would spend the evaluation ε twice on the test rows (averaging the two). So a release's
+draw (keyed by its hash, which does not depend on the draw) is read first; only when there is
+none is a new one drawn from the OS's cryptographic RNG and written create-once — to the audit
+bucket (``If-None-Match: *``), or without S3 as a 0600 file under ``<home>/audit``
+(``O_EXCL``). If another run wrote first, its draw is used and this one is discarded unused.
+The RS record is the release's audit record: the index never goes anywhere else. The accuracy
+record holds the published estimate only, never the exact accuracy."""
 
 from __future__ import annotations
 
 import json
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
-from dpmerge.errors import IntegrityError
+from dpmerge.accounting.private_accuracy import PrivateAccuracy, private_accuracy
+from dpmerge.errors import IntegrityError, RecordError
 from dpmerge.merging import draw_index
 from dpmerge.storage import ObjectExistsError, ObjectNotFoundError
 from dpmerge.workspace import Workspace
 
 SCHEMA = "dpmerge.rs_draw/1"
+ACCURACY_SCHEMA = "dpmerge.test_accuracy_draw/1"
+ACCURACY_SUFFIX = ".test-accuracy"
+"""The accuracy draw's key: the release hash with this suffix (the RS draw's is the hash)."""
+Kept = TypeVar("Kept")
 
 
 def _local_path(workspace: Workspace, release: str) -> Any:
@@ -75,6 +82,28 @@ def _index(record: dict[str, Any], names: Sequence[str], probabilities: Sequence
     return index
 
 
+def kept_once(
+    workspace: Workspace,
+    key: str,
+    draw: Callable[[], dict[str, Any]],
+    use: Callable[[dict[str, Any]], Kept],
+) -> Kept:
+    """``use`` of the record stored under ``key``: the stored one, else a new ``draw()``
+    stored create-once before use (a concurrent run's, if it stored first)."""
+    existing = _read(workspace, key)
+    if existing is not None:
+        return use(existing)
+    record = draw()
+    try:
+        _write_once(workspace, key, record)
+    except ObjectExistsError:  # a concurrent run stored its draw first: that one counts
+        winner = _read(workspace, key)
+        if winner is None:
+            raise
+        return use(winner)
+    return use(record)
+
+
 def stored_draw(
     workspace: Workspace,
     release: str,
@@ -83,25 +112,57 @@ def stored_draw(
     notes: dict[str, Any],
 ) -> int:
     """The index drawn for ``release``: the stored one, else a new draw stored before use."""
-    existing = _read(workspace, release)
-    if existing is not None:
-        return _index(existing, names, probabilities)
-    index = draw_index(probabilities)
-    record = {
-        "schema": SCHEMA,
-        "release": release,
-        "candidates": list(names),
-        "probabilities": [float(p) for p in probabilities],
-        "drawn_index": index,
-        "drawn_candidate": names[index],
-        "drawn_at": datetime.now(UTC).isoformat(),
-        "notes": notes,
-    }
+
+    def draw() -> dict[str, Any]:
+        index = draw_index(probabilities)
+        return {
+            "schema": SCHEMA,
+            "release": release,
+            "candidates": list(names),
+            "probabilities": [float(p) for p in probabilities],
+            "drawn_index": index,
+            "drawn_candidate": names[index],
+            "drawn_at": datetime.now(UTC).isoformat(),
+            "notes": notes,
+        }
+
+    return kept_once(workspace, release, draw, lambda r: _index(r, names, probabilities))
+
+
+def _estimate(record: dict[str, Any], release: str, n: int) -> PrivateAccuracy:
+    """The stored estimate, after checking it is this release's on these ``n`` test rows; its
+    own ε stands (a policy that changed ``evaluation_epsilon`` since publishes the kept one)."""
     try:
-        _write_once(workspace, release, record)
-    except ObjectExistsError:  # a concurrent run stored its draw first: that one counts
-        winner = _read(workspace, release)
-        if winner is None:
-            raise
-        return _index(winner, names, probabilities)
-    return index
+        estimate = PrivateAccuracy.from_metrics(record.get("metrics") or {})
+    except RecordError:
+        estimate = None
+    if (
+        record.get("schema") != ACCURACY_SCHEMA
+        or record.get("release") != release
+        or estimate is None
+        or estimate.n != n
+        or not 0 <= estimate.value <= 1
+    ):
+        raise IntegrityError(
+            f"the stored test-accuracy draw of release {release!r} does not match its test "
+            "rows; the audit record was altered (restore it from the audit bucket's versions)"
+        )
+    return estimate
+
+
+def stored_accuracy(
+    workspace: Workspace, release: str, accuracy: float, n: int, epsilon: float
+) -> PrivateAccuracy:
+    """The private test-accuracy estimate of ``release``: the stored one, else a new ε-DP
+    estimate of ``accuracy`` on ``n`` rows (:func:`private_accuracy`) stored before use."""
+
+    def draw() -> dict[str, Any]:
+        estimate = private_accuracy(accuracy, n, epsilon)
+        return {
+            "schema": ACCURACY_SCHEMA,
+            "release": release,
+            "metrics": estimate.metrics(),
+            "drawn_at": datetime.now(UTC).isoformat(),
+        }
+
+    return kept_once(workspace, release + ACCURACY_SUFFIX, draw, lambda r: _estimate(r, release, n))

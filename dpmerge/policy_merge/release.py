@@ -20,7 +20,7 @@ from dpmerge.merging import merge_model_dirs
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.calibration import PolicyPlan
 from dpmerge.policy_merge.candidates import CandidatePool
-from dpmerge.policy_merge.draws import stored_draw
+from dpmerge.policy_merge.draws import stored_accuracy, stored_draw
 from dpmerge.policy_merge.evaluation_data import EvaluationData
 from dpmerge.registry import RegisteredCandidate, release_hash
 from dpmerge.workspace import Workspace
@@ -33,6 +33,7 @@ POLICY_REQUEST_KEYS = (
     "model",
     "method",
     "tune_weights",
+    "evaluation_epsilon",
 )
 """The policy fields recorded with a release (its run's ``policy`` param and its card name the
 policy that first asked for it); they are not part of the release's identity."""
@@ -103,18 +104,20 @@ class Release:
     ended_ms: int | None = None
 
 
-def evaluation_metrics(data: EvaluationData) -> Any:
-    """A merged model's metrics: test accuracy, loss and n. Never a validation split's: a
-    release whose weights were tuned on validation rows must not publish their accuracy or
-    count, which its guarantee does not cover (docs/design.md#row-protection)."""
+def evaluation_metrics(workspace: Workspace, request: MergeRequest, data: EvaluationData) -> Any:
+    """A merged model's metrics: an ε-DP estimate of its test accuracy (the policy's
+    ``evaluation_epsilon``; the draw kept once per release, :func:`stored_accuracy`) and n_test.
+    No exact test statistic (accuracy, loss) and never a validation split's: a release whose
+    weights were tuned on validation rows must not publish their accuracy or count, which its
+    guarantee does not cover (docs/design.md#row-protection)."""
 
     def metrics(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         scores = evaluate((spec, weights), data.test)
-        return {
-            "test_accuracy": scores["accuracy"],
-            "test_loss": scores["loss"],
-            "test_n": scores["n"],
-        }
+        epsilon = request.policy["evaluation_epsilon"]
+        estimate = stored_accuracy(
+            workspace, request.content_hash, scores["accuracy"], scores["n"], epsilon
+        )
+        return estimate.metrics()
 
     return metrics
 
@@ -148,7 +151,7 @@ def merge_release(
         Path(workdir) / "release",
         delta=calibration.delta,
         gating_bound=calibration.report.gating.kind if calibration.method == "lc" else "generic",
-        metrics=evaluation_metrics(data),
+        metrics=evaluation_metrics(workspace, request, data),
         draw=lambda pi: stored_draw(workspace, request.content_hash, names, pi, notes),
     )
     report = result.report
