@@ -435,10 +435,12 @@ def test_a_card_or_tag_changed_after_registration_fails_the_gates(
         registry.check_gates(MERGED, version, **gates)
     assert gate.value.reasons == ("the stored privacy card disagrees with the version's signed ε",)
     stored = registry.get_version(MERGED, version)
-    assert registry.stored_card_digest(stored) != stored.tags["dp.card_digest"]
+    manifest, root = registry.verified_model(MERGED, version, tmp_path / "v", registry.public_key)
+    with pytest.raises(ReleaseSignatureError, match="run differs from its signed privacy card"):
+        registry.check_card(stored, manifest, root)
     client.log_text(mv.run_id, json.dumps(card), CARD_JSON)
     assert registry.check_gates(MERGED, version, **gates).epsilon == float(epsilon)
-    assert registry.stored_card_digest(stored) == stored.tags["dp.card_digest"]
+    registry.check_card(stored, manifest, root)  # the card consumers read is the signed one
 
 
 def test_search_filters_quote_values_as_mlflow_reads_them(

@@ -553,14 +553,6 @@ class Registry(RegistryQueries):
             ) from None
         return ReleaseFacts.of(stored)
 
-    def stored_card_digest(self, stored: StoredVersion) -> str:
-        """The digest of the card as MLflow holds it now (the description and the run's
-        ``privacy_card.json``), to compare with the signed ``dp.card_digest``."""
-        if not stored.run_id:
-            return ""
-        description = self.card_text(stored.name, stored.version)
-        return card_digest(description, self._run_json(stored.run_id, CARD_JSON))
-
     def check_gates(
         self,
         name: str,
