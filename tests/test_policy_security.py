@@ -31,6 +31,7 @@ from dpmerge import policy_merge as pm
 from dpmerge.cli import main
 from dpmerge.data import load_dataset
 from dpmerge.errors import RefusalError
+from dpmerge.formatting import epsilon_text
 from dpmerge.keys import WorkflowKey
 from dpmerge.policies import Policy, PolicyError, policy_from_dict
 from dpmerge.policy_merge import draws
@@ -436,12 +437,13 @@ def test_a_release_verifies_with_openssf_model_signing_and_both_verifiers_refuse
 
 
 def test_a_forged_description_is_refused_by_consumers_and_found_by_the_reconciler(
-    fresh: pm.Workspace, trained: dict[str, Any], capsys
+    fresh: pm.Workspace, trained: dict[str, Any], capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Row F: the workflow credential edits the served version's description (the card the MLflow
     UI shows) to claim a smaller ε. `dpmerge verify` derives the description from the signed
     card and refuses it in one line; `registry verify` reports the card; both pass once the
     signed description is back."""
+    monkeypatch.delenv(manifests.PUBLIC_KEY_ENV, raising=False)
     served = _apply(fresh, _policy(name="card", target_epsilon=trained["epsilons"][2] * 1.5))
     assert served.status == pm.Status.PROMOTED
     name, version, client = served.merged_model, served.version, _client(fresh)
@@ -449,6 +451,10 @@ def test_a_forged_description_is_refused_by_consumers_and_found_by_the_reconcile
     key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
     assert main(["verify", "@policy-card", *key, *uri]) == 0
     capsys.readouterr()
+    signed = f"signed record (key {manifests.fingerprint(key[1])}): ε = "
+    assert main(["registry", "show", "@policy-card", *key, *uri]) == 0
+    out = capsys.readouterr().out
+    assert signed in out and "the card below is the signed one" in out and "WARNING" not in out
     genuine = client.get_model_version(name, version).description
     forged = re.sub(r"ε = [0-9.]+", "ε = 0.01", genuine, count=1)
     assert forged != genuine
@@ -459,6 +465,13 @@ def test_a_forged_description_is_refused_by_consumers_and_found_by_the_reconcile
     assert f"signed ε = {client.get_model_version(name, version).tags['dp.epsilon']})" in err
     assert main(["registry", "verify", *uri]) == 1
     assert f"card_mismatch: {name}" in capsys.readouterr().out
+    assert main(["registry", "show", "@policy-card", *key, *uri]) == 0
+    out = capsys.readouterr().out
+    tag = client.get_model_version(name, version).tags["dp.epsilon"]
+    assert f"{signed}{epsilon_text(float(tag))}," in out and "ε = 0.01" in out
+    assert "WARNING: the description or the run's privacy_card.json differs" in out
+    assert main(["registry", "show", "@policy-card", *uri]) == 0  # no key: nothing certified
+    assert "signed record: not checked" in capsys.readouterr().out
     client.update_model_version(name, version, description=genuine)
     assert main(["verify", "@policy-card", *key, *uri]) == 0
     assert main(["registry", "verify", *uri]) == 0

@@ -48,8 +48,9 @@ from dpmerge.registry import (
 from dpmerge.registry.catalog import open_catalog
 from dpmerge.registry.errors import registry_error
 from dpmerge.registry.filters import search_filter
+from dpmerge.registry.shown_card import check_shown_card
 from dpmerge.storage import S3Store
-from dpmerge.vocabulary import ExitCode
+from dpmerge.vocabulary import CardCheck, ExitCode
 
 DELTA = 1e-5
 DATASET = "toy-sha256:0123456789abcdef0123"
@@ -182,6 +183,11 @@ def test_merged_version_card_gates_and_alias(
     assert card["guarantee"]["epsilon"] == report["epsilon"]
     markdown = mlflow.artifacts.load_text(f"runs:/{version.run_id}/{CARD_MARKDOWN}")
     assert "structured (the DP model merging paper's analysis)" in markdown
+    catalog = open_catalog(server_registry.tracking_uri)  # the server's get-artifact route
+    assert catalog.run_card(version.run_id) == card
+    detail = catalog.detail(MERGED, result.version)
+    shown = check_shown_card(catalog, detail, server_registry.public_key)
+    assert shown.check == CardCheck.SIGNED and shown.facts["dp.epsilon"] == tags["dp.epsilon"]
 
     # idempotent: the same request reuses the version
     again = _register(server_registry, merged, registered, POLICY)

@@ -20,12 +20,12 @@ from dpmerge.accounting.records import candidate_from_dict
 from dpmerge.artifacts import load_model_dir
 from dpmerge.errors import InputError
 from dpmerge.keys import WorkflowKey
-from dpmerge.privacy_card import PrivacyCard
+from dpmerge.privacy_card import CARD_JSON, CARD_MARKDOWN, PrivacyCard
 from dpmerge.registry.catalog import summaries
-from dpmerge.registry.connection import CARD_JSON, CARD_MARKDOWN, EXTRA_DIR, MlflowConnection
+from dpmerge.registry.connection import EXTRA_DIR, MlflowConnection
 from dpmerge.registry.errors import RecordIntegrityError, RegistryError
 from dpmerge.registry.filters import search_filter
-from dpmerge.registry.names import candidate_content_hash, card_digest, slug
+from dpmerge.registry.names import candidate_content_hash, slug
 from dpmerge.registry.tags import (
     MANIFEST_TAG,
     PUBLISHED_RECORD_TAG,
@@ -295,7 +295,7 @@ class RegistryQueries(MlflowConnection):
             raise manifests.ReleaseSignatureError(
                 f"{subject} carries no readable signed privacy card ({error})"
             ) from None
-        if card_digest(card.description(), card.data) != manifest.card_digest:
+        if manifests.card_digest(card.description(), card.data) != manifest.card_digest:
             raise manifests.ReleaseSignatureError(
                 f"the privacy card files of {subject} are not the card its manifest signs"
             )
