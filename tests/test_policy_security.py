@@ -437,7 +437,11 @@ def test_a_release_verifies_with_openssf_model_signing_and_both_verifiers_refuse
 
 
 def test_a_forged_description_is_refused_by_consumers_and_found_by_the_reconciler(
-    fresh: pm.Workspace, trained: dict[str, Any], capsys, monkeypatch: pytest.MonkeyPatch
+    fresh: pm.Workspace,
+    trained: dict[str, Any],
+    tmp_path: Path,
+    capsys,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Row F: the workflow credential edits the served version's description (the card the MLflow
     UI shows) to claim a smaller ε. `dpmerge verify` derives the description from the signed
@@ -472,8 +476,11 @@ def test_a_forged_description_is_refused_by_consumers_and_found_by_the_reconcile
     assert "WARNING: the description or the run's privacy_card.json differs" in out
     assert main(["registry", "show", "@policy-card", *uri]) == 0  # no key: nothing certified
     assert "signed record: not checked" in capsys.readouterr().out
+    with pytest.raises(manifests.ReleaseSignatureError, match="description"):
+        fresh.registry().load_verified(f"models:/{name}@policy-card", tmp_path / "load", key[1])
     client.update_model_version(name, version, description=genuine)
     assert main(["verify", "@policy-card", *key, *uri]) == 0
+    assert fresh.registry().load_verified(f"models:/{name}@policy-card", tmp_path / "ok", key[1])
     assert main(["registry", "verify", *uri]) == 0
     capsys.readouterr()
 
@@ -512,6 +519,7 @@ def test_verify_download_leaves_exactly_the_verified_files_for_serving(
         "not empty": target,
         "under a file": place / "served" / "MLmodel" / "x",
         "not writable": Path("/proc/dpmerge-verify-test"),
+        "empty": "",  # the working directory: not empty
         "refused": place / "refused",  # the swapped weights
     }
     for why, where in bad.items():

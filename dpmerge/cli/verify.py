@@ -73,7 +73,7 @@ def _verify(args: argparse.Namespace) -> int:
         from dpmerge.registry.catalog import open_catalog
 
         model_uri = f"models:/{open_catalog(tracking_uri).holder(model_uri[1:])}{model_uri}"
-    target = _target(args.download) if args.download else None
+    target = _target(args.download) if args.download is not None else None
     registry = Registry(tracking_uri)
     name, version = registry.resolve(model_uri)
     with _scratch(target) as scratch:

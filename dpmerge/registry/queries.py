@@ -329,11 +329,13 @@ class RegistryQueries(MlflowConnection):
 
     def load_verified(self, model_uri: str, dest: str | Path, public_key: str) -> Any:
         """The release ``model_uri`` names as an MLflow pyfunc model, loaded from ``dest`` only
-        after its files and tags were checked against its signature under ``public_key``
-        (docs/design.md#security); :class:`~dpmerge.manifests.ReleaseSignatureError` when they
-        differ: swapped weights are never loaded."""
+        after its files, tags and card were checked against its signature under ``public_key``
+        (:meth:`verified_model`, :meth:`check_card`; docs/design.md#security);
+        :class:`~dpmerge.manifests.ReleaseSignatureError` when they differ: swapped weights are
+        never loaded."""
         name, version = self.resolve(model_uri)
-        _, root = self.verified_model(name, version, dest, public_key)
+        manifest, root = self.verified_model(name, version, dest, public_key)
+        self.check_card(self.get_version(name, version), manifest, root)
         with self._errors(f"loading {model_uri}"):
             return mlflow.pyfunc.load_model(str(root))
 
