@@ -93,6 +93,19 @@ def checked_public_key(value: str) -> str:
     return value
 
 
+def canonical(document: Any) -> bytes:
+    """``document`` as the canonical JSON every signed digest hashes."""
+    return json.dumps(document, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def card_digest(description: str, card: Any) -> str:
+    """The digest a release's manifest signs of its privacy card: the Markdown shown as the
+    version's description and the card's JSON (an edited card no longer matches)."""
+    digest = hashlib.sha256(description.encode())
+    digest.update(b"\0" + canonical(card))
+    return digest.hexdigest()
+
+
 def file_digests(root: Path) -> dict[str, str]:
     """SHA-256 of every file under ``root``, by path relative to it (``/`` separators)."""
     digests = {}

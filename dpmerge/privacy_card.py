@@ -105,6 +105,10 @@ class CardCandidate:
         )
 
 
+CARD_MARKDOWN, CARD_JSON = "privacy_card.md", "privacy_card.json"
+"""A card's files, in a release's run and in its model's ``extra_files/``."""
+
+
 @dataclass(frozen=True)
 class PrivacyCard:
     markdown: str

@@ -135,6 +135,16 @@ class FindingKind(StrEnum):
     """An object under an operator's prefix that is no valid request: never applied."""
 
 
+class CardCheck(StrEnum):
+    """What ``registry show`` found of a release's card against its signature
+    (docs/design.md#security)."""
+
+    SIGNED = "signed"  # the description and the run's card are the signed card
+    EDITED = "edited"  # either differs from the card the manifest signs
+    UNSIGNED = "unsigned"  # the manifest does not verify, or the tags differ from it
+    UNCHECKED = "unchecked"  # no public key given, or the run's card cannot be read
+
+
 class BoundKind(StrEnum):
     """The analysis behind a reported ε."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from dpmerge import policy_merge as pm
 from dpmerge.cli import main
 from dpmerge.data import load_dataset
 from dpmerge.errors import RefusalError
+from dpmerge.formatting import epsilon_text
 from dpmerge.keys import WorkflowKey
 from dpmerge.policies import Policy, PolicyError, policy_from_dict
 from dpmerge.policy_merge import draws
@@ -429,6 +431,104 @@ def test_a_release_verifies_with_openssf_model_signing_and_both_verifiers_refuse
         assert code == 2 and out == "" and f"{said}extra_files/{named}" in err, (kind, err)
     assert main(["verify", f"models:/{name}/{version}", *key, *uri]) == 0
     capsys.readouterr()
+
+
+# --- issue 28 item 4: consumers verify what they serve -----------------------------------------
+
+
+def test_a_forged_description_is_refused_by_consumers_and_found_by_the_reconciler(
+    fresh: pm.Workspace,
+    trained: dict[str, Any],
+    tmp_path: Path,
+    capsys,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Row F: the workflow credential edits the served version's description (the card the MLflow
+    UI shows) to claim a smaller ε. `dpmerge verify` derives the description from the signed
+    card and refuses it in one line; `registry verify` reports the card; both pass once the
+    signed description is back."""
+    monkeypatch.delenv(manifests.PUBLIC_KEY_ENV, raising=False)
+    served = _apply(fresh, _policy(name="card", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert served.status == pm.Status.PROMOTED
+    name, version, client = served.merged_model, served.version, _client(fresh)
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    assert main(["verify", "@policy-card", *key, *uri]) == 0
+    capsys.readouterr()
+    signed = f"signed record (key {manifests.fingerprint(key[1])}): ε = "
+    assert main(["registry", "show", "@policy-card", *key, *uri]) == 0
+    out = capsys.readouterr().out
+    assert signed in out and "the card below is the signed one" in out and "WARNING" not in out
+    genuine = client.get_model_version(name, version).description
+    forged = re.sub(r"ε = [0-9.]+", "ε = 0.01", genuine, count=1)
+    assert forged != genuine
+    client.update_model_version(name, version, description=forged)
+    assert main(["verify", "@policy-card", *key, *uri]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "description" in err
+    assert f"signed ε = {client.get_model_version(name, version).tags['dp.epsilon']})" in err
+    assert main(["registry", "verify", *uri]) == 1
+    assert f"card_mismatch: {name}" in capsys.readouterr().out
+    assert main(["registry", "show", "@policy-card", *key, *uri]) == 0
+    out = capsys.readouterr().out
+    tag = client.get_model_version(name, version).tags["dp.epsilon"]
+    assert f"{signed}{epsilon_text(float(tag))}," in out and "ε = 0.01" in out
+    assert "WARNING: the description or the run's privacy_card.json differs" in out
+    assert main(["registry", "show", "@policy-card", *uri]) == 0  # no key: nothing certified
+    assert "signed record: not checked" in capsys.readouterr().out
+    with pytest.raises(manifests.ReleaseSignatureError, match="description"):
+        fresh.registry().load_verified(f"models:/{name}@policy-card", tmp_path / "load", key[1])
+    client.update_model_version(name, version, description=genuine)
+    assert main(["verify", "@policy-card", *key, *uri]) == 0
+    assert fresh.registry().load_verified(f"models:/{name}@policy-card", tmp_path / "ok", key[1])
+    assert main(["registry", "verify", *uri]) == 0
+    capsys.readouterr()
+
+
+def test_verify_download_leaves_exactly_the_verified_files_for_serving(
+    fresh: pm.Workspace, trained: dict[str, Any], tmp_path: Path, capsys
+) -> None:
+    """Row H: `dpmerge verify --download DIR` leaves the verified model in DIR — every file's
+    SHA-256 the signed manifest's — and prints `mlflow models serve -m DIR`, so nothing resolves
+    the alias again: weights swapped in the store after the check do not reach DIR. Bad input
+    (DIR not empty, not under a directory, not writable) and a refused release leave one line,
+    exit 2 and nothing behind."""
+    served = _apply(fresh, _policy(name="dl", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert served.status == pm.Status.PROMOTED
+    name, version = served.merged_model, served.version
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    place = tmp_path / "place"
+    place.mkdir()
+    target = place / "served"
+    assert main(["verify", "@policy-dl", "--download", str(target), *key, *uri]) == 0
+    assert f"mlflow models serve -m {target} " in capsys.readouterr().out
+    manifest, _ = fresh.registry().verified_model(name, version, tmp_path / "ref", key[1])
+
+    def digests() -> dict[str, str]:
+        found = manifests.file_digests(target)
+        return {k: v for k, v in found.items() if k not in manifests.MLFLOW_BOOKKEEPING}
+
+    assert digests() == manifest.files
+    assert [p.name for p in place.iterdir()] == ["served"]  # no scratch left beside it
+    weights = _stored_dir(fresh, name, version) / "weights.safetensors"
+    candidate = _stored_dir(fresh, _pool(fresh).registered_model, "1") / "weights.safetensors"
+    weights.write_bytes(candidate.read_bytes())  # a swap after the check
+    assert digests() == manifest.files
+    bad = {
+        "not empty": target,
+        "under a file": place / "served" / "MLmodel" / "x",
+        "not writable": Path("/proc/dpmerge-verify-test"),
+        "empty": "",  # the working directory: not empty
+        "refused": place / "refused",  # the swapped weights
+    }
+    for why, where in bad.items():
+        code = main(["verify", "@policy-dl", "--download", str(where), *key, *uri])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "" and err.count("\n") == 1, (why, err)
+        assert sorted(p.name for p in place.iterdir()) == ["served"], why
+        assert not Path("/proc/dpmerge-verify-test").exists()
+    assert digests() == manifest.files
 
 
 # --- item 3: alias ownership ------------------------------------------------------------------

@@ -48,8 +48,9 @@ from dpmerge.registry import (
 from dpmerge.registry.catalog import open_catalog
 from dpmerge.registry.errors import registry_error
 from dpmerge.registry.filters import search_filter
+from dpmerge.registry.shown_card import check_shown_card
 from dpmerge.storage import S3Store
-from dpmerge.vocabulary import ExitCode
+from dpmerge.vocabulary import CardCheck, ExitCode
 
 DELTA = 1e-5
 DATASET = "toy-sha256:0123456789abcdef0123"
@@ -182,6 +183,11 @@ def test_merged_version_card_gates_and_alias(
     assert card["guarantee"]["epsilon"] == report["epsilon"]
     markdown = mlflow.artifacts.load_text(f"runs:/{version.run_id}/{CARD_MARKDOWN}")
     assert "structured (the DP model merging paper's analysis)" in markdown
+    catalog = open_catalog(server_registry.tracking_uri)  # the server's get-artifact route
+    assert catalog.run_card(version.run_id) == card
+    detail = catalog.detail(MERGED, result.version)
+    shown = check_shown_card(catalog, detail, server_registry.public_key)
+    assert shown.check == CardCheck.SIGNED and shown.facts["dp.epsilon"] == tags["dp.epsilon"]
 
     # idempotent: the same request reuses the version
     again = _register(server_registry, merged, registered, POLICY)
@@ -435,10 +441,12 @@ def test_a_card_or_tag_changed_after_registration_fails_the_gates(
         registry.check_gates(MERGED, version, **gates)
     assert gate.value.reasons == ("the stored privacy card disagrees with the version's signed ε",)
     stored = registry.get_version(MERGED, version)
-    assert registry.stored_card_digest(stored) != stored.tags["dp.card_digest"]
+    manifest, root = registry.verified_model(MERGED, version, tmp_path / "v", registry.public_key)
+    with pytest.raises(ReleaseSignatureError, match="run differs from its signed privacy card"):
+        registry.check_card(stored, manifest, root)
     client.log_text(mv.run_id, json.dumps(card), CARD_JSON)
     assert registry.check_gates(MERGED, version, **gates).epsilon == float(epsilon)
-    assert registry.stored_card_digest(stored) == stored.tags["dp.card_digest"]
+    registry.check_card(stored, manifest, root)  # the card consumers read is the signed one
 
 
 def test_search_filters_quote_values_as_mlflow_reads_them(

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from typing import Any
 
+from dpmerge import manifests
 from dpmerge.errors import InputError, RefusalError
 from dpmerge.formatting import cut, epsilon_text, number_text, printable
 from dpmerge.locate import Located, command, locate_registry
 from dpmerge.registry.catalog import open_catalog
+from dpmerge.registry.shown_card import ShownCard, check_shown_card
 from dpmerge.registry.tags import ROLE_MERGED
 from dpmerge.registry.versions import VersionSummary
 from dpmerge.state.releases import read_release
+from dpmerge.vocabulary import CardCheck
 
 TRACKING_HELP = (
     "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the local stack, else "
@@ -66,11 +70,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "show",
         help="one version's privacy card: NAME, NAME@ALIAS, NAME/VERSION or @ALIAS",
         description=(
-            "Print one version: its tags and description (for a release, its privacy card). "
-            "NAME alone shows the latest version; @ALIAS the release a policy's alias names."
+            "Print one version: its tags and description (for a release, its privacy card, "
+            "under the ε, δ and bound its signature states and whether the card is the signed "
+            "one). NAME alone shows the latest version; @ALIAS the release a policy's alias names."
         ),
     )
     show.add_argument("reference", metavar="NAME[@ALIAS|/VERSION] | @ALIAS")
+    show.add_argument(
+        "--public-key",
+        default=None,
+        help="the workflow's release public key, hexadecimal (default $DPMERGE_RELEASE_PUBLIC_KEY)",
+    )
     show.add_argument(
         "--internal",
         action="store_true",
@@ -278,10 +288,15 @@ def _show(args: argparse.Namespace) -> int:
     pointer = pointers[0] if len(pointers) == 1 else None
     if pointer is not None and pointer.serving is None:
         return _not_serving(pointer, located, args.json)
-    detail = open_catalog(located.tracking_uri).detail(match["name"], match["version"], alias)
+    catalog = open_catalog(located.tracking_uri)
+    detail = catalog.detail(match["name"], match["version"], alias)
+    shown = None
+    if detail.stored.tags.get("dp.role") == ROLE_MERGED:
+        shown = check_shown_card(catalog, detail, _public_key(args.public_key))
     internal = _internal(args, located, detail) if args.internal else None
     if args.json:
         document = {"registry": located.to_dict(), **detail.to_dict()}
+        document["signed"] = shown.to_dict() if shown else None
         document["serving_pointer"] = pointer.to_dict() if pointer else None
         if internal is not None:
             document["internal"] = internal
@@ -306,10 +321,41 @@ def _show(args: argparse.Namespace) -> int:
                 f"WARNING: MLflow's alias names v{detail.stored.version}, but the serving "
                 f"pointer says v{pointer.serving}: `dpmerge registry verify --repair` moves it back"
             )
+    if shown is not None:
+        print("\n".join(printable(line) for line in _signed_lines(shown)))
     print()
     card = internal["card"] if internal is not None else detail.description
     print("\n".join(printable(line) for line in (card or "(no description)").splitlines()))
     return 0
+
+
+def _public_key(given: str | None) -> str | None:
+    """``--public-key``, else ``$DPMERGE_RELEASE_PUBLIC_KEY`` where set, else ``None``."""
+    if given:
+        return manifests.checked_public_key(given)
+    return manifests.configured_public_key() if os.environ.get(manifests.PUBLIC_KEY_ENV) else None
+
+
+def _signed_lines(shown: ShownCard) -> list[str]:
+    """What the release's signature states, and whether the card below is the signed one."""
+    facts = shown.facts
+    if not facts:
+        label = "NOT SIGNED" if shown.check == CardCheck.UNSIGNED else "not checked"
+        return [f"signed record: {label} ({shown.why}); the card below is unverified"]
+    signed = (
+        f"signed record (key {shown.key}): ε = {epsilon_text(float(facts['dp.epsilon']))}, "
+        f"δ = {float(facts['dp.delta']):g} ({facts.get('dp.gating_bound')} bound, "
+        f"{facts.get('dp.accountant')})"
+    )
+    if shown.check == CardCheck.EDITED:
+        return [
+            signed,
+            f"WARNING: {shown.why}; the ε above is the signed one, not the card's: do not "
+            "trust or serve this release",
+        ]
+    if shown.check == CardCheck.SIGNED:
+        return [f"{signed}; {shown.why}"]
+    return [f"{signed}; {shown.why}: the card below is unverified"]
 
 
 def _internal(args: argparse.Namespace, located: Located, detail: Any) -> dict[str, Any]:

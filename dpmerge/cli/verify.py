@@ -4,18 +4,29 @@ Downloads the MLflow model ``models:/<releases>@<alias>`` (or ``models:/<release
 or ``@<alias>``: the one releases model carrying that alias) with the caller's credentials (a
 consumer's are enough) and checks its Ed25519-signed manifest under the workflow's public key
 (``--public-key`` or ``$DPMERGE_RELEASE_PUBLIC_KEY``): the version's tags and every file — the
-pt2 program, the weights, ``MLmodel`` — must be the ones the workflow registered. Exit 0 when
-they are; exit 2 with one line when anything differs (swapped weights, an edited card, a
-planted version): do not serve it.
+pt2 program, the weights, ``MLmodel`` — must be the ones the workflow registered, and the card
+consumers read — the version's description and its run's ``privacy_card.json`` — must be exactly
+the signed card among those files. Exit 0 when they are; exit 2 with one line when anything
+differs (swapped weights, an edited card or description, a planted version): do not serve it.
+
+``--download DIR`` leaves the verified model directory in DIR (a new or empty directory) and
+prints the command that serves exactly those files (``mlflow models serve -m DIR``): serving
+``models:/…@alias`` instead would resolve the alias and download again, after the check.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import tempfile
+from pathlib import Path
 
+from dpmerge.errors import InputError
 from dpmerge.locate import locate_registry
+
+SERVE = "mlflow models serve -m {dir} --env-manager local --host 127.0.0.1 --port 8090"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--public-key",
         default=None,
         help="the workflow's release public key, hexadecimal (default $DPMERGE_RELEASE_PUBLIC_KEY)",
+    )
+    parser.add_argument(
+        "--download",
+        metavar="DIR",
+        default=None,
+        help="leave the verified model in DIR (new or empty) and print how to serve it",
     )
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -56,10 +73,14 @@ def _verify(args: argparse.Namespace) -> int:
         from dpmerge.registry.catalog import open_catalog
 
         model_uri = f"models:/{open_catalog(tracking_uri).holder(model_uri[1:])}{model_uri}"
+    target = _target(args.download) if args.download is not None else None
     registry = Registry(tracking_uri)
     name, version = registry.resolve(model_uri)
-    with tempfile.TemporaryDirectory(prefix="dpmerge-verify-") as scratch:
-        manifest, _ = registry.verified_model(name, version, scratch, public_key)
+    with _scratch(target) as scratch:
+        manifest, root = registry.verified_model(name, version, scratch, public_key)
+        registry.check_card(registry.get_version(name, version), manifest, root)
+        if target is not None:
+            _place(root, target)
     facts = manifest.facts
     document = {
         "verified": True,
@@ -75,14 +96,56 @@ def _verify(args: argparse.Namespace) -> int:
         "accountant": facts.get("dp.accountant"),
         "registry": registry.tracking_uri,
     }
+    if target is not None:
+        document["directory"] = str(target)
+        document["serve"] = SERVE.format(dir=shlex.quote(str(target)))
     if args.json:
         print(json.dumps(document, indent=2))
         return 0
     print(
         f"verified: {model_uri} = {name} v{version} (release {manifest.release[:12]}…) — "
         f"ε = {epsilon_text(document['epsilon'])}, δ = {document['delta']:g} "
-        f"({document['bound']} bound, {document['accountant']}); {document['files']} files and "
-        f"its tags match the manifest signed by key {document['key']}; registry "
+        f"({document['bound']} bound, {document['accountant']}); {document['files']} files, "
+        f"its tags and its card match the manifest signed by key {document['key']}; registry "
         f"{registry.tracking_uri}"
     )
+    if target is not None:
+        print(f"the verified files are in {target}; serve exactly them with:")
+        print(f"  {document['serve']}")
     return 0
+
+
+def _target(text: str) -> Path:
+    """``--download DIR`` checked before anything is read: a new or empty directory under a
+    writable one; :class:`InputError` otherwise."""
+    target = Path(text).expanduser().absolute()
+    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        raise InputError(f"--download {text}: exists and is not an empty directory")
+    if not target.parent.is_dir():
+        raise InputError(f"--download {text}: {target.parent} is not a directory")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise InputError(f"--download {text}: {target.parent} is not writable")
+    return target
+
+
+def _scratch(target: Path | None) -> tempfile.TemporaryDirectory[str]:
+    """Where the model is downloaded and verified: beside ``target`` (so that it is moved
+    there only once verified, on the same file system), else anywhere temporary."""
+    try:
+        return tempfile.TemporaryDirectory(
+            prefix=".dpmerge-verify-", dir=target.parent if target else None
+        )
+    except OSError as error:
+        raise InputError(f"--download {target}: cannot write beside it ({error})") from None
+
+
+def _place(root: Path, target: Path) -> None:
+    """Move the verified model directory ``root`` to ``target`` (same file system)."""
+    try:
+        if target.exists():
+            target.rmdir()  # empty, checked by _target
+        root.rename(target)
+    except OSError as error:
+        raise InputError(
+            f"--download {target}: cannot place the verified model ({error})"
+        ) from None

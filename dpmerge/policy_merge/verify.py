@@ -21,7 +21,8 @@ before it projects the alias, so a pointer found then is the alias's source).
   construction); reported;
 * ``release_unsigned`` — a served version's signature or release hash does not verify;
   reported (quarantine it);
-* ``card_mismatch`` — a served card differs from its signed digest; reported;
+* ``card_mismatch`` — a served card (its description or its run's card) differs from the
+  signed card in its files; reported;
 * ``files_mismatch`` — a served release's files (weights, pt2 program, …) differ from its
   signed manifest, or are not those of the model it names; reported (do not serve them:
   quarantine the version; its policy's next run refuses it and revokes the alias);
@@ -185,16 +186,16 @@ def _served_release(registry: Registry, alias: AliasState, subject: str) -> Iter
         )
     with tempfile.TemporaryDirectory(prefix="dpmerge-verify-") as scratch:
         try:
-            registry.verified_model(alias.model, str(alias.serving), scratch, registry.public_key)
+            manifest, root = registry.verified_model(
+                alias.model, str(alias.serving), scratch, registry.public_key
+            )
         except ReleaseSignatureError as error:
             yield Finding(FindingKind.FILES_MISMATCH, subject, str(error))
-    if registry.stored_card_digest(stored) != stored.tags.get("dp.card_digest"):
-        yield Finding(
-            FindingKind.CARD_MISMATCH,
-            subject,
-            f"the privacy card of v{alias.serving} (description or privacy_card.json) differs "
-            "from the one it was registered and signed with",
-        )
+            return
+        try:
+            registry.check_card(stored, manifest, root)
+        except ReleaseSignatureError as error:
+            yield Finding(FindingKind.CARD_MISMATCH, subject, str(error))
 
 
 def _managed_now(store: StateStore) -> dict[str, set[str]]:

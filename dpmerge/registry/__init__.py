@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Registry": "adapter",
-    "CARD_JSON": "connection",
+    "CARD_JSON": "connection",  # defined by dpmerge.privacy_card
     "CARD_MARKDOWN": "connection",
     "GateError": "errors",
     "RecordIntegrityError": "errors",

@@ -24,12 +24,10 @@ from dpmerge.artifacts import RECORD_FILE, WEIGHTS_FILE, ModelDir, ModelSpec, lo
 from dpmerge.errors import DPMergeError, RecordError
 from dpmerge.formatting import epsilon_text
 from dpmerge.keys import WorkflowKey
-from dpmerge.privacy_card import PrivacyCard
+from dpmerge.privacy_card import CARD_JSON, CARD_MARKDOWN, PrivacyCard
 from dpmerge.publication import dataset_name, public_record
 from dpmerge.registry.connection import (
     CANDIDATES_EXPERIMENT,
-    CARD_JSON,
-    CARD_MARKDOWN,
     RELEASES_EXPERIMENT,
 )
 from dpmerge.registry.errors import (
@@ -41,7 +39,6 @@ from dpmerge.registry.merged import MergedDir, MergedRelease
 from dpmerge.registry.names import (
     candidate_content_hash,
     candidate_model_name,
-    card_digest,
     merged_model_name,
 )
 from dpmerge.registry.queries import RegistryQueries
@@ -289,7 +286,7 @@ class Registry(RegistryQueries):
         on its release hash; the run spans ``started_ms``..``ended_ms`` (the merge)."""
         merged, card = release.merged, release.public
         tags = merged.tags(self._accuracy_tags(merged.public_metrics))
-        tags["dp.card_digest"] = card_digest(card.description(), card.data)
+        tags["dp.card_digest"] = manifests.card_digest(card.description(), card.data)
         requester = f"policy-{merged.policy_id}" if merged.policy_id else "merge"
         run = RunInfo(
             name=f"{requester} ε*={merged.target_epsilon:g}",
@@ -552,14 +549,6 @@ class Registry(RegistryQueries):
                 f"{stored.version}`"
             ) from None
         return ReleaseFacts.of(stored)
-
-    def stored_card_digest(self, stored: StoredVersion) -> str:
-        """The digest of the card as MLflow holds it now (the description and the run's
-        ``privacy_card.json``), to compare with the signed ``dp.card_digest``."""
-        if not stored.run_id:
-            return ""
-        description = self.card_text(stored.name, stored.version)
-        return card_digest(description, self._run_json(stored.run_id, CARD_JSON))
 
     def check_gates(
         self,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpmerge.formatting import cut
+from dpmerge.privacy_card import CARD_JSON
 from dpmerge.registry.errors import (
     TEMPORARY_HTTP_STATUS,
     RegistryError,
@@ -105,6 +106,10 @@ class Catalog(ABC):
     @abstractmethod
     def description(self, name: str, version: str) -> str | None:
         """The version's description; ``None`` when the version does not exist."""
+
+    @abstractmethod
+    def run_card(self, run_id: str) -> Any:
+        """A release run's ``privacy_card.json``, parsed; ``None`` when it cannot be read."""
 
     def rows(self, name: str | None = None, *, internal: bool = False) -> list[VersionSummary]:
         """The rows of ``registry ls``: every candidate and merged version (of ``name``);
@@ -202,20 +207,28 @@ class RestCatalog(Catalog):
         ``hidden_is_absent`` for 403 too: MLflow's auth app answers 403 for a registered model
         the user has no grant on, existing or not (it judges the name before the store is
         asked), so to that user both are "no such model" (docs/stack.md#roles-and-permissions)."""
-        url = f"{self.tracking_uri.rstrip('/')}/api/2.0/mlflow/{path}"
+        body = self._read(f"api/2.0/mlflow/{path}", hidden_is_absent=hidden_is_absent, **query)
+        try:
+            return None if body is None else json.loads(body or b"{}")
+        except ValueError:
+            raise RegistryError(f"MLflow server {self.tracking_uri}: {path}: not JSON") from None
+
+    def _read(self, route: str, *, hidden_is_absent: bool = False, **query: str) -> bytes | None:
+        """The answer's body to ``GET route?query`` (see :meth:`_get`)."""
+        url = f"{self.tracking_uri.rstrip('/')}/{route}"
         request = urllib.request.Request(f"{url}?{urllib.parse.urlencode(query)}")
         for header, value in _auth_headers().items():
             request.add_header(header, value)
         try:
             with urllib.request.urlopen(request, timeout=REST_TIMEOUT_S) as response:
-                return json.loads(response.read() or b"{}")
+                return response.read()
         except urllib.error.HTTPError as error:
             body = error.read().decode(errors="replace")
             if error.code == 404 and _error_code(body) == "RESOURCE_DOES_NOT_EXIST":
                 return None
             if error.code == 403 and hidden_is_absent:
                 return None
-            message = f"MLflow server {self.tracking_uri}: {path} answered HTTP {error.code}"
+            message = f"MLflow server {self.tracking_uri}: {route} answered HTTP {error.code}"
             if error.code in TEMPORARY_HTTP_STATUS:
                 raise RegistryUnavailableError(message) from None
             kind = RegistryError if error.code < 500 else RegistryFailureError
@@ -225,8 +238,6 @@ class RestCatalog(Catalog):
             raise RegistryUnavailableError(
                 f"MLflow server {self.tracking_uri} unreachable ({reason})"
             ) from None
-        except ValueError:
-            raise RegistryError(f"MLflow server {self.tracking_uri}: {path}: not JSON") from None
 
     def search(self, role: str, name: str | None = None) -> list[StoredVersion]:
         found, token = [], ""
@@ -250,6 +261,18 @@ class RestCatalog(Catalog):
     def description(self, name: str, version: str) -> str | None:
         found = self._get("model-versions/get", name=name, version=version)
         return None if found is None else found.get("model_version", {}).get("description", "")
+
+    def run_card(self, run_id: str) -> Any:
+        body = self._read("get-artifact", hidden_is_absent=True, path=CARD_JSON, run_uuid=run_id)
+        return _parsed(body)  # a user who may not read the run reads no card: not checked
+
+
+def _parsed(body: bytes | None) -> Any:
+    """JSON ``body``, ``None`` when there is none or it is not JSON."""
+    try:
+        return None if body is None else json.loads(body)
+    except ValueError:
+        return None
 
 
 def _error_code(body: str) -> str | None:
@@ -329,6 +352,16 @@ class SqliteCatalog(Catalog):
         )
         return (rows[0][0] or "") if rows else None
 
+    def run_card(self, run_id: str) -> Any:
+        rows = self._query("SELECT artifact_uri FROM runs WHERE run_uuid = ?", run_id)
+        location = urllib.parse.urlparse(rows[0][0] if rows else "")
+        if location.scheme not in ("", "file"):
+            return None
+        try:
+            return _parsed((Path(urllib.parse.unquote(location.path)) / CARD_JSON).read_bytes())
+        except OSError:
+            return None
+
 
 class ClientCatalog(Catalog):
     """Any other tracking URI: the registry's own MLflow client (slower to start)."""
@@ -348,6 +381,12 @@ class ClientCatalog(Catalog):
     def description(self, name: str, version: str) -> str | None:
         try:
             return self._queries.card_text(name, version)
+        except RegistryError:
+            return None
+
+    def run_card(self, run_id: str) -> Any:
+        try:
+            return self._queries._run_json(run_id, CARD_JSON)
         except RegistryError:
             return None
 

@@ -56,7 +56,7 @@ from dpmerge.keys import WorkflowKey
 from dpmerge.locate import command
 from dpmerge.manifests import file_digests
 from dpmerge.model_signature import sign_directory
-from dpmerge.privacy_card import PrivacyCard
+from dpmerge.privacy_card import CARD_JSON, CARD_MARKDOWN, PrivacyCard
 from dpmerge.publication import dataset_name
 from dpmerge.registry.errors import RegistryError, RegistryUnavailableError, registry_error
 from dpmerge.registry.grants import EXPERIMENT, REGISTERED_MODEL, grant_read
@@ -69,7 +69,6 @@ PERMISSION_SETTLE_S = (0.5, 1.0, 2.0, 4.0)
 """Pauses between attempts to open an experiment the auth app refuses for a moment (see
 ``MlflowConnection._settled``): about 7.5 s in all."""
 EXTRA_DIR = "extra_files"  # where mlflow.pytorch.log_model puts extra_files
-CARD_MARKDOWN, CARD_JSON = "privacy_card.md", "privacy_card.json"
 INPUT_EXAMPLE_BATCH = 4  # > 1 so that pt2 export keeps the batch dimension dynamic
 SERVER_ARTIFACT_ROOT = "mlflow-artifacts:"  # a server's proxied artifact store
 CANDIDATES_EXPERIMENT, RELEASES_EXPERIMENT = "dpmerge-candidates", "dpmerge-releases"

@@ -14,13 +14,13 @@ the same merge share one version).
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dpmerge.artifacts import MODEL_FILE, RECORD_FILE, WEIGHTS_FILE
+from dpmerge.manifests import canonical
 from dpmerge.registry.errors import RegistryError
 
 
@@ -56,24 +56,12 @@ def merged_model_name(dataset: str, model: str) -> str:
     return _model_name(dataset, model, RELEASES_SUFFIX)
 
 
-def _canonical(document: Any) -> bytes:
-    return json.dumps(document, sort_keys=True, separators=(",", ":"), default=str).encode()
-
-
 def _dir_hash(path: Path, files: Sequence[str]) -> str:
     digest = hashlib.sha256()
     for name in files:
         digest.update(name.encode() + b"\0")
         with (path / name).open("rb") as handle:
             digest.update(hashlib.file_digest(handle, "sha256").digest())
-    return digest.hexdigest()
-
-
-def card_digest(description: str, card: Any) -> str:
-    """The digest a merged version's signature covers of its privacy card: the Markdown shown
-    as the version's description and the card's JSON (an edited card no longer matches)."""
-    digest = hashlib.sha256(description.encode())
-    digest.update(b"\0" + _canonical(card))
     return digest.hexdigest()
 
 
@@ -102,4 +90,4 @@ def release_hash(*, parent_model: str, parents: Sequence[str], report: Mapping[s
             {"probability": float(r["probability"]), "weights": [float(w) for w in r["weights"]]}
             for r in report["rungs"]
         ]
-    return hashlib.sha256(_canonical(identity)).hexdigest()
+    return hashlib.sha256(canonical(identity)).hexdigest()

@@ -20,6 +20,7 @@ from dpmerge.accounting.records import candidate_from_dict
 from dpmerge.artifacts import load_model_dir
 from dpmerge.errors import InputError
 from dpmerge.keys import WorkflowKey
+from dpmerge.privacy_card import CARD_JSON, CARD_MARKDOWN, PrivacyCard
 from dpmerge.registry.catalog import summaries
 from dpmerge.registry.connection import EXTRA_DIR, MlflowConnection
 from dpmerge.registry.errors import RecordIntegrityError, RegistryError
@@ -277,6 +278,39 @@ class RegistryQueries(MlflowConnection):
         manifests.check_files(manifest, root)
         return manifest, root
 
+    def check_card(self, stored: StoredVersion, manifest: manifests.Manifest, root: Path) -> None:
+        """The card consumers read of release ``stored`` — its version description (the card
+        MLflow's UI shows) and its run's ``privacy_card.json`` — is exactly the signed card:
+        the one in its verified model files ``root`` (from :meth:`verified_model`), whose digest
+        the manifest signs. The expected description is derived from the signed card, never
+        read from the registry (docs/design.md#security);
+        :class:`~dpmerge.manifests.ReleaseSignatureError` otherwise."""
+        subject = f"{stored.name} v{stored.version}"
+        extra = root / EXTRA_DIR
+        try:
+            card = PrivacyCard(
+                (extra / CARD_MARKDOWN).read_text(), json.loads((extra / CARD_JSON).read_text())
+            )
+        except (OSError, ValueError) as error:
+            raise manifests.ReleaseSignatureError(
+                f"{subject} carries no readable signed privacy card ({error})"
+            ) from None
+        if manifests.card_digest(card.description(), card.data) != manifest.card_digest:
+            raise manifests.ReleaseSignatureError(
+                f"the privacy card files of {subject} are not the card its manifest signs"
+            )
+        if self.card_text(stored.name, stored.version) != card.description():
+            raise manifests.ReleaseSignatureError(
+                f"the description of {subject} (the card MLflow shows) differs from its signed "
+                f"privacy card (signed ε = {manifest.facts.get('dp.epsilon', '?')}): it was edited "
+                "after registration, do not trust or serve it"
+            )
+        if stored.run_id and self._run_json(stored.run_id, CARD_JSON) != card.data:
+            raise manifests.ReleaseSignatureError(
+                f"the {CARD_JSON} of {subject}'s run differs from its signed privacy card: it "
+                "was edited after registration, do not trust or serve it"
+            )
+
     def resolve(self, model_uri: str) -> tuple[str, str]:
         """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` as (name, version);
         :class:`RegistryError` for another form or an alias the model does not have."""
@@ -295,11 +329,13 @@ class RegistryQueries(MlflowConnection):
 
     def load_verified(self, model_uri: str, dest: str | Path, public_key: str) -> Any:
         """The release ``model_uri`` names as an MLflow pyfunc model, loaded from ``dest`` only
-        after its files and tags were checked against its signature under ``public_key``
-        (docs/design.md#security); :class:`~dpmerge.manifests.ReleaseSignatureError` when they
-        differ: swapped weights are never loaded."""
+        after its files, tags and card were checked against its signature under ``public_key``
+        (:meth:`verified_model`, :meth:`check_card`; docs/design.md#security);
+        :class:`~dpmerge.manifests.ReleaseSignatureError` when they differ: swapped weights are
+        never loaded."""
         name, version = self.resolve(model_uri)
-        _, root = self.verified_model(name, version, dest, public_key)
+        manifest, root = self.verified_model(name, version, dest, public_key)
+        self.check_card(self.get_version(name, version), manifest, root)
         with self._errors(f"loading {model_uri}"):
             return mlflow.pyfunc.load_model(str(root))
 
