@@ -866,3 +866,38 @@ def test_a_served_release_on_a_quarantined_candidate_is_revoked_by_verify_repair
     pointer = state_serving.read_state(store, _pool(fresh).dataset)
     assert pointer.alias(served.merged_model, "policy-jv").state.value == "revoked"
     assert main(["registry", "verify", "--json", *uri]) == 0  # nothing left to find
+
+
+# --- issue 28 item 2: a run that ended without an outcome ------------------------------------
+
+
+def test_after_a_lost_run_the_alias_is_made_to_meet_its_version(
+    fresh: pm.Workspace, trained: dict[str, Any]
+) -> None:
+    """What the dispatcher does for a version whose run ended Failed, Crashed or Cancelled
+    without an outcome (``promotion.hold``): the served release does not meet the tightened
+    version, so the alias is flagged under ``on_noncompliant: keep``, else revoked, with the
+    reason on the pointer; a policy that serves nothing is left as it is."""
+    from dpmerge.policy_merge.promotion import hold
+
+    target = trained["epsilons"][2] * 1.5
+    served = _apply(fresh, _policy(name="lost", target_epsilon=target))
+    assert served.status == pm.Status.PROMOTED
+    lost = "its run r-1 ended Crashed without an outcome"
+    tight = {"name": "lost", "target_epsilon": target, "min_accuracy": 0.999}
+    kept = hold(fresh, _store(fresh, _policy(**tight, on_noncompliant="keep")), (lost,), "r-1")
+    assert kept.startswith("alias 'policy-lost' KEEPS v") and "below 0.999" in kept
+    assert _aliases(fresh, served.merged_model)["policy-lost"] == served.version
+    tags = _client(fresh).get_registered_model(served.merged_model).tags
+    assert tags["dpmerge.serves.policy-lost"].startswith("NON-COMPLIANT")
+    revoked = hold(fresh, _store(fresh, _policy(**tight)), (lost,), "r-2")
+    assert revoked.startswith(f"alias 'policy-lost' revoked (was v{served.version}: ")
+    assert "below 0.999" in revoked
+    assert "policy-lost" not in _aliases(fresh, served.merged_model)
+    pointer = state_serving.read_state(fresh.state(), _pool(fresh).dataset)
+    alias = pointer.alias(served.merged_model, "policy-lost")
+    assert (alias.state.value, alias.run) == ("revoked", "r-2") and lost in alias.reason
+    never = _store(fresh, _policy(name="never-served", target_epsilon=target))
+    assert (
+        hold(fresh, never, (lost,), "r-3") == "alias 'policy-never-served' serves nothing (not set)"
+    )
