@@ -9,8 +9,9 @@
   meets the policy's *current* version; otherwise it is revoked, or — if the policy says
   ``on_noncompliant: keep`` — kept and flagged non-compliant; a release that is not its files,
   or whose candidates include a quarantined one (:func:`quarantined_parents`), is always
-  revoked; :func:`hold` does the same for callers without a run's candidate pool (the
-  dispatcher after a run that ended without an outcome, ``registry verify --repair``);
+  revoked; :func:`hold` and :func:`hold_alias` do the same, and project the alias, for callers
+  without a run's candidate pool (the dispatcher after a run that ended without an outcome,
+  ``registry verify --repair``);
 * :func:`project` makes the MLflow alias name what the serving pointer says (the alias is a
   projection of the pointer: moved after it, and repaired from it by every later run and by
   ``dpmerge registry verify``).
@@ -232,7 +233,8 @@ def enforce(
     policy keeps non-compliant models, which are then flagged; a release that is not its files,
     or rests on a quarantined candidate, is never kept. Raises
     :class:`~dpmerge.state.SupersededError` when a later version already changed the alias."""
-    return keep_invariant(workspace, version, pool.dataset, pool.merged_model, reasons, run)
+    alias = str(version.policy.alias)
+    return keep_invariant(workspace, version, pool.dataset, pool.merged_model, alias, reasons, run)
 
 
 def keep_invariant(
@@ -240,13 +242,14 @@ def keep_invariant(
     version: PolicyVersion,
     dataset: str,
     model: str,
+    alias: str,
     reasons: Sequence[str],
     run: str | None,
 ) -> Enforced:
-    """:func:`enforce` for the alias of ``version``'s policy on releases model ``model`` of
-    ``dataset``."""
+    """:func:`enforce` for ``alias`` (owned by ``version``'s policy) on releases model
+    ``model`` of ``dataset``."""
     policy = version.policy
-    store, alias = workspace.state(), str(policy.alias)
+    store = workspace.state()
     state_serving.claim(store, dataset, model, alias, policy.name)
     state = state_serving.read_state(store, dataset)
     current = state.alias(model, alias)
@@ -304,18 +307,31 @@ def hold(
     workspace: Workspace, version: PolicyVersion, reasons: Sequence[str], run: str | None
 ) -> str:
     """Make the alias of ``version``'s policy meet it (:func:`keep_invariant`) wherever the
-    store says the policy serves, and project it to MLflow; what was done (one line). For
-    callers that have no candidate pool: a run that ended without an outcome (the dispatcher)
-    and a served release found resting on a quarantined candidate (``registry verify
-    --repair``); the caller holds the policy's lease."""
+    store says the policy serves, and project it to MLflow; what was done (one line). For a
+    caller that has no candidate pool: the dispatcher, after a run that ended without an
+    outcome (``registry verify --repair`` calls :func:`hold_alias` for the alias it found on
+    a quarantined candidate). The caller holds the policy's lease."""
     store, alias = workspace.state(), str(version.policy.alias)
     for dataset in state_serving.datasets(store):
         for each in state_serving.read_state(store, dataset).aliases.values():
             if (each.owner, each.alias) == (version.name, alias):
-                enforced = keep_invariant(workspace, version, dataset, each.model, reasons, run)
-                project_alias(workspace, dataset, each.model, alias)
-                return enforced.action
+                return hold_alias(workspace, version, dataset, each.model, alias, reasons, run)
     return f"alias {alias!r} serves nothing (not set)"
+
+
+def hold_alias(
+    workspace: Workspace,
+    version: PolicyVersion,
+    dataset: str,
+    model: str,
+    alias: str,
+    reasons: Sequence[str],
+    run: str | None,
+) -> str:
+    """:func:`hold` for one alias the policy owns; what was done."""
+    enforced = keep_invariant(workspace, version, dataset, model, alias, reasons, run)
+    project_alias(workspace, dataset, model, alias)
+    return enforced.action
 
 
 def quarantined_parents(store: StateStore, entry: CountedRelease | None) -> list[str]:

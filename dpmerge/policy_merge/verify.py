@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from dpmerge.locate import command
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
-from dpmerge.policy_merge.promotion import hold, quarantined_parents, served_text, unmet
+from dpmerge.policy_merge.promotion import hold_alias, quarantined_parents, served_text, unmet
 from dpmerge.registry import Registry, RegistryError
 from dpmerge.registry.tags import SERVED_TAG, STATUS_QUARANTINED
 from dpmerge.state import (
@@ -157,7 +157,7 @@ def _alias(
             FindingKind.QUARANTINED_PARENT,
             subject,
             f"v{alias.serving} rests on a quarantined candidate: {'; '.join(out)}",
-            _hold(workspace, alias, "; ".join(out)) if repair else None,
+            _hold(workspace, state.dataset, alias, "; ".join(out)) if repair else None,
         )
         return
     current = stored_policies.latest(store, alias.owner)
@@ -188,16 +188,18 @@ def _project(store: StateStore, registry: Registry, dataset: str, alias: AliasSt
     return f"alias set back to {f'v{fresh.serving}' if fresh.serving else 'nothing'}"
 
 
-def _hold(workspace: Workspace, alias: AliasState, reason: str) -> str:
+def _hold(workspace: Workspace, dataset: str, alias: AliasState, reason: str) -> str:
     """Make ``alias`` meet its policy's newest version now, under the policy's lease
-    (:func:`~dpmerge.policy_merge.promotion.hold`); what was done."""
+    (:func:`~dpmerge.policy_merge.promotion.hold_alias`); what was done."""
     store = workspace.state()
     current = stored_policies.latest(store, alias.owner)
     if current is None:
         return f"not repaired: policy {alias.owner} has no valid version"
     try:
         with lease(store, alias.owner, timeout_s=0):
-            return hold(workspace, current, (reason,), None)
+            return hold_alias(
+                workspace, current, dataset, alias.model, alias.alias, (reason,), None
+            )
     except LeaseTimeoutError:
         return f"not repaired: a run of policy {alias.owner} is applying it and revokes it"
     except SupersededError as later:
