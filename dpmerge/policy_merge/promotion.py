@@ -315,7 +315,7 @@ def hold(
     for dataset in state_serving.datasets(store):
         for each in state_serving.read_state(store, dataset).aliases.values():
             if (each.owner, each.alias) == (version.name, alias):
-                return hold_alias(workspace, version, dataset, each.model, alias, reasons, run)
+                return hold_alias(workspace, version, dataset, each, reasons, run)
     return f"alias {alias!r} serves nothing (not set)"
 
 
@@ -323,12 +323,12 @@ def hold_alias(
     workspace: Workspace,
     version: PolicyVersion,
     dataset: str,
-    model: str,
-    alias: str,
+    found: AliasState,
     reasons: Sequence[str],
     run: str | None,
 ) -> str:
-    """:func:`hold` for one alias the policy owns; what was done."""
+    """:func:`hold` for ``found``, an alias of ``dataset`` the policy owns; what was done."""
+    model, alias = found.model, found.alias
     enforced = keep_invariant(workspace, version, dataset, model, alias, reasons, run)
     project_alias(workspace, dataset, model, alias)
     return enforced.action

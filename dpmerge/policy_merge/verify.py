@@ -197,9 +197,7 @@ def _hold(workspace: Workspace, dataset: str, alias: AliasState, reason: str) ->
         return f"not repaired: policy {alias.owner} has no valid version"
     try:
         with lease(store, alias.owner, timeout_s=0):
-            return hold_alias(
-                workspace, current, dataset, alias.model, alias.alias, (reason,), None
-            )
+            return hold_alias(workspace, current, dataset, alias, (reason,), None)
     except LeaseTimeoutError:
         return f"not repaired: a run of policy {alias.owner} is applying it and revokes it"
     except SupersededError as later:
