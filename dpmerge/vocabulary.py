@@ -129,6 +129,8 @@ class FindingKind(StrEnum):
     CARD_MISMATCH = "card_mismatch"
     FILES_MISMATCH = "files_mismatch"
     NONCOMPLIANT = "noncompliant"
+    QUARANTINED_PARENT = "quarantined_parent"
+    """A served release whose candidates include a quarantined one: revoked on repair."""
     QUARANTINE_DRIFT = "quarantine_drift"
     CANDIDATE_FORGED = "candidate_forged"
     REQUEST_REJECTED = "request_rejected"

@@ -29,14 +29,19 @@ delays another policy. Keys of another shape under ``policies/`` or ``quarantine
 quarantine records that are not exactly one, are recorded under ``rejected/`` (``dpmerge policy
 ls``); each rejection also emits ``dpmerge.policy.rejected``.
 
-A run whose process was lost (Prefect's ``Crashed``: killed, out of memory, its worker gone)
-records no outcome, and until the policy is applied again its alias may serve a release that
-misses the newest version. Every :data:`RESCUE_EVERY_S` the dispatcher looks at the run of each
-policy's newest version; if it crashed without an outcome, it records that outcome and stores
-the same fields again as a new version (``set_policy(rerun=True)``, source
+A run that ends ``Failed`` (a bug), ``Crashed`` (its process lost: killed, out of memory, its
+worker gone) or ``Cancelled`` (by hand) without recording its outcome leaves its alias as it
+was, which may miss the newest version, and ``dpmerge policy set --wait`` without an outcome to
+read. Every :data:`RESCUE_EVERY_S` the dispatcher looks at the run of each policy's newest
+version; if it ended without an outcome, the dispatcher, under the policy's lease (the next
+round when the lost run's lease has not expired yet), makes the alias meet that version — it
+revokes, or flags under ``on_noncompliant: keep`` (:func:`dpmerge.policy_merge.promotion.hold`,
+docs/design.md#release-state) — and records the outcome (``failed``, the state's name, what
+was done: ``policy history`` and ``--wait`` show it). A ``Failed`` or ``Crashed`` run is then
+applied again: the same fields stored as a new version (``set_policy(rerun=True)``, source
 :data:`RESCUE_SOURCE`), which the next poll dispatches — a rerun reuses what the lost run
-counted or drew. At most :data:`MAX_RESCUES` in a row: a run that crashes every time is left to
-a person (``verify-state`` reports the policy).
+counted or drew. At most :data:`MAX_RESCUES` in a row: a run that fails every time is left to
+a person (``verify-state`` reports the policy); a cancelled run is not applied again.
 """
 
 from __future__ import annotations
@@ -53,9 +58,10 @@ from typing import Any
 
 from dpmerge.errors import DPMergeError
 from dpmerge.policies import PolicyError
-from dpmerge.state import StateStore, inbox, rejections
+from dpmerge.state import StateStore, SupersededError, inbox, rejections
 from dpmerge.state import policies as stored_policies
 from dpmerge.state import quarantine as stored_quarantine
+from dpmerge.state.leases import LeaseTimeoutError, lease
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.rejections import Rejection
 
@@ -66,7 +72,11 @@ POLL_S = 0.5
 DEPLOYMENT = "merge-on-policy/merge-on-policy"
 RESCUE_EVERY_S = 10.0
 MAX_RESCUES = 2
-RESCUE_SOURCE = "dispatcher: applied again, its run crashed"
+RESCUE_SOURCE = "dispatcher: applied again, its run ended without an outcome"
+CANCELLED = "Cancelled"
+ENDED = {"FAILED": "Failed", "CRASHED": "Crashed", "CANCELLED": CANCELLED}
+"""The final states (Prefect's ``StateType`` values) a run can reach without recording its
+outcome, and their names."""
 log = logging.getLogger("dpmerge.dispatch")
 
 
@@ -149,17 +159,21 @@ def supersede(store: StateStore, item: Pending, newest: int) -> None:
 
 class Dispatcher:
     """Creates the runs (see the module docstring); ``prefect_api`` is a sync Prefect client,
-    ``notify(item, flow_run_id)`` announces a dispatch (default: the Prefect event)."""
+    ``hold(version, why, flow_run_id)`` makes the policy's alias meet ``version`` and says what
+    it did (:func:`dpmerge.policy_merge.promotion.hold`), ``notify(item, flow_run_id)``
+    announces a dispatch (default: the Prefect event)."""
 
     def __init__(
         self,
         store: StateStore,
         prefect_api: Any,
+        hold: Callable[[PolicyVersion, str, str], str],
         notify: Callable[[Pending, str], None] | None = None,
         notify_rejected: Callable[[Rejection], None] | None = None,
     ) -> None:
         self.store = store
         self.api = prefect_api
+        self.hold = hold
         self.notify = notify or _notify
         self.notify_rejected = notify_rejected or _notify_rejected
         self.deployment_id: Any = None
@@ -213,9 +227,9 @@ class Dispatcher:
         self.notify_rejected(rejection)
 
     def rescue(self) -> list[Pending]:
-        """Store again each policy whose newest version's run crashed without an outcome (see
-        the module docstring); the versions stored."""
-        from prefect.client.schemas.objects import StateType
+        """Keep the serving invariant for each policy whose newest version's run ended without
+        an outcome, record that outcome, and store the version again when the run failed or
+        crashed (see the module docstring); the versions stored."""
         from prefect.exceptions import ObjectNotFound
 
         stored = []
@@ -232,22 +246,30 @@ class Dispatcher:
                 run = self.api.read_flow_run(uuid.UUID(record["flow_run"]))
             except ObjectNotFound:  # deleted from Prefect: nothing to read
                 continue
-            if run.state is None or run.state.type != StateType.CRASHED:
+            ended = ENDED.get(run.state.type.value) if run.state is not None else None
+            if ended is None:  # still going
                 continue
-            again = self._rescues(name, number) < MAX_RESCUES
-            reason = f"its run {run.id} crashed without an outcome (a lost process); " + (
-                "applied again" if again else f"not applied again ({MAX_RESCUES} crashed in a row)"
+            if stored_policies.outcomes(self.store, name, number):  # recorded, then it ended
+                self.settled.add((name, number))
+                continue
+            lost = f"its run {run.id} ended {ended} without an outcome"
+            try:
+                action = self._hold(name, number, lost, str(run.id))
+            except LeaseTimeoutError:  # the lost run's lease has not expired yet
+                continue
+            again = ended != CANCELLED and self._rescues(name, number) < MAX_RESCUES
+            reason = f"{lost}; {action}; " + (
+                "applied again"
+                if again
+                else "not applied again (cancelled)"
+                if ended == CANCELLED
+                else f"not applied again ({MAX_RESCUES} in a row)"
             )
             stored_policies.record_outcome(
                 self.store,
                 name,
                 number,
-                {
-                    "status": "failed",
-                    "state": "Crashed",
-                    "policy_version": number,
-                    "reasons": [reason],
-                },
+                {"status": "failed", "state": ended, "policy_version": number, "reasons": [reason]},
                 str(run.id),
             )
             self.settled.add((name, number))
@@ -260,6 +282,18 @@ class Dispatcher:
             log.info("policy %s v%d: %s as v%d", name, number, reason, change.version.version)
             stored.append(Pending(name, change.version.version))
         return stored
+
+    def _hold(self, name: str, number: int, lost: str, run: str) -> str:
+        """Make the policy's alias meet version ``number`` under its lease (taken without
+        waiting: :class:`LeaseTimeoutError` while the lost run's lease lives); what was
+        done."""
+        version = stored_policies.read_version(self.store, name, number)
+        assert version is not None  # dispatched, hence stored and valid
+        with lease(self.store, name, timeout_s=0):
+            try:
+                return self.hold(version, lost, run)
+            except SupersededError as later:
+                return f"version {later.later} of policy {name} already changed its alias"
 
     def _rescues(self, name: str, number: int) -> int:
         """How many versions in a row, ending at ``number``, the dispatcher itself stored."""
@@ -327,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.exceptions import PrefectException
 
     from dpmerge.policy_merge import Workspace
+    from dpmerge.policy_merge.promotion import hold
     from flows.runtime import load_workflow_secret
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -334,10 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat", type=Path, default=None, help="file touched per poll")
     heartbeat = parser.parse_args(argv).heartbeat
     load_workflow_secret()
-    store = Workspace.from_env().state()
+    workspace = Workspace.from_env()
+    store = workspace.state()
     log.info("dispatching policy versions from %s", store.where)
     with get_client(sync_client=True) as prefect_api:
-        dispatcher = Dispatcher(store, prefect_api)
+        dispatcher = Dispatcher(
+            store, prefect_api, lambda version, why, run: hold(workspace, version, (why,), run)
+        )
         while True:
             try:
                 dispatcher.once()

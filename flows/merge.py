@@ -28,7 +28,8 @@ that meets this version — the *name* says how the run ended (Prefect emits
 
 An outage (MLflow or S3 down or not answering in time) ends ``Failed`` with its outcome
 ``failed`` recorded where the store can still be reached, so ``policy set --wait`` reports it
-(exit 1); ``Crashed`` or a ``Failed`` run without an outcome means a bug or a lost process.
+(exit 1); ``Crashed`` or a ``Failed`` run without an outcome means a bug or a lost process,
+and the dispatcher keeps the serving invariant for it (flows/dispatch.py).
 Every outcome also becomes the Markdown artifact ``policy-<name>`` and an outcome object in
 the state store.
 """

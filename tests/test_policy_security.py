@@ -919,3 +919,105 @@ def test_policy_set_refuses_what_a_run_would_before_storing(
         assert len(err.strip().splitlines()) == 1 and said in err, err
         assert "Traceback" not in out + err
     assert not (fresh.home / "state" / "policies").exists()
+
+
+# --- issue 28 row J: a served release resting on a quarantined candidate ---------------------
+
+
+def _serve_one_candidate(ws: pm.Workspace, trained: dict[str, Any], name: str) -> Any:
+    """A policy whose target only the lowest-ε candidate meets alone (LC), kept on purpose when
+    non-compliant; served. Its outcome and the served release's parents."""
+    policy = _policy(
+        name=name, method="lc", target_epsilon=trained["epsilons"][0] * 1.05, on_noncompliant="keep"
+    )
+    served = _apply(ws, policy)
+    assert served.status == pm.Status.PROMOTED, served.reasons
+    state = state_serving.read_state(ws.state(), _pool(ws).dataset)
+    alias = state.alias(served.merged_model, f"policy-{name}")
+    parents = state.entry(alias.release).parents()
+    assert [m for m, _ in parents] == [_pool(ws).registered_model]
+    return policy, served, parents[0]
+
+
+def test_a_run_never_keeps_a_release_whose_candidate_is_quarantined(
+    fresh: pm.Workspace, trained: dict[str, Any]
+) -> None:
+    """Row J: the only candidate that meets the target is quarantined; the rerun finds the
+    target infeasible, and the alias is revoked instead of "keeps v1, which meets the policy"
+    — even under ``on_noncompliant: keep``."""
+    policy, served, (model, version) = _serve_one_candidate(fresh, trained, "j")
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    assert main(["registry", "quarantine", model, version, *uri]) == 0
+    rerun = _apply(fresh, policy)
+    assert rerun.status == pm.Status.INFEASIBLE, rerun.reasons
+    assert (rerun.serving, rerun.serving_version) == ("revoked", None)
+    assert rerun.revoked_version == served.version
+    assert any(f"its candidate {model} v{version} is quarantined" in r for r in rerun.reasons)
+    assert _aliases(fresh, served.merged_model) == {}
+
+
+def test_a_served_release_on_a_quarantined_candidate_is_revoked_by_verify_repair(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Row J on the reconciler: the quarantine is requested through the inbox and recorded as
+    the dispatcher records it; deleting the request and flipping MLflow's tag back undo
+    nothing: `registry verify --repair` sets the tag back, revokes the alias and reports both."""
+    from dpmerge.state import inbox
+    from dpmerge.state.quarantine import quarantined
+
+    _, served, (model, version) = _serve_one_candidate(fresh, trained, "jv")
+    store = fresh.state()
+    key = inbox.submit_quarantine(store, model, version, "row J")
+    assert inbox.handle(store, key).rejection is None
+    (fresh.home / "state" / key).unlink()  # the operator deletes the request
+    _client(fresh).set_model_version_tag(model, version, "dp.status", "ready")  # and flips
+    assert version in quarantined(store, model)
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    capsys.readouterr()
+    assert main(["registry", "verify", "--repair", "--json", *uri]) == 1
+    out, err = capsys.readouterr()
+    findings = {f["kind"]: f for f in json.loads(out)["findings"]}
+    assert findings["quarantine_drift"]["repaired"] == "tag set back to quarantined"
+    found = findings["quarantined_parent"]
+    assert f"its candidate {model} v{version} is quarantined" in found["detail"]
+    assert found["repaired"].startswith("alias 'policy-jv' revoked") and "Traceback" not in err
+    assert _client(fresh).get_model_version(model, version).tags["dp.status"] == "quarantined"
+    assert _aliases(fresh, served.merged_model) == {}
+    pointer = state_serving.read_state(store, _pool(fresh).dataset)
+    assert pointer.alias(served.merged_model, "policy-jv").state.value == "revoked"
+    assert main(["registry", "verify", "--json", *uri]) == 0  # nothing left to find
+
+
+# --- issue 28 item 2: a run that ended without an outcome ------------------------------------
+
+
+def test_after_a_lost_run_the_alias_is_made_to_meet_its_version(
+    fresh: pm.Workspace, trained: dict[str, Any]
+) -> None:
+    """What the dispatcher does for a version whose run ended Failed, Crashed or Cancelled
+    without an outcome (``promotion.hold``): the served release does not meet the tightened
+    version, so the alias is flagged under ``on_noncompliant: keep``, else revoked, with the
+    reason on the pointer; a policy that serves nothing is left as it is."""
+    from dpmerge.policy_merge.promotion import hold
+
+    target = trained["epsilons"][2] * 1.5
+    served = _apply(fresh, _policy(name="lost", target_epsilon=target))
+    assert served.status == pm.Status.PROMOTED
+    lost = "its run r-1 ended Crashed without an outcome"
+    tight = {"name": "lost", "target_epsilon": target, "min_accuracy": 0.999}
+    kept = hold(fresh, _store(fresh, _policy(**tight, on_noncompliant="keep")), (lost,), "r-1")
+    assert kept.startswith("alias 'policy-lost' KEEPS v") and "below 0.999" in kept
+    assert _aliases(fresh, served.merged_model)["policy-lost"] == served.version
+    tags = _client(fresh).get_registered_model(served.merged_model).tags
+    assert tags["dpmerge.serves.policy-lost"].startswith("NON-COMPLIANT")
+    revoked = hold(fresh, _store(fresh, _policy(**tight)), (lost,), "r-2")
+    assert revoked.startswith(f"alias 'policy-lost' revoked (was v{served.version}: ")
+    assert "below 0.999" in revoked
+    assert "policy-lost" not in _aliases(fresh, served.merged_model)
+    pointer = state_serving.read_state(fresh.state(), _pool(fresh).dataset)
+    alias = pointer.alias(served.merged_model, "policy-lost")
+    assert (alias.state.value, alias.run) == ("revoked", "r-2") and lost in alias.reason
+    never = _store(fresh, _policy(name="never-served", target_epsilon=target))
+    assert (
+        hold(fresh, never, (lost,), "r-3") == "alias 'policy-never-served' serves nothing (not set)"
+    )

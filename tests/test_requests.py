@@ -76,6 +76,7 @@ def _dispatcher(store: StateStore) -> tuple[Dispatcher, FakePrefect, Recorder]:
     dispatcher = Dispatcher(
         store,
         api,
+        lambda version, why, run: "alias untouched",
         notify=lambda item, run: seen.dispatched.append((item.name, item.version)),
         notify_rejected=seen.rejected.append,
     )

@@ -7,8 +7,11 @@
 * :func:`enforce` keeps the serving invariant when a run could not serve a compliant release
   (infeasible target, a failed gate, the cap): the alias keeps its release only if that release
   meets the policy's *current* version; otherwise it is revoked, or — if the policy says
-  ``on_noncompliant: keep`` — kept and flagged non-compliant; a release that is not its files
-  is always revoked;
+  ``on_noncompliant: keep`` — kept and flagged non-compliant; a release that is not its files,
+  or whose candidates include a quarantined one (:func:`quarantined_parents`), is always
+  revoked; :func:`hold` and :func:`hold_alias` do the same, and project the alias, for callers
+  without a run's candidate pool (the dispatcher after a run that ended without an outcome,
+  ``registry verify --repair``);
 * :func:`project` makes the MLflow alias name what the serving pointer says (the alias is a
   projection of the pointer: moved after it, and repaired from it by every later run and by
   ``dpmerge registry verify``).
@@ -30,7 +33,7 @@ from dpmerge.policy_merge.outcome import Status
 from dpmerge.policy_merge.release import MergeRequest, Release
 from dpmerge.registry import GateError, RegistryError, ReleaseFacts
 from dpmerge.registry.tags import SERVED_TAG
-from dpmerge.state import AliasState, CountedRelease, Guarantee, SupersededError
+from dpmerge.state import AliasState, CountedRelease, Guarantee, StateStore, SupersededError
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.quarantine import quarantined
@@ -176,8 +179,16 @@ def serve_release(
         )
     except GateError as gate:
         return ServeResult(Status.NOT_PROMOTED, reasons=gate.reasons)
-    if registered.version in quarantined(workspace.state(), model):
-        return ServeResult(Status.NOT_PROMOTED, reasons=(f"v{registered.version} is quarantined",))
+    out = [
+        *(
+            [f"v{registered.version} is quarantined"]
+            if registered.version in quarantined(workspace.state(), model)
+            else []
+        ),
+        *quarantined_parents(workspace.state(), entry),
+    ]
+    if out:
+        return ServeResult(Status.NOT_PROMOTED, reasons=tuple(out))
     guarantee = Guarantee(facts.epsilon, facts.delta, facts.bound, facts.accountant, facts.accuracy)
     try:
         served = state_serving.serve(
@@ -219,42 +230,63 @@ def enforce(
 ) -> Enforced:
     """The serving invariant for a run that served nothing new (``reasons``: why): after it,
     the policy's alias serves a release that meets ``version``, or nothing — unless the
-    policy keeps non-compliant models, which are then flagged. Raises
+    policy keeps non-compliant models, which are then flagged; a release that is not its files,
+    or rests on a quarantined candidate, is never kept. Raises
     :class:`~dpmerge.state.SupersededError` when a later version already changed the alias."""
+    alias = str(version.policy.alias)
+    return keep_invariant(workspace, version, pool.dataset, pool.merged_model, alias, reasons, run)
+
+
+def keep_invariant(
+    workspace: Workspace,
+    version: PolicyVersion,
+    dataset: str,
+    model: str,
+    alias: str,
+    reasons: Sequence[str],
+    run: str | None,
+) -> Enforced:
+    """:func:`enforce` for ``alias`` (owned by ``version``'s policy) on releases model
+    ``model`` of ``dataset``."""
     policy = version.policy
-    store, alias = workspace.state(), str(policy.alias)
-    state_serving.claim(store, pool.dataset, pool.merged_model, alias, policy.name)
-    current = state_serving.read_state(store, pool.dataset).alias(pool.merged_model, alias)
+    store = workspace.state()
+    state_serving.claim(store, dataset, model, alias, policy.name)
+    state = state_serving.read_state(store, dataset)
+    current = state.alias(model, alias)
     assert current is not None  # claimed above
     if current.serving is None:
         after = state_serving.touch(
             store,
-            pool.dataset,
-            model=pool.merged_model,
+            dataset,
+            model=model,
             alias=alias,
             policy=policy.name,
             policy_version=version.version,
         )
         was = "revoked" if current.state == ServingState.REVOKED else "not set"
         return Enforced(after, f"alias {alias!r} serves nothing ({was})")
-    problem = release_problem(workspace, pool.merged_model, current.serving)
-    failing = [*([problem] if problem else []), *unmet(current.guarantee, policy)]
+    problem = release_problem(workspace, model, current.serving)
+    problems = [
+        *([problem] if problem else []),
+        *quarantined_parents(store, state.entry(current.release or "")),
+    ]
+    failing = [*problems, *unmet(current.guarantee, policy)]
     if not failing:
         after = state_serving.touch(
             store,
-            pool.dataset,
-            model=pool.merged_model,
+            dataset,
+            model=model,
             alias=alias,
             policy=policy.name,
             policy_version=version.version,
         )
         return Enforced(after, f"alias {alias!r} keeps v{current.serving}, which meets the policy")
-    keep = policy.on_noncompliant == OnNoncompliant.KEEP and problem is None
+    keep = policy.on_noncompliant == OnNoncompliant.KEEP and not problems
     why = "; ".join([*reasons, *failing])
     _, after = state_serving.withdraw(
         store,
-        pool.dataset,
-        model=pool.merged_model,
+        dataset,
+        model=model,
         alias=alias,
         policy=policy.name,
         policy_version=version.version,
@@ -271,6 +303,50 @@ def enforce(
     return Enforced(after, action)
 
 
+def hold(
+    workspace: Workspace, version: PolicyVersion, reasons: Sequence[str], run: str | None
+) -> str:
+    """Make the alias of ``version``'s policy meet it (:func:`keep_invariant`) wherever the
+    store says the policy serves, and project it to MLflow; what was done (one line). For a
+    caller that has no candidate pool: the dispatcher, after a run that ended without an
+    outcome (``registry verify --repair`` calls :func:`hold_alias` for the alias it found on
+    a quarantined candidate). The caller holds the policy's lease."""
+    store, alias = workspace.state(), str(version.policy.alias)
+    for dataset in state_serving.datasets(store):
+        for each in state_serving.read_state(store, dataset).aliases.values():
+            if (each.owner, each.alias) == (version.name, alias):
+                return hold_alias(workspace, version, dataset, each, reasons, run)
+    return f"alias {alias!r} serves nothing (not set)"
+
+
+def hold_alias(
+    workspace: Workspace,
+    version: PolicyVersion,
+    dataset: str,
+    found: AliasState,
+    reasons: Sequence[str],
+    run: str | None,
+) -> str:
+    """:func:`hold` for ``found``, an alias of ``dataset`` the policy owns; what was done."""
+    model, alias = found.model, found.alias
+    enforced = keep_invariant(workspace, version, dataset, model, alias, reasons, run)
+    project_alias(workspace, dataset, model, alias)
+    return enforced.action
+
+
+def quarantined_parents(store: StateStore, entry: CountedRelease | None) -> list[str]:
+    """Why the release ``entry`` counts may not be served: each of its candidates (every
+    component of a mixture) that is quarantined (docs/design.md#release-state)."""
+    out: dict[str, set[str]] = {}
+    found = []
+    for model, version in entry.parents() if entry is not None else []:
+        if model not in out:
+            out[model] = set(quarantined(store, model))
+        if version in out[model]:
+            found.append(f"its candidate {model} v{version} is quarantined")
+    return found
+
+
 @dataclass(frozen=True)
 class Projection:
     """What :func:`project` did to the MLflow alias: the version it named before and now."""
@@ -282,14 +358,17 @@ class Projection:
 def project(workspace: Workspace, pool: CandidatePool, alias: str) -> Projection:
     """Make the MLflow alias name what the serving pointer says (remove it when the pointer
     serves nothing), and show what it serves as a registered-model tag, ε rounded up."""
-    record = state_serving.read_state(workspace.state(), pool.dataset).alias(
-        pool.merged_model, alias
-    )
+    return project_alias(workspace, pool.dataset, pool.merged_model, alias)
+
+
+def project_alias(workspace: Workspace, dataset: str, model: str, alias: str) -> Projection:
+    """:func:`project` for ``alias`` on releases model ``model`` of ``dataset``."""
+    record = state_serving.read_state(workspace.state(), dataset).alias(model, alias)
     registry = workspace.registry()
-    if record is None or not registry.model_exists(pool.merged_model):
+    if record is None or not registry.model_exists(model):
         return Projection(None, None)  # nothing registered yet: no alias to project
-    before = registry.set_alias(pool.merged_model, alias, record.serving)
-    registry.set_model_tag(pool.merged_model, SERVED_TAG + alias, served_text(record))
+    before = registry.set_alias(model, alias, record.serving)
+    registry.set_model_tag(model, SERVED_TAG + alias, served_text(record))
     return Projection(before, record.serving)
 
 

@@ -28,6 +28,9 @@ before it projects the alias, so a pointer found then is the alias's source).
   quarantine the version; its policy's next run refuses it and revokes the alias);
 * ``noncompliant`` — a served release does not meet its policy's current version (its next
   run decides), or is kept on purpose by the policy; reported;
+* ``quarantined_parent`` — a served release rests on a quarantined candidate (one of its
+  parents, any component of a mixture): the alias is revoked (never kept, whatever
+  ``on_noncompliant`` says), as a run of its policy would;
 * ``quarantine_drift`` — MLflow's tag disagrees with a quarantine record; set back;
 * ``candidate_forged`` — a ready candidate version's signed record (its manifest over the
   record as published and every ``dp.*`` tag) does not verify: its tags were changed, or it was
@@ -46,10 +49,16 @@ from dataclasses import asdict, dataclass
 from dpmerge.locate import command
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
-from dpmerge.policy_merge.promotion import served_text, unmet
+from dpmerge.policy_merge.promotion import hold_alias, quarantined_parents, served_text, unmet
 from dpmerge.registry import Registry, RegistryError
 from dpmerge.registry.tags import SERVED_TAG, STATUS_QUARANTINED
-from dpmerge.state import AliasState, DatasetState, StateIntegrityError, StateStore
+from dpmerge.state import (
+    AliasState,
+    DatasetState,
+    StateIntegrityError,
+    StateStore,
+    SupersededError,
+)
 from dpmerge.state import policies as stored_policies
 from dpmerge.state import quarantine as stored_quarantine
 from dpmerge.state import serving as state_serving
@@ -97,7 +106,7 @@ def verify(
         findings += _ledger(workspace, registry, state, repair)
         for alias in state.aliases.values():
             managed.setdefault(alias.model, set()).add(alias.alias)
-            findings += _alias(store, registry, state, alias, repair)
+            findings += _alias(workspace, state, alias, repair)
     findings += _unmanaged(store, registry, managed, repair, dataset)
     findings += _quarantine(store, registry, repair)
     findings += _forged_candidates(store, registry, dataset)
@@ -118,8 +127,9 @@ def _ledger(
 
 
 def _alias(
-    store: StateStore, registry: Registry, state: DatasetState, alias: AliasState, repair: bool
+    workspace: Workspace, state: DatasetState, alias: AliasState, repair: bool
 ) -> Iterator[Finding]:
+    store, registry = workspace.state(), workspace.registry()
     subject = f"{alias.model}@{alias.alias}"
     shown = (
         registry.aliases(alias.model).get(alias.alias)
@@ -142,6 +152,15 @@ def _alias(
             FindingKind.SERVED_UNCOUNTED, subject, f"release {alias.release[:12]}… is not counted"
         )
     yield from _served_release(registry, alias, subject)
+    out = quarantined_parents(store, state.entry(alias.release or ""))
+    if out:
+        yield Finding(
+            FindingKind.QUARANTINED_PARENT,
+            subject,
+            f"v{alias.serving} rests on a quarantined candidate: {'; '.join(out)}",
+            _hold(workspace, state.dataset, alias, "; ".join(out)) if repair else None,
+        )
+        return
     current = stored_policies.latest(store, alias.owner)
     if current is None:
         return
@@ -168,6 +187,22 @@ def _project(store: StateStore, registry: Registry, dataset: str, alias: AliasSt
     except LeaseTimeoutError:
         return f"not repaired: a run of policy {alias.owner} is applying it and projects it"
     return f"alias set back to {f'v{fresh.serving}' if fresh.serving else 'nothing'}"
+
+
+def _hold(workspace: Workspace, dataset: str, alias: AliasState, reason: str) -> str:
+    """Make ``alias`` meet its policy's newest version now, under the policy's lease
+    (:func:`~dpmerge.policy_merge.promotion.hold_alias`); what was done."""
+    store = workspace.state()
+    current = stored_policies.latest(store, alias.owner)
+    if current is None:
+        return f"not repaired: policy {alias.owner} has no valid version"
+    try:
+        with lease(store, alias.owner, timeout_s=0):
+            return hold_alias(workspace, current, dataset, alias, (reason,), None)
+    except LeaseTimeoutError:
+        return f"not repaired: a run of policy {alias.owner} is applying it and revokes it"
+    except SupersededError as later:
+        return f"not repaired: version {later.later} of policy {alias.owner} changed it"
 
 
 def _served_release(registry: Registry, alias: AliasState, subject: str) -> Iterator[Finding]:

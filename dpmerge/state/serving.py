@@ -140,6 +140,16 @@ class CountedRelease:
     def names(self) -> list[str]:
         return [str(c["name"]) for c in self.candidates]
 
+    def parents(self) -> list[tuple[str, str]]:
+        """``(registered model, version)`` of each candidate the release uses (every component
+        of a mixture), where :attr:`versions` names it."""
+        found = []
+        for name in self.names:
+            model, _, version = self.versions.get(name, "").rpartition(" v")
+            if model and version.isdigit():
+                found.append((model, version))
+        return found
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["candidates"] = list(self.candidates)
