@@ -97,7 +97,7 @@ def test_record_is_what_ran(digits: DatasetSplits, mode: str) -> None:
 
 
 def test_logreg_defaults_to_the_linear_engine(digits: DatasetSplits) -> None:
-    assert config().mode == LINEAR_EXACT and config(model="cnn").mode == "hooks"
+    assert config().mode == LINEAR_EXACT and config(model="cnn").mode == "vmap"
     assert config(model="cnn").model is ModelName.CNN and config(clip_norm=2).clip_norm == 2.0
     assert train_candidate(config(max_steps=2), digits).metrics["grad_sample_mode"] == LINEAR_EXACT
 
