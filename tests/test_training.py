@@ -14,6 +14,7 @@ import torch
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from opacus.accountants import RDPAccountant
+from opacus.optimizers import DPOptimizer
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
@@ -42,6 +43,7 @@ from dpmerge.training import (
 from dpmerge.training.checkpoint import RunState
 from dpmerge.training.engines.linear import PoissonSubsetSampler
 from dpmerge.training.engines.opacus import OpacusEngine
+from dpmerge.training.engines.vmap import PerExampleGradients
 from dpmerge.training.plan import MechanismPlan
 from dpmerge.training.streams import Streams
 from dpmerge.vocabulary import ModelName
@@ -381,6 +383,26 @@ def test_clipped_sum_equals_a_per_example_loop(mode: str) -> None:
     }
     for key, value in expected.items():
         torch.testing.assert_close(clipped_sum[key], value, atol=1e-5, rtol=1e-4)
+
+
+def test_vmap_takes_an_empty_poisson_batch() -> None:
+    """An empty Poisson batch is still a step: ``vmap`` gives empty per-example gradients (the
+    loss of one example cannot be taken on none), so Opacus adds only the noise (none at σ = 0)."""
+    model = build_model(ModelSpec("cnn", (1, 8, 8), 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        expected_batch_size=4,
+    )
+    loss = PerExampleGradients(model, torch.nn.CrossEntropyLoss()).compute(
+        torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long)
+    )
+    assert loss.isnan()
+    assert all(p.grad_sample.shape == (0, *p.shape) for p in model.parameters())
+    optimizer.step()
+    assert weights_equal(model.state_dict(), before)
 
 
 def test_initial_checkpoint_is_recorded_by_hash(digits: DatasetSplits, tmp_path: Path) -> None:
