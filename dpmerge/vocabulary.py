@@ -195,13 +195,15 @@ class ModelName(StrEnum):
 
 
 class GradSampleMode(StrEnum):
-    """How per-example gradients are computed: the exact linear engine, or an Opacus mode."""
+    """How per-example gradients are computed: the exact linear engine, an Opacus mode, or
+    ``vmap`` (``torch.func.vmap(grad)`` over the batch, clipped and noised by Opacus)."""
 
     LINEAR_EXACT = "linear-exact"
     HOOKS = "hooks"
     FUNCTORCH = "functorch"
     EW = "ew"
     GHOST = "ghost"
+    VMAP = "vmap"
 
 
 class Engine(StrEnum):

@@ -14,12 +14,13 @@ import torch
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from opacus.accountants import RDPAccountant
+from opacus.optimizers import DPOptimizer
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 import dpmerge.cli
 from dpmerge.accounting.candidate import candidate_bound
-from dpmerge.artifacts import load_model_dir
+from dpmerge.artifacts import ModelSpec, load_model_dir
 from dpmerge.data import DatasetSplits, RowDataset, Split, load_dataset
 from dpmerge.data.datasets import FASHION_MNIST_ROOT
 from dpmerge.evaluation import evaluate
@@ -39,7 +40,12 @@ from dpmerge.training import (
     train_candidates,
     train_kept,
 )
+from dpmerge.training.checkpoint import RunState
 from dpmerge.training.engines.linear import PoissonSubsetSampler
+from dpmerge.training.engines.opacus import OpacusEngine
+from dpmerge.training.engines.vmap import PerExampleGradients
+from dpmerge.training.plan import MechanismPlan
+from dpmerge.training.streams import Streams
 from dpmerge.vocabulary import ModelName
 
 DELTA = 1e-5
@@ -93,7 +99,7 @@ def test_record_is_what_ran(digits: DatasetSplits, mode: str) -> None:
 
 
 def test_logreg_defaults_to_the_linear_engine(digits: DatasetSplits) -> None:
-    assert config().mode == LINEAR_EXACT and config(model="cnn").mode == "hooks"
+    assert config().mode == LINEAR_EXACT and config(model="cnn").mode == "vmap"
     assert config(model="cnn").model is ModelName.CNN and config(clip_norm=2).clip_norm == 2.0
     assert train_candidate(config(max_steps=2), digits).metrics["grad_sample_mode"] == LINEAR_EXACT
 
@@ -328,9 +334,75 @@ def test_grad_sample_modes_agree(digits: DatasetSplits, model: str) -> None:
         train_candidate(config(model=model, batch_seed=1, max_steps=5, grad_sample_mode=m), digits)
         for m in OPACUS_MODES
     ]
+    first = results[0]
     for other in results[1:]:
-        for key, value in results[0].weights.items():
+        for key, value in first.weights.items():
             torch.testing.assert_close(other.weights[key], value, atol=1e-5, rtol=1e-4)
+        # The mechanism (σ, q, T, C, Poisson batches, accountant) is the same whatever computes
+        # the per-example gradients: the records differ only in their run's identity.
+        assert other.accountant_history == first.accountant_history
+        assert other.record == first.record.model_copy(
+            update={"name": other.record.name, "run_id": other.record.run_id}
+        )
+
+
+@pytest.mark.parametrize("mode", OPACUS_MODES)
+def test_clipped_sum_equals_a_per_example_loop(mode: str) -> None:
+    """With q = 1 (the one Poisson batch holds every row) and σ = 0, a step moves the weights by
+    lr·Σ_b clip(g_b)/n, so each mode's clipped sum is read off the step and compared with a loop
+    of single-example backward passes, clipped by Opacus' factor min(1, C/(‖g_b‖ + 1e-6))."""
+    generator = torch.Generator().manual_seed(0)
+    rows = Split(torch.randn(6, 1, 8, 8, generator=generator), torch.tensor([0, 1, 2, 0, 1, 2]))
+    spec = ModelSpec("cnn", (1, 8, 8), 3)
+    reference = build_model(spec, seed=3)
+    loss = torch.nn.CrossEntropyLoss()
+    per_example = []
+    for x, y in zip(rows.features, rows.labels, strict=True):
+        reference.zero_grad()
+        loss(reference(x[None]), y[None]).backward()
+        per_example.append({k: p.grad.clone() for k, p in reference.named_parameters()})
+    norms = torch.stack([torch.cat([g.flatten() for g in e.values()]).norm() for e in per_example])
+    clip = norms.median().item()  # some examples clipped, some not
+    factors = (clip / (norms + 1e-6)).clamp(max=1.0)
+    assert (factors < 1).any() and (factors == 1).any()
+    expected = {
+        k: sum(f * e[k] for f, e in zip(factors, per_example, strict=True)) for k in per_example[0]
+    }
+
+    settings = config(
+        model="cnn", grad_sample_mode=mode, batch_size=6, clip_norm=clip, learning_rate=0.5
+    )
+    engine = OpacusEngine(settings, MechanismPlan(1.0, 1, 1, 0.0), torch.device("cpu"))
+    model = build_model(spec, seed=3)
+    engine.start(
+        model, rows, RunState("run", "noise", "batches"), Streams("run", "noise", "batches", 1, 1)
+    )
+    engine.step()
+    clipped_sum = {
+        k: (reference.state_dict()[k] - v) * 6 / 0.5 for k, v in model.state_dict().items()
+    }
+    for key, value in expected.items():
+        torch.testing.assert_close(clipped_sum[key], value, atol=1e-5, rtol=1e-4)
+
+
+def test_vmap_takes_an_empty_poisson_batch() -> None:
+    """An empty Poisson batch is still a step: ``vmap`` gives empty per-example gradients (the
+    loss of one example cannot be taken on none), so Opacus adds only the noise (none at σ = 0)."""
+    model = build_model(ModelSpec("cnn", (1, 8, 8), 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        expected_batch_size=4,
+    )
+    loss = PerExampleGradients(model, torch.nn.CrossEntropyLoss()).compute(
+        torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long)
+    )
+    assert loss.isnan()
+    assert all(p.grad_sample.shape == (0, *p.shape) for p in model.parameters())
+    optimizer.step()
+    assert weights_equal(model.state_dict(), before)
 
 
 def test_initial_checkpoint_is_recorded_by_hash(digits: DatasetSplits, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The engines that run one DP-SGD candidate, behind one protocol (docs/training.md, "Engines").
 
 * :class:`~dpmerge.training.engines.opacus.OpacusEngine`: Opacus 1.6 with Poisson sampling,
-  grad-sample modes ``hooks``, ``functorch``, ``ew``, ``ghost``: any model;
+  grad-sample modes ``hooks``, ``functorch``, ``ew``, ``ghost``, or ``vmap`` (per-example
+  gradients by ``torch.func``, :mod:`~dpmerge.training.engines.vmap`): any model;
 * :class:`~dpmerge.training.engines.linear.LinearExactEngine`: the same mechanism for
   ``logreg`` with analytic per-example norms and O(B) Poisson sampling, the default there.
 

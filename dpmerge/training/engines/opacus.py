@@ -1,5 +1,6 @@
 """The Opacus engine: Opacus 1.6's ``PrivacyEngine`` with Poisson sampling, in any of its
-grad-sample modes (``hooks``, ``functorch``, ``ew``, ``ghost``), for any model."""
+grad-sample modes (``hooks``, ``functorch``, ``ew``, ``ghost``) or with per-example gradients
+from ``torch.func`` (``vmap``, :mod:`~dpmerge.training.engines.vmap`), for any model."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from torch.utils.data import DataLoader
 from dpmerge.data import Split, collate_batch
 from dpmerge.training.checkpoint import RunState
 from dpmerge.training.config import TrainConfig
+from dpmerge.training.engines.vmap import PerExampleGradients
 from dpmerge.training.plan import MechanismPlan
 from dpmerge.training.record import Ran, accountant_history
 from dpmerge.training.streams import Streams
 from dpmerge.vocabulary import GradSampleMode
+
+OPACUS_GRAD_SAMPLE_MODE = {GradSampleMode.VMAP: "no_op"}
+"""Opacus' mode where it is not dpmerge's: ``vmap`` sets the per-example gradients itself."""
 
 
 class OpacusEngine:
@@ -57,13 +62,18 @@ class OpacusEngine:
             max_grad_norm=self.config.clip_norm,
             poisson_sampling=True,
             noise_generator=self.noise_generator,
-            grad_sample_mode=self.config.mode.value,
+            grad_sample_mode=OPACUS_GRAD_SAMPLE_MODE.get(self.config.mode, self.config.mode.value),
         )
         if self.config.mode == GradSampleMode.GHOST:
             self.dp_model, self.optimizer, self.criterion, self.loader = private
         else:
             self.dp_model, self.optimizer, self.loader = private
             self.criterion = nn.CrossEntropyLoss()
+        self.per_example = (
+            PerExampleGradients(model, self.criterion)
+            if self.config.mode == GradSampleMode.VMAP
+            else None
+        )
         if self.loader.batch_sampler.sample_rate != self.plan.sample_rate:
             raise RuntimeError(
                 f"Opacus samples at q = {self.loader.batch_sampler.sample_rate}, "
@@ -80,9 +90,13 @@ class OpacusEngine:
         x, y = next(self._batches)
         self._left -= 1
         self._at += 1
+        x, y = x.to(self.device), y.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.criterion(self.dp_model(x.to(self.device)), y.to(self.device))
-        loss.backward()
+        if self.per_example is not None:
+            loss = self.per_example.compute(x, y)
+        else:
+            loss = self.criterion(self.dp_model(x), y)
+            loss.backward()
         self.optimizer.step()
         return loss.detach()
 
