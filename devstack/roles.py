@@ -34,6 +34,9 @@ from dpmerge.storage import DEFAULT_REGION, MLFLOW_ARTIFACTS_PREFIX, S3Config
 from dpmerge.vocabulary import StackDatabase, StackRole
 
 SECRET_BLOCK = "dpmerge-key"
+LOCKED_POOLS_ENV = "DPMERGE_LOCKED_POOLS"
+"""The pools the stack provisioned, comma-separated, in the workflow's environment: those
+``verify-state`` checks against their provisioned templates (devstack/provision.py)."""
 OPERATOR_WRITES = ("inbox",)
 
 MLFLOW_READERS = {
@@ -133,8 +136,8 @@ def mlflow_auth_ini(config: StackConfig, creds: Credentials) -> str:
 
 def role_env(config: StackConfig, role: StackRole) -> dict[str, str]:
     """The environment of ``role``: MLflow with its own user and the releases' public
-    signing key; S3 with its own key (workflow, operator); the Prefect API, its auth string and
-    the Secret block's name (workflow)."""
+    signing key; S3 with its own key (workflow, operator); the Prefect API, its auth string,
+    the Secret block's name and the provisioned pools (workflow)."""
     creds = secrets_store.require(config.state_dir)
     key = WorkflowKey(bytes.fromhex(secrets_store.workflow_key(config.state_dir)), "stack")
     env = {
@@ -165,6 +168,7 @@ def role_env(config: StackConfig, role: StackRole) -> dict[str, str]:
                 "PREFECT_API_URL": config.prefect_api_url,
                 "PREFECT_API_AUTH_STRING": creds.prefect_auth,
                 "DPMERGE_SECRET_BLOCK": SECRET_BLOCK,
+                LOCKED_POOLS_ENV: ",".join(config.pools),
             }
     return env
 
@@ -175,6 +179,11 @@ def basic_auth(user: str, password: str) -> dict[str, str]:
     return {"Authorization": f"Basic {token}"}
 
 
-def prefect_headers(creds: Credentials) -> dict[str, str]:
+def auth_headers(auth: str) -> dict[str, str]:
     """The header Prefect's API accepts: Basic with the auth string (``user:secret``)."""
-    return basic_auth(*creds.prefect_auth.split(":", 1))
+    return basic_auth(*auth.split(":", 1))
+
+
+def prefect_headers(creds: Credentials) -> dict[str, str]:
+    """:func:`auth_headers` of the stack's Prefect auth string."""
+    return auth_headers(creds.prefect_auth)

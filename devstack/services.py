@@ -82,6 +82,11 @@ def worker_name(pool: str) -> str:
     return f"dpmerge-{pool}"
 
 
+def worker_service(pool: str) -> str:
+    """The supervised program of ``pool``'s worker."""
+    return f"worker-{pool}"
+
+
 def worker_online(config: StackConfig, creds: Credentials, pool: str, pid: int) -> bool:
     """The pool's worker is ``ONLINE`` and its last heartbeat came after process ``pid``
     started (an earlier worker of the same name stays ``ONLINE`` for a while after it died)."""
@@ -312,7 +317,7 @@ def services(config: StackConfig) -> list[Service]:
             worker_env["CUDA_VISIBLE_DEVICES"] = ""
         result.append(
             Service(
-                name=f"worker-{pool}",
+                name=worker_service(pool),
                 argv=(
                     executable("prefect"),
                     *("worker", "start", "--pool", pool, "--type", "process"),

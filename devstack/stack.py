@@ -8,7 +8,9 @@ PostgreSQL, then the buckets, the database roles and the registry/store check
 work pools and the workflow's Secret block (:mod:`devstack.provision`), then the workers.
 ``down`` stops the stages in reverse (workers first), then supervisord, then ends any process
 of the stack still alive (an orphan of a service killed earlier). supervisord restarts a
-service that crashes; its launcher first ends what the crashed one left behind.
+service that crashes; its launcher first ends what the crashed one left behind. ``status``
+also sets back a work pool whose base job template was changed, and reports its worker
+unhealthy, the change its reason.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,13 @@ from devstack import credentials as secrets_store
 from devstack import postgres, processes, provision, roles
 from devstack import store as registry_store
 from devstack.config import LOOPBACK, ServiceStartError, StackConfig, StackError, port_free
-from devstack.services import Service, mlflow_auth_file, s3_config_file, services
+from devstack.services import (
+    Service,
+    mlflow_auth_file,
+    s3_config_file,
+    services,
+    worker_service,
+)
 from devstack.supervisor import Supervisor, log_tail
 from dpmerge.keys import KEY_ENV, KEY_FILE_ENV
 from dpmerge.storage import S3Store
@@ -205,7 +213,27 @@ def status(config: StackConfig) -> list[ServiceStatus]:
                     reason=reason,
                 )
             )
-    return result
+    return _with_pool_drift(config, result)
+
+
+def _with_pool_drift(config: StackConfig, statuses: list[ServiceStatus]) -> list[ServiceStatus]:
+    """The worker of each pool whose base job template is not the provisioned one turned
+    unhealthy, the drift its reason; the template is set back
+    (docs/stack.md#roles-and-permissions)."""
+    if not any(s.name == "prefect" and s.healthy for s in statuses):
+        return statuses
+    creds = secrets_store.require(config.state_dir)
+    reasons = {
+        worker_service(pool): finding.line()
+        for pool in config.pools
+        for finding in provision.pool_drift(
+            config.prefect_api_url, creds.prefect_auth, [pool], repair=True
+        )
+    }
+    return [
+        replace(s, healthy=False, reason=reasons[s.name]) if s.name in reasons else s
+        for s in statuses
+    ]
 
 
 def export_lines(config: StackConfig, role: StackRole = StackRole.WORKFLOW) -> list[str]:

@@ -2,7 +2,8 @@
 (docs/stack.md#roles-and-permissions): no credentials are refused everywhere; a consumer reads
 releases and nothing else; an operator reads candidates and releases and writes only policies
 and quarantine records; MLflow's proxied artifact and logged-model endpoints honour the
-experiments' permissions; a flow run cannot change the command a worker runs."""
+experiments' permissions; a flow run cannot change the command a worker runs, and a changed pool
+template is reported and set back."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ from factories import synthetic_candidates
 from servers import Shell, environment, one_line, workflow_prefect
 
 import devstack
-from devstack import credentials, mlflow_auth
+from devstack import credentials, mlflow_auth, provision
 from devstack.roles import prefect_headers
 from dpmerge.keys import WorkflowKey
 from dpmerge.merging import merge_model_dirs
 from dpmerge.publication import dataset_id
 from dpmerge.registry import Registry, candidate_model_name, merged_model_name
-from dpmerge.vocabulary import StackRole
+from dpmerge.vocabulary import FindingKind, StackRole
 
 pytestmark = pytest.mark.integration
 
@@ -494,3 +495,56 @@ def test_a_flow_run_cannot_change_the_workers_command(
     assert not marker.exists()
     assert pool.base_job_template["variables"]["properties"] == {}
     assert pool.base_job_template["job_configuration"]["command"].endswith("-m prefect.engine")
+
+
+def _tamper_with_pool(stack: devstack.StackConfig, command: str) -> str:
+    """Row B of issue 28: with the workflow's Prefect credential, give the ``cpu`` pool a base
+    job template that runs ``command``; the command the pool then has."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    template = provision.locked_template("cpu")
+    template["job_configuration"]["command"] = command
+    with workflow_prefect(stack), get_client(sync_client=True) as api:
+        api.update_work_pool("cpu", WorkPoolUpdate(base_job_template=template))
+        return str(api.read_work_pool("cpu").base_job_template["job_configuration"]["command"])
+
+
+def _cpu_template(stack: devstack.StackConfig) -> dict[str, Any]:
+    from prefect.client.orchestration import get_client
+
+    with workflow_prefect(stack), get_client(sync_client=True) as api:
+        return api.read_work_pool("cpu").base_job_template
+
+
+def test_a_changed_pool_template_is_reported_unhealthy_and_set_back(
+    local_stack: devstack.StackConfig, tmp_path: Path, capsys: Any
+) -> None:
+    """``stack status`` reports the worker of a pool whose template was changed unhealthy, in
+    one line naming the command, and sets the template back; ``verify-state``'s check finds and
+    sets back the same change."""
+    from flows.cli import main
+    from flows.verify import pool_findings
+
+    command = f"touch {tmp_path / 'marker'}"
+    assert _tamper_with_pool(local_stack, command) == command
+    capsys.readouterr()
+    assert main(["stack", "status", "--state-dir", str(local_stack.state_dir)]) == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if "work pool cpu" in line]
+    assert lines == [
+        "  worker-cpu: unhealthy: pool_template_drift: work pool cpu: its base job template is "
+        f"not the provisioned one (command {command!r}, provisioned 'python -m flows.warm') — "
+        "repaired: template set back"
+    ]
+    assert _cpu_template(local_stack) == provision.locked_template("cpu")
+    worker = next(s for s in devstack.status(local_stack) if s.name == "worker-cpu")
+    assert worker.reason is None
+
+    assert _tamper_with_pool(local_stack, command) == command
+    with workflow_prefect(local_stack):
+        found = pool_findings(repair=True)
+        assert [(f.kind, f.subject, f.repaired) for f in found] == [
+            (FindingKind.POOL_TEMPLATE_DRIFT, "work pool cpu", "template set back")
+        ]
+        assert pool_findings(repair=False) == []
+    assert _cpu_template(local_stack) == provision.locked_template("cpu")
