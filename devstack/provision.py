@@ -103,11 +103,16 @@ def ensure_pools(config: StackConfig, creds: Credentials) -> None:
             raise StackError(f"creating work pool {pool!r} failed: {answer.error} {answer.body}")
 
 
+class PoolReadError(StackError):
+    """The Prefect API did not answer with a work pool (down, overloaded: 503, or refusing)."""
+
+
 def pool_drift(api_url: str, auth: str, pools: Sequence[str], *, repair: bool) -> list[Finding]:
     """A ``pool_template_drift`` finding for each of ``pools`` whose base job template is not
     :func:`locked_template` or that is gone (whoever holds the Prefect credential can change
     it: docs/stack.md#roles-and-permissions); with ``repair``, its template is set back (the
-    pool created again). Raises :class:`StackError` when the Prefect API does not answer."""
+    pool created again). Raises :class:`PoolReadError` when the Prefect API does not answer
+    with the pool."""
     found = []
     for pool in pools:
         answer = probe(
@@ -116,7 +121,7 @@ def pool_drift(api_url: str, auth: str, pools: Sequence[str], *, repair: bool) -
         if answer.status == 404:
             detail = "the pool is gone"
         elif not answer.ok or not isinstance(answer.body, dict):
-            raise StackError(f"reading work pool {pool!r} failed: {answer.error} {answer.body}")
+            raise PoolReadError(f"reading work pool {pool!r} failed: {answer.error} {answer.body}")
         elif answer.body.get("base_job_template") != locked_template(pool):
             command = (answer.body.get("base_job_template") or {}).get("job_configuration", {})
             detail = (

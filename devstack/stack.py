@@ -219,17 +219,22 @@ def status(config: StackConfig) -> list[ServiceStatus]:
 def _with_pool_drift(config: StackConfig, statuses: list[ServiceStatus]) -> list[ServiceStatus]:
     """The worker of each pool whose base job template is not the provisioned one turned
     unhealthy, the drift its reason; the template is set back
-    (docs/stack.md#roles-and-permissions)."""
+    (docs/stack.md#roles-and-permissions). A pool Prefect does not answer with (a 503 under
+    load) is unknown, so its worker is not healthy either."""
     if not any(s.name == "prefect" and s.healthy for s in statuses):
         return statuses
     creds = secrets_store.require(config.state_dir)
-    reasons = {
-        worker_service(pool): finding.line()
-        for pool in config.pools
-        for finding in provision.pool_drift(
-            config.prefect_api_url, creds.prefect_auth, [pool], repair=True
-        )
-    }
+    reasons = {}
+    for pool in config.pools:
+        try:
+            found = provision.pool_drift(
+                config.prefect_api_url, creds.prefect_auth, [pool], repair=True
+            )
+        except provision.PoolReadError as error:
+            reasons[worker_service(pool)] = f"its pool's template is unknown: {error}"
+            continue
+        for finding in found:
+            reasons[worker_service(pool)] = finding.line()
     return [
         replace(s, healthy=False, reason=reasons[s.name]) if s.name in reasons else s
         for s in statuses
