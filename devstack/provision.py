@@ -1,7 +1,8 @@
 """What ``up`` creates inside the running services, through their own APIs
 (docs/stack.md#roles-and-permissions): the MLflow users, the Prefect work pools with job
-templates a caller cannot override, and the workflow key as a Prefect Secret block; and the
-check that the pools still have those templates (:func:`pool_drift`).
+templates a caller cannot override, and no Secret block with the workflow key (an earlier
+version's is deleted); and the check that the pools still have those templates
+(:func:`pool_drift`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 from devstack import credentials as secrets_store
 from devstack.config import StackConfig, StackError
 from devstack.credentials import Credentials
-from devstack.roles import SECRET_BLOCK, auth_headers, basic_auth
+from devstack.roles import auth_headers, basic_auth, prefect_headers
 from dpmerge.environment import QUIET, Probe, probe
 from dpmerge.findings import Finding
 from dpmerge.vocabulary import FindingKind, StackRole
@@ -139,18 +140,32 @@ def pool_drift(api_url: str, auth: str, pools: Sequence[str], *, repair: bool) -
     return found
 
 
-def ensure_secret_block(config: StackConfig, creds: Credentials) -> None:
-    """Save the workflow key (``STATE/secrets/workflow.key``, its backup) as the Prefect Secret
-    block :data:`~devstack.roles.SECRET_BLOCK`, unless the block exists."""
-    from prefect.blocks.system import Secret
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+OLD_SECRET_BLOCK = "dpmerge-key"
+"""The Prefect Secret block an earlier version saved the workflow key in."""
 
-    settings = {
-        PREFECT_API_URL: config.prefect_api_url,
-        PREFECT_API_AUTH_STRING: creds.prefect_auth,
-    }
-    with temporary_settings(updates=settings):
-        try:
-            Secret.load(SECRET_BLOCK)
-        except ValueError:  # no such block
-            Secret(value=secrets_store.workflow_key(config.state_dir)).save(SECRET_BLOCK)
+
+def remove_secret_block(config: StackConfig, creds: Credentials) -> None:
+    """Delete the Secret block :data:`OLD_SECRET_BLOCK` if a stack made by an earlier version
+    has it: anyone holding the Prefect credential could read the key from it; the workflow's
+    processes read ``STATE/secrets/workflow.key`` (docs/stack.md#trust-model)."""
+    headers = prefect_headers(creds)
+    api = config.prefect_api_url
+    found = probe(
+        f"{api}/block_types/slug/secret/block_documents/name/{OLD_SECRET_BLOCK}",
+        headers=headers,
+        timeout_s=API_TIMEOUT_S,
+    )
+    if found.status == 404:
+        return
+    answer = found
+    if found.ok and isinstance(found.body, dict):
+        answer = probe(
+            f"{api}/block_documents/{found.body.get('id')}",
+            method="DELETE",
+            headers=headers,
+            timeout_s=API_TIMEOUT_S,
+        )
+    if not answer.ok:
+        raise StackError(
+            f"removing the Secret block {OLD_SECRET_BLOCK!r} failed: {answer.error} {answer.body}"
+        )

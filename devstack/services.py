@@ -35,6 +35,7 @@ from devstack.credentials import Credentials
 from devstack.processes import owns_ports, started_at
 from devstack.roles import prefect_headers, role_env
 from dpmerge.environment import probe
+from dpmerge.keys import KEY_ENV
 from dpmerge.storage import MLFLOW_ARTIFACTS_PREFIX
 from dpmerge.vocabulary import StackDatabase, StackRole
 
@@ -258,7 +259,9 @@ def services(config: StackConfig) -> list[Service]:
     ]
     if not config.prefect:
         return result
-    prefect_env = {"PREFECT_HOME": str(config.prefect_home)}
+    # the workflow's processes read the key from its file (role_env), and none of the stack's
+    # from the environment of the shell that ran `up`
+    prefect_env = {"PREFECT_HOME": str(config.prefect_home), KEY_ENV: ""}
     database = {}
     if config.database is StackDatabase.POSTGRES:
         database["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = postgres.url(

@@ -4,8 +4,8 @@
 ``stack.json`` and the services' configuration files, starts supervisord and then the services
 stage by stage (:mod:`devstack.services`), waiting for each stage to be healthy: S3 and
 PostgreSQL, then the buckets, the database roles and the registry/store check
-(:mod:`devstack.store`), then MLflow and the Prefect server, then the MLflow users, the locked
-work pools and the workflow's Secret block (:mod:`devstack.provision`), then the workers.
+(:mod:`devstack.store`), then MLflow and the Prefect server, then the MLflow users and the locked
+work pools (:mod:`devstack.provision`), then the workers.
 ``down`` stops the stages in reverse (workers first), then supervisord, then ends any process
 of the stack still alive (an orphan of a service killed earlier). supervisord restarts a
 service that crashes; its launcher first ends what the crashed one left behind. ``status``
@@ -94,7 +94,7 @@ def _after_stage(config: StackConfig, stage: list[Service]) -> None:
         provision.create_mlflow_users(config, creds)
     if "prefect" in names:
         provision.ensure_pools(config, creds)
-        provision.ensure_secret_block(config, creds)
+        provision.remove_secret_block(config, creds)
 
 
 def _prepare(config: StackConfig) -> None:
@@ -245,10 +245,11 @@ def export_lines(config: StackConfig, role: StackRole = StackRole.WORKFLOW) -> l
     """``export NAME=value`` lines of ``role``'s environment for a POSIX shell
     (``eval "$(dpmerge stack env --role operator)"``), then ``unset`` of every variable another
     role sets and this one does not, so a shell that switches roles keeps no credential of the
-    role it leaves (the secret key, which no role's environment holds, included)."""
+    role it leaves (and no ``$DPMERGE_SECRET_KEY``, which would win over the workflow's key
+    file)."""
     env = config.client_env(role)
-    others = {k for other in StackRole for k in config.client_env(other)} - set(env)
-    others |= {KEY_ENV, KEY_FILE_ENV}
+    others = {k for other in StackRole for k in config.client_env(other)} | {KEY_ENV, KEY_FILE_ENV}
+    others -= set(env)
     return [f"export {k}={shlex.quote(v)}" for k, v in env.items()] + [
         f"unset {k}" for k in sorted(others)
     ]

@@ -28,7 +28,6 @@ from devstack.provision import pool_drift
 from devstack.roles import LOCKED_POOLS_ENV
 from dpmerge import policy_merge as pm
 from dpmerge.policy_merge.verify import Finding, verify
-from flows.runtime import load_workflow_secret
 
 FLOW_NAME = "verify-state"
 EVENT = "dpmerge.drift.found"
@@ -80,7 +79,6 @@ def pool_findings(repair: bool) -> list[Finding]:
 def verify_state(repair: bool = True) -> State:
     """Compare MLflow with the release-state store and the signatures; with ``repair``, repair
     what is safe to repair (see the module docstring)."""
-    load_workflow_secret()
     workspace = pm.Workspace.from_env()
     findings = verify(workspace, repair=repair) + pool_findings(repair)
     return report(findings, f"registry {workspace.tracking_uri}, state {workspace.state().where}")

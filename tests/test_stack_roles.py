@@ -25,7 +25,7 @@ from servers import Shell, environment, one_line, workflow_prefect
 import devstack
 from devstack import credentials, mlflow_auth, provision
 from devstack.roles import prefect_headers
-from dpmerge.keys import WorkflowKey
+from dpmerge.keys import KEY_ENV, KEY_FILE_ENV, WorkflowKey
 from dpmerge.merging import merge_model_dirs
 from dpmerge.publication import dataset_id
 from dpmerge.registry import Registry, candidate_model_name, merged_model_name
@@ -415,11 +415,12 @@ def test_a_consumer_gets_no_local_stand_in_for_the_stacks_state(
 def test_workflow_holds_state_audit_and_the_ledger_but_not_the_artifact_store(
     local_stack: devstack.StackConfig, registered: Registered
 ) -> None:
-    from prefect.blocks.system import Secret
-
-    with workflow_prefect(local_stack):  # the key as the workers read it, and its backup
-        key = Secret.load(local_stack.client_env()["DPMERGE_SECRET_BLOCK"]).get()
-    assert key == credentials.workflow_key(local_stack.state_dir) and len(key) == 64
+    key_file = str(credentials.workflow_key_file(local_stack.state_dir))
+    assert local_stack.client_env()[KEY_FILE_ENV] == key_file
+    with environment({KEY_ENV: "", KEY_FILE_ENV: key_file}):  # as the workers find the key
+        key = WorkflowKey.from_env()
+    assert key.source == key_file
+    assert key.material.hex() == credentials.workflow_key(local_stack.state_dir)
     s3 = _s3(local_stack, StackRole.WORKFLOW)
     for bucket in (local_stack.state_bucket, local_stack.audit_bucket):
         s3.upload_fileobj(io.BytesIO(b"{}"), bucket, "probe/workflow.json")
@@ -548,3 +549,18 @@ def test_a_changed_pool_template_is_reported_unhealthy_and_set_back(
         ]
         assert pool_findings(repair=False) == []
     assert _cpu_template(local_stack) == provision.locked_template("cpu")
+
+
+def test_the_key_is_in_no_prefect_secret_block(local_stack: devstack.StackConfig) -> None:
+    """The Prefect credential reads no key: ``up`` saves none, and deletes the Secret block an
+    earlier version saved it in."""
+    from prefect.blocks.system import Secret
+
+    with workflow_prefect(local_stack):
+        with pytest.raises(ValueError):
+            Secret.load(provision.OLD_SECRET_BLOCK)
+        Secret(value="33" * 32).save(provision.OLD_SECRET_BLOCK)  # as an earlier version did
+    provision.remove_secret_block(local_stack, credentials.require(local_stack.state_dir))
+    with workflow_prefect(local_stack), pytest.raises(ValueError):
+        Secret.load(provision.OLD_SECRET_BLOCK)
+    provision.remove_secret_block(local_stack, credentials.require(local_stack.state_dir))
