@@ -27,12 +27,12 @@ LOCKED = "database is locked"
 @contextmanager
 def local_stack(state_dir: str | None, env: dict[str, str]) -> Iterator[Any]:
     """A new stack on free ports (its services and workers get ``env`` too), this process the
-    workflow role (the key read from the Secret block, as the workers read it); stopped
+    workflow role (the key read from its file, as the workers read it); stopped
     (workers first) and removed afterwards unless ``state_dir`` keeps it."""
     import devstack as stack
 
     os.environ.update({**SERVER_ENV, **env})
-    os.environ.pop("DPMERGE_SECRET_KEY", None)  # the stack's key, from its Secret block
+    os.environ.pop("DPMERGE_SECRET_KEY", None)  # the stack's key, from its file
     scratch = Path(state_dir or tempfile.mkdtemp(prefix="dpmerge-bench-"))
     os.environ["DPMERGE_HOME"] = str(scratch / "home")
     config = stack.StackConfig.on_free_ports(scratch / "stack")
@@ -43,14 +43,11 @@ def local_stack(state_dir: str | None, env: dict[str, str]) -> Iterator[Any]:
         os.environ.update(config.client_env())
         from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-        from flows.runtime import load_workflow_secret
-
         # Prefect read its settings when it was imported: point them at this stack
         auth = os.environ["PREFECT_API_AUTH_STRING"]
         with temporary_settings(
             {PREFECT_API_URL: config.prefect_api_url, PREFECT_API_AUTH_STRING: auth}
         ):
-            load_workflow_secret()
             yield config
     finally:
         print("stopped:", ", ".join(stack.down(config)))

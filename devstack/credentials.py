@@ -5,8 +5,8 @@ One JSON file holds every password and key: PostgreSQL's superuser and the datab
 MLflow auth app's admin and one MLflow user per :class:`~dpmerge.vocabulary.StackRole`, one S3
 identity for the stack itself (``admin``), the MLflow server's artifact proxy (``mlflow``), the
 workflow and the operator (a consumer has none), and the Prefect API's auth string. The
-workflow's HMAC key (``dpmerge.keys``) is a file of its own beside it, the backup of the Prefect
-Secret block ``dpmerge-key``; ``stack env`` never prints it.
+workflow's HMAC key (``dpmerge.keys``) is a file of its own beside it, which the workflow's
+processes read (``$DPMERGE_SECRET_KEY_FILE``); ``stack env`` prints its path, never the key.
 """
 
 from __future__ import annotations
@@ -129,9 +129,14 @@ def ensure(state_dir: Path) -> Credentials:
     return created
 
 
+def workflow_key_file(state_dir: Path) -> Path:
+    """The file of the workflow's key: ``STATE/secrets/workflow.key`` (0600)."""
+    return secrets_dir(state_dir) / KEY_FILE
+
+
 def workflow_key(state_dir: Path) -> str:
     """The workflow's HMAC key (64 hex digits), generated on first use."""
-    path = secrets_dir(state_dir) / KEY_FILE
+    path = workflow_key_file(state_dir)
     if not path.is_file():
         write_private(path, secrets.token_hex(32) + "\n")
     return path.read_text().strip()

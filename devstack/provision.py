@@ -1,18 +1,22 @@
 """What ``up`` creates inside the running services, through their own APIs
 (docs/stack.md#roles-and-permissions): the MLflow users, the Prefect work pools with job
-templates a caller cannot override, and the workflow key as a Prefect Secret block.
+templates a caller cannot override, and no Secret block with the workflow key (an earlier
+version's is deleted); and the check that the pools still have those templates
+(:func:`pool_drift`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from devstack import credentials as secrets_store
 from devstack.config import StackConfig, StackError
 from devstack.credentials import Credentials
-from devstack.roles import SECRET_BLOCK, basic_auth, prefect_headers
-from dpmerge.environment import QUIET, probe
-from dpmerge.vocabulary import StackRole
+from devstack.roles import auth_headers, basic_auth, prefect_headers
+from dpmerge.environment import QUIET, Probe, probe
+from dpmerge.findings import Finding
+from dpmerge.vocabulary import FindingKind, StackRole
 
 API_TIMEOUT_S = 30.0
 
@@ -70,42 +74,98 @@ def locked_template(pool: str) -> dict[str, Any]:
     }
 
 
-def ensure_pools(config: StackConfig, creds: Credentials) -> None:
-    """Create the ``process`` pools, or set their template back to :func:`locked_template`."""
-    headers = prefect_headers(creds)
-    for pool in config.pools:
-        template = locked_template(pool)
+def _save_pool(api_url: str, auth: str, pool: str) -> Probe:
+    """Create ``pool`` with :func:`locked_template`, or set an existing pool's template back."""
+    headers = auth_headers(auth)
+    template = locked_template(pool)
+    answer = probe(
+        f"{api_url}/work_pools/",
+        method="POST",
+        body={"name": pool, "type": "process", "base_job_template": template},
+        headers=headers,
+        timeout_s=API_TIMEOUT_S,
+    )
+    if answer.status == 409:
         answer = probe(
-            f"{config.prefect_api_url}/work_pools/",
-            method="POST",
-            body={"name": pool, "type": "process", "base_job_template": template},
+            f"{api_url}/work_pools/{pool}",
+            method="PATCH",
+            body={"base_job_template": template},
             headers=headers,
             timeout_s=API_TIMEOUT_S,
         )
-        if answer.status == 409:
-            answer = probe(
-                f"{config.prefect_api_url}/work_pools/{pool}",
-                method="PATCH",
-                body={"base_job_template": template},
-                headers=headers,
-                timeout_s=API_TIMEOUT_S,
-            )
+    return answer
+
+
+def ensure_pools(config: StackConfig, creds: Credentials) -> None:
+    """Create the ``process`` pools, or set their template back to :func:`locked_template`."""
+    for pool in config.pools:
+        answer = _save_pool(config.prefect_api_url, creds.prefect_auth, pool)
         if not answer.ok:
             raise StackError(f"creating work pool {pool!r} failed: {answer.error} {answer.body}")
 
 
-def ensure_secret_block(config: StackConfig, creds: Credentials) -> None:
-    """Save the workflow key (``STATE/secrets/workflow.key``, its backup) as the Prefect Secret
-    block :data:`~devstack.roles.SECRET_BLOCK`, unless the block exists."""
-    from prefect.blocks.system import Secret
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+class PoolReadError(StackError):
+    """The Prefect API did not answer with a work pool (down, overloaded: 503, or refusing)."""
 
-    settings = {
-        PREFECT_API_URL: config.prefect_api_url,
-        PREFECT_API_AUTH_STRING: creds.prefect_auth,
-    }
-    with temporary_settings(updates=settings):
-        try:
-            Secret.load(SECRET_BLOCK)
-        except ValueError:  # no such block
-            Secret(value=secrets_store.workflow_key(config.state_dir)).save(SECRET_BLOCK)
+
+def pool_drift(api_url: str, auth: str, pools: Sequence[str], *, repair: bool) -> list[Finding]:
+    """A ``pool_template_drift`` finding for each of ``pools`` whose base job template is not
+    :func:`locked_template` or that is gone (whoever holds the Prefect credential can change
+    it: docs/stack.md#roles-and-permissions); with ``repair``, its template is set back (the
+    pool created again). Raises :class:`PoolReadError` when the Prefect API does not answer
+    with the pool."""
+    found = []
+    for pool in pools:
+        answer = probe(
+            f"{api_url}/work_pools/{pool}", headers=auth_headers(auth), timeout_s=API_TIMEOUT_S
+        )
+        if answer.status == 404:
+            detail = "the pool is gone"
+        elif not answer.ok or not isinstance(answer.body, dict):
+            raise PoolReadError(f"reading work pool {pool!r} failed: {answer.error} {answer.body}")
+        elif answer.body.get("base_job_template") != locked_template(pool):
+            command = (answer.body.get("base_job_template") or {}).get("job_configuration", {})
+            detail = (
+                "its base job template is not the provisioned one (command "
+                f"{command.get('command')!r}, provisioned {pool_command(pool)!r})"
+            )
+        else:
+            continue
+        repaired = None
+        if repair:
+            saved = _save_pool(api_url, auth, pool)
+            repaired = "template set back" if saved.ok else f"not repaired ({saved.error})"
+        subject = f"work pool {pool}"
+        found.append(Finding(FindingKind.POOL_TEMPLATE_DRIFT, subject, detail, repaired))
+    return found
+
+
+OLD_SECRET_BLOCK = "dpmerge-key"
+"""The Prefect Secret block an earlier version saved the workflow key in."""
+
+
+def remove_secret_block(config: StackConfig, creds: Credentials) -> None:
+    """Delete the Secret block :data:`OLD_SECRET_BLOCK` if a stack made by an earlier version
+    has it: anyone holding the Prefect credential could read the key from it; the workflow's
+    processes read ``STATE/secrets/workflow.key`` (docs/stack.md#trust-model)."""
+    headers = prefect_headers(creds)
+    api = config.prefect_api_url
+    found = probe(
+        f"{api}/block_types/slug/secret/block_documents/name/{OLD_SECRET_BLOCK}",
+        headers=headers,
+        timeout_s=API_TIMEOUT_S,
+    )
+    if found.status == 404:
+        return
+    answer = found
+    if found.ok and isinstance(found.body, dict):
+        answer = probe(
+            f"{api}/block_documents/{found.body.get('id')}",
+            method="DELETE",
+            headers=headers,
+            timeout_s=API_TIMEOUT_S,
+        )
+    if not answer.ok:
+        raise StackError(
+            f"removing the Secret block {OLD_SECRET_BLOCK!r} failed: {answer.error} {answer.body}"
+        )

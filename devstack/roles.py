@@ -12,7 +12,8 @@
   applied by :mod:`devstack.mlflow_auth`): only the workflow creates; what it creates it
   manages, and the registry grants READ as ``$DPMERGE_MLFLOW_READERS`` (:data:`MLFLOW_READERS`)
   says.
-* Prefect (``PREFECT_SERVER_API_AUTH_STRING``): all or nothing, so only ``workflow`` holds it.
+* Prefect (``PREFECT_SERVER_API_AUTH_STRING``): all or nothing, so only ``workflow`` holds it;
+  the workflow key is not in Prefect (no Secret block): the workflow's processes read its file.
 
 :func:`role_env` is one role's environment (``dpmerge stack env --role ROLE``): its own
 credentials only.
@@ -27,7 +28,7 @@ from devstack import credentials as secrets_store
 from devstack.config import StackConfig
 from devstack.credentials import Credentials
 from dpmerge.environment import TELEMETRY_OFF
-from dpmerge.keys import WorkflowKey
+from dpmerge.keys import KEY_FILE_ENV, WorkflowKey
 from dpmerge.manifests import PUBLIC_KEY_ENV, public_key_hex
 from dpmerge.model_signature import PUBLIC_KEY_ENV as MODEL_SIGNING_KEY_ENV
 from dpmerge.model_signature import published_public_key
@@ -35,7 +36,9 @@ from dpmerge.registry.readers import READERS_ENV, format_readers
 from dpmerge.storage import DEFAULT_REGION, MLFLOW_ARTIFACTS_PREFIX, S3Config
 from dpmerge.vocabulary import StackDatabase, StackRole
 
-SECRET_BLOCK = "dpmerge-key"
+LOCKED_POOLS_ENV = "DPMERGE_LOCKED_POOLS"
+"""The pools the stack provisioned, comma-separated, in the workflow's environment: those
+``verify-state`` checks against their provisioned templates (devstack/provision.py)."""
 OPERATOR_WRITES = ("inbox",)
 
 MLFLOW_READERS = {
@@ -135,8 +138,9 @@ def mlflow_auth_ini(config: StackConfig, creds: Credentials) -> str:
 
 def role_env(config: StackConfig, role: StackRole) -> dict[str, str]:
     """The environment of ``role``: MLflow with its own user and the releases' public
-    signing key; S3 with its own key (workflow, operator); the Prefect API, its auth string and
-    the Secret block's name (workflow)."""
+    signing key; S3 with its own key (workflow, operator); the key file's path (workflow: its
+    processes and commands read the key from ``STATE/secrets/workflow.key``, never from
+    Prefect); the Prefect API, its auth string and the provisioned pools (workflow)."""
     creds = secrets_store.require(config.state_dir)
     key = WorkflowKey(bytes.fromhex(secrets_store.workflow_key(config.state_dir)), "stack")
     env = {
@@ -162,11 +166,12 @@ def role_env(config: StackConfig, role: StackRole) -> dict[str, str]:
         }
     if role is StackRole.WORKFLOW:
         env[READERS_ENV] = format_readers(MLFLOW_READERS)
+        env[KEY_FILE_ENV] = str(secrets_store.workflow_key_file(config.state_dir))
         if config.prefect:
             env |= {
                 "PREFECT_API_URL": config.prefect_api_url,
                 "PREFECT_API_AUTH_STRING": creds.prefect_auth,
-                "DPMERGE_SECRET_BLOCK": SECRET_BLOCK,
+                LOCKED_POOLS_ENV: ",".join(config.pools),
             }
     return env
 
@@ -177,6 +182,11 @@ def basic_auth(user: str, password: str) -> dict[str, str]:
     return {"Authorization": f"Basic {token}"}
 
 
-def prefect_headers(creds: Credentials) -> dict[str, str]:
+def auth_headers(auth: str) -> dict[str, str]:
     """The header Prefect's API accepts: Basic with the auth string (``user:secret``)."""
-    return basic_auth(*creds.prefect_auth.split(":", 1))
+    return basic_auth(*auth.split(":", 1))
+
+
+def prefect_headers(creds: Credentials) -> dict[str, str]:
+    """:func:`auth_headers` of the stack's Prefect auth string."""
+    return auth_headers(creds.prefect_auth)

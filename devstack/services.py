@@ -35,6 +35,7 @@ from devstack.credentials import Credentials
 from devstack.processes import owns_ports, started_at
 from devstack.roles import prefect_headers, role_env
 from dpmerge.environment import probe
+from dpmerge.keys import KEY_ENV
 from dpmerge.storage import MLFLOW_ARTIFACTS_PREFIX
 from dpmerge.vocabulary import StackDatabase, StackRole
 
@@ -80,6 +81,11 @@ def executable(name: str) -> str:
 
 def worker_name(pool: str) -> str:
     return f"dpmerge-{pool}"
+
+
+def worker_service(pool: str) -> str:
+    """The supervised program of ``pool``'s worker."""
+    return f"worker-{pool}"
 
 
 def worker_online(config: StackConfig, creds: Credentials, pool: str, pid: int) -> bool:
@@ -253,7 +259,9 @@ def services(config: StackConfig) -> list[Service]:
     ]
     if not config.prefect:
         return result
-    prefect_env = {"PREFECT_HOME": str(config.prefect_home)}
+    # the workflow's processes read the key from its file (role_env), and none of the stack's
+    # from the environment of the shell that ran `up`
+    prefect_env = {"PREFECT_HOME": str(config.prefect_home), KEY_ENV: ""}
     database = {}
     if config.database is StackDatabase.POSTGRES:
         database["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = postgres.url(
@@ -312,7 +320,7 @@ def services(config: StackConfig) -> list[Service]:
             worker_env["CUDA_VISIBLE_DEVICES"] = ""
         result.append(
             Service(
-                name=f"worker-{pool}",
+                name=worker_service(pool),
                 argv=(
                     executable("prefect"),
                     *("worker", "start", "--pool", pool, "--type", "process"),

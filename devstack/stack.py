@@ -4,11 +4,13 @@
 ``stack.json`` and the services' configuration files, starts supervisord and then the services
 stage by stage (:mod:`devstack.services`), waiting for each stage to be healthy: S3 and
 PostgreSQL, then the buckets, the database roles and the registry/store check
-(:mod:`devstack.store`), then MLflow and the Prefect server, then the MLflow users, the locked
-work pools and the workflow's Secret block (:mod:`devstack.provision`), then the workers.
+(:mod:`devstack.store`), then MLflow and the Prefect server, then the MLflow users and the locked
+work pools (:mod:`devstack.provision`), then the workers.
 ``down`` stops the stages in reverse (workers first), then supervisord, then ends any process
 of the stack still alive (an orphan of a service killed earlier). supervisord restarts a
-service that crashes; its launcher first ends what the crashed one left behind.
+service that crashes; its launcher first ends what the crashed one left behind. ``status``
+also sets back a work pool whose base job template was changed, and reports its worker
+unhealthy, the change its reason.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,13 @@ from devstack import credentials as secrets_store
 from devstack import postgres, processes, provision, roles
 from devstack import store as registry_store
 from devstack.config import LOOPBACK, ServiceStartError, StackConfig, StackError, port_free
-from devstack.services import Service, mlflow_auth_file, s3_config_file, services
+from devstack.services import (
+    Service,
+    mlflow_auth_file,
+    s3_config_file,
+    services,
+    worker_service,
+)
 from devstack.supervisor import Supervisor, log_tail
 from dpmerge.keys import KEY_ENV, KEY_FILE_ENV
 from dpmerge.storage import S3Store
@@ -86,7 +94,7 @@ def _after_stage(config: StackConfig, stage: list[Service]) -> None:
         provision.create_mlflow_users(config, creds)
     if "prefect" in names:
         provision.ensure_pools(config, creds)
-        provision.ensure_secret_block(config, creds)
+        provision.remove_secret_block(config, creds)
 
 
 def _prepare(config: StackConfig) -> None:
@@ -205,17 +213,43 @@ def status(config: StackConfig) -> list[ServiceStatus]:
                     reason=reason,
                 )
             )
-    return result
+    return _with_pool_drift(config, result)
+
+
+def _with_pool_drift(config: StackConfig, statuses: list[ServiceStatus]) -> list[ServiceStatus]:
+    """The worker of each pool whose base job template is not the provisioned one turned
+    unhealthy, the drift its reason; the template is set back
+    (docs/stack.md#roles-and-permissions). A pool Prefect does not answer with (a 503 under
+    load) is unknown, so its worker is not healthy either."""
+    if not any(s.name == "prefect" and s.healthy for s in statuses):
+        return statuses
+    creds = secrets_store.require(config.state_dir)
+    reasons = {}
+    for pool in config.pools:
+        try:
+            found = provision.pool_drift(
+                config.prefect_api_url, creds.prefect_auth, [pool], repair=True
+            )
+        except provision.PoolReadError as error:
+            reasons[worker_service(pool)] = f"its pool's template is unknown: {error}"
+            continue
+        for finding in found:
+            reasons[worker_service(pool)] = finding.line()
+    return [
+        replace(s, healthy=False, reason=reasons[s.name]) if s.name in reasons else s
+        for s in statuses
+    ]
 
 
 def export_lines(config: StackConfig, role: StackRole = StackRole.WORKFLOW) -> list[str]:
     """``export NAME=value`` lines of ``role``'s environment for a POSIX shell
     (``eval "$(dpmerge stack env --role operator)"``), then ``unset`` of every variable another
     role sets and this one does not, so a shell that switches roles keeps no credential of the
-    role it leaves (the secret key, which no role's environment holds, included)."""
+    role it leaves (and no ``$DPMERGE_SECRET_KEY``, which would win over the workflow's key
+    file)."""
     env = config.client_env(role)
-    others = {k for other in StackRole for k in config.client_env(other)} - set(env)
-    others |= {KEY_ENV, KEY_FILE_ENV}
+    others = {k for other in StackRole for k in config.client_env(other)} | {KEY_ENV, KEY_FILE_ENV}
+    others -= set(env)
     return [f"export {k}={shlex.quote(v)}" for k, v in env.items()] + [
         f"unset {k}" for k in sorted(others)
     ]

@@ -9,9 +9,10 @@ not provide.
 
 Where the key comes from, first found wins:
 
-1. ``$DPMERGE_SECRET_KEY``: at least 64 hexadecimal digits (32 bytes). The flows also fill it
-   from a Prefect Secret block named by ``$DPMERGE_SECRET_BLOCK`` (``flows/runtime.py``).
-2. ``$DPMERGE_SECRET_KEY_FILE``: a file holding the same, readable by its owner only.
+1. ``$DPMERGE_SECRET_KEY``: at least 64 hexadecimal digits (32 bytes).
+2. ``$DPMERGE_SECRET_KEY_FILE``: a file holding the same, readable by its owner only. The
+   stack's workflow environment names its ``secrets/workflow.key`` here, so its flows and
+   commands find the key the same way (docs/stack.md#trust-model).
 3. ``<home>/secret.key`` (``$DPMERGE_HOME``, default ``./.dpmerge``): generated once (0600) on
    first use, so the dev stack and the demo work without anyone typing a key. It is never
    committed (``.dpmerge/`` is ignored) and must be backed up with the registry: a lost key

@@ -135,6 +135,9 @@ class FindingKind(StrEnum):
     CANDIDATE_FORGED = "candidate_forged"
     REQUEST_REJECTED = "request_rejected"
     """An object under an operator's prefix that is no valid request: never applied."""
+    POOL_TEMPLATE_DRIFT = "pool_template_drift"
+    """A stack's work pool whose base job template is not the provisioned one: set back
+    (``verify-state``, devstack/provision.py)."""
 
 
 class CardCheck(StrEnum):

@@ -362,13 +362,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from dpmerge.policy_merge import Workspace
     from dpmerge.policy_merge.promotion import hold
-    from flows.runtime import load_workflow_secret
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     parser = argparse.ArgumentParser(prog="python -m flows.dispatch", description=__doc__)
     parser.add_argument("--heartbeat", type=Path, default=None, help="file touched per poll")
     heartbeat = parser.parse_args(argv).heartbeat
-    load_workflow_secret()
     workspace = Workspace.from_env()
     store = workspace.state()
     log.info("dispatching policy versions from %s", store.where)

@@ -58,7 +58,6 @@ from dpmerge.state import policies as stored_policies
 from dpmerge.state.leases import lease
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.vocabulary import ServingState
-from flows.runtime import load_workflow_secret
 from flows.verify import emit
 from tasks import policy as steps
 
@@ -169,7 +168,6 @@ def _yield_cpu() -> None:
 @flow(name=FLOW_NAME, persist_result=False)
 def merge_on_policy(policy: str, version: int) -> State:
     """Apply version ``version`` of the stored policy ``policy`` (see the module docstring)."""
-    load_workflow_secret()
     workspace = pm.Workspace.from_env()
     store = workspace.state()
     try:

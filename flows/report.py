@@ -14,7 +14,6 @@ from prefect.artifacts import create_markdown_artifact
 from dpmerge import policy_merge as pm
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.studies.frontier import LC_GENERIC, LC_STRUCTURED, RS
-from flows.runtime import load_workflow_secret
 from tasks import policy as policy_steps
 from tasks import reports as steps
 
@@ -41,7 +40,6 @@ def pareto_report(
 ) -> dict[str, Any]:
     """Frontier at ``targets`` (default: 6 points from the most private candidate's ε to twice
     the least private's) for RS and generic LC (and structured LC with ``structured``)."""
-    load_workflow_secret()
     workspace = pm.Workspace.from_env()
     workspace.use_caches()
     workdir = workspace.scratch()

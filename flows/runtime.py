@@ -18,7 +18,6 @@ from pathlib import Path
 
 from dpmerge.environment import QUIET, TELEMETRY_OFF, probe
 from dpmerge.errors import OutageError
-from dpmerge.keys import KEY_ENV
 from dpmerge.locate import LocalStack, command, embedded_tracking_uri, resolve_home
 
 EPHEMERAL_SERVER = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
@@ -26,29 +25,8 @@ EPHEMERAL_SERVER = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
 short on a loaded two-core machine (seen in CI: "Timed out while attempting to connect")."""
 
 
-SECRET_BLOCK_ENV = "DPMERGE_SECRET_BLOCK"
-
-
 class ServerError(OutageError):
     """The configured Prefect server cannot be reached."""
-
-
-def load_workflow_secret() -> None:
-    """Fill ``$DPMERGE_SECRET_KEY`` from the Prefect Secret block named by
-    ``$DPMERGE_SECRET_BLOCK`` (e.g. created with ``prefect block create secret``, or
-    ``Secret(value=…).save("dpmerge-key")``), unless the key is already set. Flows call this
-    first, so every worker that registers or merges candidates uses the same key
-    (``dpmerge.keys``, docs/design.md#security)."""
-    name = os.environ.get(SECRET_BLOCK_ENV)
-    if not name or os.environ.get(KEY_ENV):
-        return
-    from prefect.blocks.system import Secret
-
-    try:
-        value = Secret.load(name).get()
-    except ValueError as error:
-        raise ServerError(f"Prefect Secret block {name!r} ({SECRET_BLOCK_ENV}): {error}") from None
-    os.environ[KEY_ENV] = str(value)
 
 
 def server_url() -> str | None:

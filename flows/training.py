@@ -31,7 +31,6 @@ from dpmerge.accounting.delta import check_delta_against
 from dpmerge.formatting import epsilon_text, number_text
 from dpmerge.locate import Located
 from dpmerge.training import RunOptions, TrainConfig, TrainingConfigError, declared_parameters
-from flows.runtime import load_workflow_secret
 from tasks import training as steps
 
 TRAIN_FLOW = "train-candidates"
@@ -121,7 +120,6 @@ def train_candidate(keep_last_epochs: int = 1, **parameters: Any) -> list[dict[s
     its final weights, or with ``keep_last_epochs`` N > 1 its weights at the end of each of its
     last N epochs (checkpoints of one run, which a merge counts once)."""
     spec = steps.CandidateSpec.from_parameters({**parameters, steps.KEEP: keep_last_epochs})
-    load_workflow_secret()  # registration signs the candidate's record
     workspace = pm.Workspace.from_env()
     workspace.use_caches()  # the candidate's PLD, computed for its record, is kept for merges
     scratch = workspace.scratch()
@@ -167,7 +165,6 @@ def train_candidates(
         **{**parameters, steps.KEEP: keep_last_epochs},
     )
     logger = get_run_logger()
-    load_workflow_secret()
     workspace = pm.Workspace.from_env()
     workspace.use_caches()
     if deployment:

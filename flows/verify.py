@@ -7,10 +7,15 @@ event ``dpmerge.drift.found`` (resource ``dpmerge.state.<kind>``), which an auto
 into an alert (docs/workflow.md#drift). A run with findings ends ``Failed`` named ``Drift`` —
 even when they were repaired, someone changed what only the workflow should — and one without
 ends ``Completed``.
+
+With a stack, it also checks the work pools the stack provisioned (``$DPMERGE_LOCKED_POOLS``)
+against their provisioned base job templates and sets a changed one back
+(``pool_template_drift``, docs/stack.md#roles-and-permissions).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from prefect import flow, get_run_logger
@@ -19,9 +24,10 @@ from prefect.client.schemas.objects import State
 from prefect.events import emit_event
 from prefect.states import Completed, Failed
 
+from devstack.provision import pool_drift
+from devstack.roles import LOCKED_POOLS_ENV
 from dpmerge import policy_merge as pm
 from dpmerge.policy_merge.verify import Finding, verify
-from flows.runtime import load_workflow_secret
 
 FLOW_NAME = "verify-state"
 EVENT = "dpmerge.drift.found"
@@ -56,11 +62,23 @@ def report(findings: Sequence[Finding], where: str) -> State:
     return Completed(message=f"no drift ({where})")
 
 
+def pool_findings(repair: bool) -> list[Finding]:
+    """A finding for each pool of ``$DPMERGE_LOCKED_POOLS`` whose base job template is not
+    the provisioned one, set back with ``repair`` (none without the variable: no stack)."""
+    pools = [pool for pool in os.environ.get(LOCKED_POOLS_ENV, "").split(",") if pool]
+    if not pools:
+        return []
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
+
+    return pool_drift(
+        str(PREFECT_API_URL.value()), str(PREFECT_API_AUTH_STRING.value()), pools, repair=repair
+    )
+
+
 @flow(name=FLOW_NAME, persist_result=False)
 def verify_state(repair: bool = True) -> State:
     """Compare MLflow with the release-state store and the signatures; with ``repair``, repair
     what is safe to repair (see the module docstring)."""
-    load_workflow_secret()
     workspace = pm.Workspace.from_env()
-    findings = verify(workspace, repair=repair)
+    findings = verify(workspace, repair=repair) + pool_findings(repair)
     return report(findings, f"registry {workspace.tracking_uri}, state {workspace.state().where}")

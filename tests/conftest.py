@@ -25,7 +25,7 @@ from dpmerge.vocabulary import StackRole
 for _key, _value in {**TELEMETRY_OFF, **QUIET}.items():
     os.environ.setdefault(_key, _value)
 # the workflow's secret key (dpmerge.keys): one per test session, never a file in the repository;
-# the key of every stack the session starts (its Secret block), so this process signs as they do
+# the key of every stack the session starts (its key file), so this process signs as they do
 os.environ.setdefault("DPMERGE_SECRET_KEY", session_key())
 
 

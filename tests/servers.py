@@ -7,8 +7,7 @@ dispatcher. Ports are picked free on 127.0.0.1, so tests never collide with a de
 stack on the default ports. Every stack of a test session gets the same generated credentials
 (:func:`session_secrets`), so one role's environment (:func:`credentials_env`) works against
 each of them, and the workflow's key is the session's ``$DPMERGE_SECRET_KEY`` (tests/conftest.py)
-— which the workers do not inherit: they read it from the stack's Prefect Secret block, as in
-production.
+— which the workers do not inherit: they read it from the stack's key file, as in production.
 
 :class:`Shell` is a user's shell that holds one role's environment — what ``eval "$(dpmerge
 stack env --role ROLE)"`` exports — and nothing else of this process (no workflow credentials,
@@ -73,7 +72,7 @@ def session_secrets() -> Path:
 
 
 def session_key() -> str:
-    """The workflow key of every stack of this session (its Secret block and 0600 backup)."""
+    """The workflow key of every stack of this session (its 0600 key file)."""
     return credentials.workflow_key(session_secrets().parent)
 
 
@@ -90,7 +89,7 @@ def running_stack(
 ) -> Iterator[devstack.StackConfig]:
     """Start a stack on free ports and stop it (workers first) on exit, even after a failure.
     supervisord starts without this process's ``$DPMERGE_SECRET_KEY``, so the workers and the
-    dispatcher read the key from the Secret block."""
+    dispatcher read the key from its file."""
     config = devstack.StackConfig.on_free_ports(state_dir, prefect=prefect, **fields)
     seed_secrets(config.state_dir)
     try:

@@ -397,25 +397,6 @@ def test_the_serving_invariant_names_the_run_states(env, trained) -> None:
     assert gate.result()["status"] == "not_promoted" and "above the cap" in gate.message
 
 
-def test_the_key_can_come_from_a_prefect_secret_block(env, monkeypatch) -> None:
-    from prefect.blocks.system import Secret
-
-    from flows.runtime import SECRET_BLOCK_ENV, ServerError, load_workflow_secret
-
-    Secret(value="33" * 32).save("dpmerge-test-key", overwrite=True)
-    monkeypatch.delenv("DPMERGE_SECRET_KEY")
-    monkeypatch.setenv(SECRET_BLOCK_ENV, "dpmerge-test-key")
-    load_workflow_secret()
-    assert os.environ["DPMERGE_SECRET_KEY"] == "33" * 32
-    monkeypatch.setenv("DPMERGE_SECRET_KEY", "44" * 32)  # an explicit key wins
-    load_workflow_secret()
-    assert os.environ["DPMERGE_SECRET_KEY"] == "44" * 32
-    monkeypatch.delenv("DPMERGE_SECRET_KEY")
-    monkeypatch.setenv(SECRET_BLOCK_ENV, "no-such-block")
-    with pytest.raises(ServerError, match="no-such-block"):
-        load_workflow_secret()
-
-
 def test_pareto_report_logs_the_frontier_to_mlflow(env, trained) -> None:
     from flows.report import default_targets, pareto_report
 

@@ -128,10 +128,11 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
         assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{ports[1]}" in env
         assert f"export PREFECT_API_URL=http://127.0.0.1:{ports[2]}/api" in env
         assert "export MLFLOW_TRACKING_USERNAME=workflow" in env
-        assert "export DPMERGE_SECRET_BLOCK=dpmerge-key" in env
+        assert f"export DPMERGE_SECRET_KEY_FILE={secrets_dir / 'workflow.key'}" in env
+        assert "DPMERGE_SECRET_BLOCK" not in env and "unset DPMERGE_SECRET_KEY_FILE" not in env
         assert "export MLFLOW_DISABLE_TELEMETRY=true" in env
         key = (secrets_dir / "workflow.key").read_text().strip()
-        assert key not in env and "export DPMERGE_SECRET_KEY" not in env
+        assert key not in env and "export DPMERGE_SECRET_KEY=" not in env
         assert "unset DPMERGE_SECRET_KEY\n" in env  # a shell that had it loses it
         creds = credentials.require(state)
         every_secret = [

@@ -2,7 +2,8 @@
 (docs/stack.md#roles-and-permissions): no credentials are refused everywhere; a consumer reads
 releases and nothing else; an operator reads candidates and releases and writes only policies
 and quarantine records; MLflow's proxied artifact and logged-model endpoints honour the
-experiments' permissions; a flow run cannot change the command a worker runs."""
+experiments' permissions; a flow run cannot change the command a worker runs, and a changed pool
+template is reported and set back."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ from factories import synthetic_candidates
 from servers import Shell, environment, one_line, workflow_prefect
 
 import devstack
-from devstack import credentials, mlflow_writes
+from devstack import credentials, mlflow_writes, provision
 from devstack.roles import prefect_headers
-from dpmerge.keys import WorkflowKey
+from dpmerge.keys import KEY_ENV, KEY_FILE_ENV, WorkflowKey
 from dpmerge.merging import merge_model_dirs
 from dpmerge.publication import dataset_id
 from dpmerge.registry import Registry, candidate_model_name, merged_model_name
-from dpmerge.vocabulary import StackRole
+from dpmerge.vocabulary import FindingKind, StackRole
 
 pytestmark = pytest.mark.integration
 
@@ -424,11 +425,12 @@ def test_a_consumer_gets_no_local_stand_in_for_the_stacks_state(
 def test_workflow_holds_state_audit_and_the_ledger_but_not_the_artifact_store(
     local_stack: devstack.StackConfig, registered: Registered
 ) -> None:
-    from prefect.blocks.system import Secret
-
-    with workflow_prefect(local_stack):  # the key as the workers read it, and its backup
-        key = Secret.load(local_stack.client_env()["DPMERGE_SECRET_BLOCK"]).get()
-    assert key == credentials.workflow_key(local_stack.state_dir) and len(key) == 64
+    key_file = str(credentials.workflow_key_file(local_stack.state_dir))
+    assert local_stack.client_env()[KEY_FILE_ENV] == key_file
+    with environment({KEY_ENV: "", KEY_FILE_ENV: key_file}):  # as the workers find the key
+        key = WorkflowKey.from_env()
+    assert key.source == key_file
+    assert key.material.hex() == credentials.workflow_key(local_stack.state_dir)
     s3 = _s3(local_stack, StackRole.WORKFLOW)
     for bucket in (local_stack.state_bucket, local_stack.audit_bucket):
         s3.upload_fileobj(io.BytesIO(b"{}"), bucket, "probe/workflow.json")
@@ -504,3 +506,71 @@ def test_a_flow_run_cannot_change_the_workers_command(
     assert not marker.exists()
     assert pool.base_job_template["variables"]["properties"] == {}
     assert pool.base_job_template["job_configuration"]["command"].endswith("-m prefect.engine")
+
+
+def _tamper_with_pool(stack: devstack.StackConfig, command: str) -> str:
+    """Row B of issue 28: with the workflow's Prefect credential, give the ``cpu`` pool a base
+    job template that runs ``command``; the command the pool then has."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    template = provision.locked_template("cpu")
+    template["job_configuration"]["command"] = command
+    with workflow_prefect(stack), get_client(sync_client=True) as api:
+        api.update_work_pool("cpu", WorkPoolUpdate(base_job_template=template))
+        return str(api.read_work_pool("cpu").base_job_template["job_configuration"]["command"])
+
+
+def _cpu_template(stack: devstack.StackConfig) -> dict[str, Any]:
+    from prefect.client.orchestration import get_client
+
+    with workflow_prefect(stack), get_client(sync_client=True) as api:
+        return api.read_work_pool("cpu").base_job_template
+
+
+def test_a_changed_pool_template_is_reported_unhealthy_and_set_back(
+    local_stack: devstack.StackConfig, tmp_path: Path, capsys: Any
+) -> None:
+    """``stack status`` reports the worker of a pool whose template was changed unhealthy, in
+    one line naming the command, and sets the template back; ``verify-state``'s check finds and
+    sets back the same change."""
+    from flows.cli import main
+    from flows.verify import pool_findings
+
+    command = f"touch {tmp_path / 'marker'}"
+    assert _tamper_with_pool(local_stack, command) == command
+    capsys.readouterr()
+    assert main(["stack", "status", "--state-dir", str(local_stack.state_dir)]) == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if "work pool cpu" in line]
+    assert lines == [
+        "  worker-cpu: unhealthy: pool_template_drift: work pool cpu: its base job template is "
+        f"not the provisioned one (command {command!r}, provisioned 'python -m flows.warm') — "
+        "repaired: template set back"
+    ]
+    assert _cpu_template(local_stack) == provision.locked_template("cpu")
+    worker = next(s for s in devstack.status(local_stack) if s.name == "worker-cpu")
+    assert worker.reason is None
+
+    assert _tamper_with_pool(local_stack, command) == command
+    with workflow_prefect(local_stack):
+        found = pool_findings(repair=True)
+        assert [(f.kind, f.subject, f.repaired) for f in found] == [
+            (FindingKind.POOL_TEMPLATE_DRIFT, "work pool cpu", "template set back")
+        ]
+        assert pool_findings(repair=False) == []
+    assert _cpu_template(local_stack) == provision.locked_template("cpu")
+
+
+def test_the_key_is_in_no_prefect_secret_block(local_stack: devstack.StackConfig) -> None:
+    """The Prefect credential reads no key: ``up`` saves none, and deletes the Secret block an
+    earlier version saved it in."""
+    from prefect.blocks.system import Secret
+
+    with workflow_prefect(local_stack):
+        with pytest.raises(ValueError):
+            Secret.load(provision.OLD_SECRET_BLOCK)
+        Secret(value="33" * 32).save(provision.OLD_SECRET_BLOCK)  # as an earlier version did
+    provision.remove_secret_block(local_stack, credentials.require(local_stack.state_dir))
+    with workflow_prefect(local_stack), pytest.raises(ValueError):
+        Secret.load(provision.OLD_SECRET_BLOCK)
+    provision.remove_secret_block(local_stack, credentials.require(local_stack.state_dir))

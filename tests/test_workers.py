@@ -12,8 +12,8 @@ third-party packages, the same pinned versions a host would install, are taken r
 this checkout's ``.venv`` (a ``.pth`` line), which saves minutes of installing torch, MLflow and
 Prefect. The deployments are applied from an operator's clone of the remote with ``pull:
 *pull_from_git``, so every flow run clones the deployed commit; the workflow key comes from the
-Prefect Secret block. The worker side runs the committed code: uncommitted changes in this
-checkout are not on the hosts.
+file the workflow's environment names (the stack's, on this one machine). The worker side runs
+the committed code: uncommitted changes in this checkout are not on the hosts.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     root = tmp_path_factory.mktemp("hosts")
     remote, commit = _remote(root)
     python = _host_python(root, remote)
-    # the stack keeps its state outside the checkout; it reads the key from the Secret block
+    # the stack keeps its state outside the checkout; it reads the key from its file
     with (
         environment({"DPMERGE_HOME": str(root / "stack-home")}),
         running_stack(root / "stack", prefect=True, pools=()) as config,

@@ -44,8 +44,8 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from contextlib import suppress
-from dataclasses import asdict, dataclass
 
+from dpmerge.findings import Finding
 from dpmerge.locate import command
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
@@ -67,24 +67,6 @@ from dpmerge.state.quarantine import quarantined
 from dpmerge.state.rejections import Rejection
 from dpmerge.vocabulary import FindingKind, ServingState
 from dpmerge.workspace import Workspace
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One disagreement: what kind, about what, and what was done (``repaired``: ``None``
-    when nothing was)."""
-
-    kind: FindingKind
-    subject: str
-    detail: str
-    repaired: str | None = None
-
-    def line(self) -> str:
-        tail = f" — repaired: {self.repaired}" if self.repaired else ""
-        return f"{self.kind.value}: {self.subject}: {self.detail}{tail}"
-
-    def to_dict(self) -> dict[str, str | None]:
-        return {**asdict(self), "kind": self.kind.value}
 
 
 def verify(
