@@ -43,6 +43,15 @@ class EvaluationMechanism(StrEnum):
     LAPLACE = "laplace"
 
 
+class Composition(StrEnum):
+    """How the release ledger composes a statement (docs/design.md#release-ledger):
+    ``sequential`` adds the parts' ε (basic composition; exact-safe for pure ε), ``parallel``
+    takes the largest (the parts are disjoint sets of people)."""
+
+    SEQUENTIAL = "sequential"
+    PARALLEL = "parallel"
+
+
 class Sampling(StrEnum):
     """Batch sampling scheme of a DP-SGD run. Only Poisson sampling has a claimed
     amplification; shuffled or fixed-size batches are not Poisson (docs/design.md#sharp-edges)."""

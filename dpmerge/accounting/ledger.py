@@ -16,14 +16,18 @@ module is only the arithmetic.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from dpmerge.accounting.bounds import PairBound, PrivacyReport
 from dpmerge.accounting.generic import release_units, units_bound
+from dpmerge.accounting.private_accuracy import Evaluation
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.errors import RecordError
+from dpmerge.vocabulary import Composition
 
 
 @dataclass(frozen=True)
@@ -88,3 +92,71 @@ def cumulative_bound(releases: Sequence[Release], delta: float) -> PairBound:
                     f"two different candidates are named {candidate.name!r} in the ledger"
                 )
     return units_bound(release_units(list(union.values())), delta)
+
+
+def sum_up(epsilons: Sequence[float]) -> float:
+    """The sum of ``epsilons``, rounded up: the float returned is never below the exact sum
+    (basic composition must not round toward less privacy)."""
+    total = math.fsum(epsilons)
+    if Fraction(total) < sum(map(Fraction, epsilons), Fraction(0)):
+        total = math.nextafter(total, math.inf)
+    return total
+
+
+@dataclass(frozen=True)
+class EvaluationBound:
+    """The test rows' cumulative ε over a ledger's releases: each release's estimate is pure
+    ε_eval-DP (δ = 0) on the same test rows, so they compose sequentially and their sum is the
+    bound (basic composition, exact for pure ε). ``epsilon`` is ``None`` — not bounded — when
+    a release has no recorded estimate (``unrecorded``: counted before the ledger recorded
+    evaluations, or rebuilt; it may have published an exact accuracy),
+    docs/design.md#release-ledger."""
+
+    epsilon: float | None
+    releases: int
+    unrecorded: tuple[str, ...] = ()
+    delta: float = 0.0
+    composition: Composition = Composition.SEQUENTIAL
+
+
+def evaluation_bound(evaluations: Mapping[str, Evaluation | None]) -> EvaluationBound:
+    """The test rows' bound of the releases ``evaluations`` names (release id → its recorded
+    evaluation, ``None`` where none is recorded)."""
+    unrecorded = tuple(sorted(r for r, e in evaluations.items() if e is None))
+    spent = [e.epsilon for e in evaluations.values() if e is not None]
+    epsilon = None if unrecorded else sum_up(spent)
+    return EvaluationBound(epsilon, len(evaluations), unrecorded)
+
+
+@dataclass(frozen=True)
+class PersonBound:
+    """What the ledger promises one person of the source, whichever split holds their row
+    (docs/design.md#release-ledger): ``parallel`` — the larger of the training and the test
+    rows' ε, where every release used one dataset identifier (one split: a person is a training
+    row or a test row, never both) — else ``sequential``, their sum (a subset's test rows are
+    not known to be apart from another identifier's training rows). ``None`` where the test rows
+    are not bounded. δ is the training bound's (the test rows' is 0)."""
+
+    epsilon: float | None
+    delta: float
+    composition: Composition
+
+
+def person_bound(training: PairBound, test: EvaluationBound, one_split: bool) -> PersonBound:
+    """The per-person bound from the training rows' ``training`` and the test rows' ``test``."""
+    composition = Composition.PARALLEL if one_split else Composition.SEQUENTIAL
+    if test.epsilon is None:
+        return PersonBound(None, training.delta, composition)
+    parts = [training.epsilon, test.epsilon]
+    epsilon = max(parts) if one_split else sum_up(parts)
+    return PersonBound(epsilon, training.delta, composition)
+
+
+@dataclass(frozen=True)
+class LedgerStatement:
+    """A source ledger's statement per split: the training rows' bound (every release's
+    candidates composed), the test rows' and one person's (docs/design.md#release-ledger)."""
+
+    training: PairBound
+    test: EvaluationBound
+    person: PersonBound

@@ -42,6 +42,44 @@ def _row_count(value: Any) -> int:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    """What publishing a release's estimate spent on its test rows, as the release ledger
+    records it (docs/design.md#release-ledger): ε-DP with δ = 0 by ``mechanism`` on ``n``
+    test rows."""
+
+    epsilon: float
+    n: int
+    mechanism: EvaluationMechanism = EvaluationMechanism.LAPLACE
+    delta: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "mechanism": self.mechanism.value,
+            "n": self.n,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Evaluation:
+        """Strict: exactly these four fields, ε finite and positive, δ = 0, a known mechanism
+        and a positive row count (:class:`RecordError` otherwise)."""
+        if not isinstance(data, Mapping) or set(data) != {"epsilon", "delta", "mechanism", "n"}:
+            raise RecordError(
+                f"an evaluation record holds epsilon, delta, mechanism and n, got {data!r}"
+            )
+        if data["mechanism"] not in set(EvaluationMechanism):
+            raise RecordError(f"unknown evaluation mechanism {data['mechanism']!r}")
+        if isinstance(data["delta"], bool) or data["delta"] != 0:
+            raise RecordError(f"an evaluation's δ is 0 (pure ε), got {data['delta']!r}")
+        return cls(
+            epsilon=_positive_finite(data["epsilon"], "the evaluation ε"),
+            n=_row_count(data["n"]),
+            mechanism=EvaluationMechanism(data["mechanism"]),
+        )
+
+
+@dataclass(frozen=True)
 class PrivateAccuracy:
     """A published test-accuracy estimate and the guarantee its test rows have: ε-DP
     (δ = 0) by ``mechanism`` with sensitivity 1/``n`` (see the module docstring)."""
@@ -51,6 +89,11 @@ class PrivateAccuracy:
     n: int
     mechanism: EvaluationMechanism = EvaluationMechanism.LAPLACE
     delta: float = 0.0
+
+    @property
+    def evaluation(self) -> Evaluation:
+        """What this estimate spent on its test rows (the ledger's record)."""
+        return Evaluation(self.epsilon, self.n, self.mechanism, self.delta)
 
     @property
     def scale(self) -> float:

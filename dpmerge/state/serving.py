@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from dpmerge.accounting.private_accuracy import Evaluation
 from dpmerge.documents import shorten
 from dpmerge.errors import InputError, RefusalError
 from dpmerge.formatting import epsilon_text
@@ -37,7 +38,7 @@ from dpmerge.vocabulary import ServingState
 
 if TYPE_CHECKING:  # the accountants are imported only where a bound is computed
     from dpmerge.accounting.bounds import PairBound
-    from dpmerge.accounting.ledger import Release
+    from dpmerge.accounting.ledger import LedgerStatement, Release
 
 SCHEMA = "dpmerge.dataset-state/1"
 HISTORY = 50
@@ -89,7 +90,9 @@ class Guarantee:
 class CountedRelease:
     """A ledger entry: a release — its candidates with non-zero weight, as published (keyed
     dataset identifier and lineages; every number the accountants use) — who asked for it,
-    and where each candidate is registered."""
+    where each candidate is registered, and what its published accuracy estimate spent on the
+    test rows (``evaluation``; ``None`` in entries counted before the ledger recorded it, or
+    rebuilt: no published DP estimate recorded, docs/design.md#release-ledger)."""
 
     release_id: str
     dataset: str
@@ -100,6 +103,7 @@ class CountedRelease:
     policy: str
     policy_version: int
     counted_at: str = ""
+    evaluation: Evaluation | None = None
 
     @classmethod
     def of(
@@ -110,6 +114,7 @@ class CountedRelease:
         delta: float,
         policy: str,
         policy_version: int,
+        evaluation: Evaluation | None = None,
     ) -> CountedRelease:
         data = release.to_dict()
         return cls(
@@ -121,6 +126,7 @@ class CountedRelease:
             delta=delta,
             policy=policy,
             policy_version=policy_version,
+            evaluation=evaluation,
         )
 
     def release(self) -> Release:
@@ -153,6 +159,9 @@ class CountedRelease:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["candidates"] = list(self.candidates)
+        data.pop("evaluation")  # absent, not null, where none is recorded (as entries before)
+        if self.evaluation is not None:
+            data["evaluation"] = self.evaluation.to_dict()
         return data
 
     @classmethod
@@ -170,6 +179,7 @@ class CountedRelease:
             policy=str(data["policy"]),
             policy_version=int(data["policy_version"]),
             counted_at=str(data.get("counted_at", "")),
+            evaluation=Evaluation.from_dict(data["evaluation"]) if "evaluation" in data else None,
         )
 
 
@@ -276,10 +286,27 @@ class DatasetState:
         docs/design.md#release-ledger."""
         from dpmerge.accounting.ledger import cumulative_bound
 
+        return cumulative_bound([e.release() for e in self._with(extra)], delta)
+
+    def _with(self, extra: CountedRelease | None) -> list[CountedRelease]:
+        """The source ledger's entries, with ``extra`` when it is not counted yet."""
         entries = list(self.ledger)
         if extra is not None and all(e.release_id != extra.release_id for e in entries):
             entries.append(extra)
-        return cumulative_bound([e.release() for e in entries], delta)
+        return entries
+
+    def statement(self, delta: float, extra: CountedRelease | None = None) -> LedgerStatement:
+        """The source ledger's statement per split at ``delta`` (with ``extra`` counted): the
+        training rows' bound (:meth:`cumulative`), the test rows' (every release's recorded
+        evaluation ε summed) and one person's (the two's largest where every release used one
+        dataset identifier, else their sum), docs/design.md#release-ledger."""
+        from dpmerge.accounting.ledger import LedgerStatement, evaluation_bound, person_bound
+
+        entries = self._with(extra)
+        training = self.cumulative(delta, extra)
+        test = evaluation_bound({e.release_id: e.evaluation for e in entries})
+        one_split = len({e.dataset for e in entries}) <= 1
+        return LedgerStatement(training, test, person_bound(training, test, one_split))
 
     def with_entry(self, entry: CountedRelease, cap: float | None) -> DatasetState:
         """This state with ``entry`` counted (unchanged when it is already), after checking
