@@ -29,6 +29,7 @@ from dpmerge.accounting.private_accuracy import PrivateAccuracy
 from dpmerge.accounting.records import Candidate, MechanismRecord
 from dpmerge.errors import RecordError
 from dpmerge.formatting import epsilon_text
+from dpmerge.vocabulary import Composition
 
 CARD_SCHEMA = "dpmerge.privacy_card/1"
 LIBRARIES = ("dpmerge", "dp-accounting", "opacus", "torch", "mlflow")
@@ -245,14 +246,53 @@ def assumptions_section(report: Mapping[str, Any]) -> list[str]:
 
 
 def ledger_line(ledger: Mapping[str, Any], details: Sequence[str]) -> str:
-    """The cumulative bound, dated, and where to read it now."""
+    """The cumulative bound per split and per person, dated, and where to read it now
+    (docs/design.md#release-ledger)."""
     as_of = f" as of {ledger['as_of']}" if ledger.get("as_of") else ""
-    return (
-        f"All releases from this data source together (every subset){as_of}: ε = "
-        f"**{epsilon_text(ledger.get('epsilon'))}** at δ = {num(ledger.get('delta'))}"
+    training = (
+        f"All releases from this data source together (every subset){as_of}: training rows "
+        f"ε = **{epsilon_text(ledger.get('epsilon'))}** at δ = {num(ledger.get('delta'))}"
         + (f" ({'; '.join(details)})" if details else "")
-        + f". Later releases raise it: `{LEDGER_COMMAND}` shows it now."
+        + "."
     )
+    later = f"Later releases raise it: `{LEDGER_COMMAND}` shows it now."
+    return " ".join([training, *split_statements(ledger), later])
+
+
+PERSON_RULES = {
+    Composition.PARALLEL.value: "the larger of the two: every release used one dataset "
+    "identifier, so a person is a training row or a test row, never both",
+    Composition.SEQUENTIAL.value: "their sum: releases used several dataset identifiers "
+    "(subsets), whose test rows are not known to be apart from another's training rows",
+}
+
+
+def split_statements(ledger: Mapping[str, Any]) -> list[str]:
+    """The test rows' and one person's sentences of a ledger statement (none where it predates
+    them: ``test_composition`` absent)."""
+    if "test_composition" not in ledger:
+        return []
+    unrecorded = ledger.get("test_unrecorded") or ()
+    count = unrecorded if isinstance(unrecorded, int) else len(unrecorded)
+    if ledger.get("test_epsilon") is None:
+        test = (
+            f"Test rows: **not bounded** — {count} release(s) have no recorded DP estimate of "
+            "their accuracy (counted before the ledger recorded it; they may have published an "
+            "exact one)."
+        )
+        person = "One person, whichever split holds their row: **not bounded** (test rows)."
+    else:
+        test = (
+            f"Test rows: ε = **{epsilon_text(ledger['test_epsilon'])}** at δ = 0 (the "
+            "releases' accuracy estimates' ε summed: basic composition of pure ε)."
+        )
+        rule = PERSON_RULES.get(str(ledger.get("person_composition")), "")
+        person = (
+            f"One person, whichever split holds their row: ε = "
+            f"**{epsilon_text(ledger.get('person_epsilon'))}** at δ = {num(ledger.get('delta'))} "
+            f"({rule})."
+        )
+    return [test, person]
 
 
 @dataclass(frozen=True)

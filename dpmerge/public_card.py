@@ -51,7 +51,11 @@ BOUND_KEYS = (
     "discretisation",
     "neighbouring",
 )
-LEDGER_KEYS = ("epsilon", "delta", "accountant", "cap", "releases", "as_of")
+LEDGER_KEYS = (
+    *("epsilon", "delta", "accountant", "cap", "releases", "as_of"),
+    *("test_epsilon", "test_composition", "person_epsilon", "person_composition"),
+)
+"""The ledger fields a public card shows; of ``test_unrecorded`` (release ids), the count."""
 ACCURACY_KEYS = ("test_accuracy",)
 """The accuracy a public card shows: the test split's only (see the module docstring)."""
 PUBLIC_METRICS = (*ACCURACY_KEYS, *PRIVACY_KEYS, "test_n")
@@ -152,6 +156,7 @@ def build_public_card(
     if ledger is not None:
         public_ledger = {k: ledger.get(k) for k in LEDGER_KEYS}
         public_ledger["attempts"] = len(ledger.get("attempts") or ())
+        public_ledger["test_unrecorded"] = len(ledger.get("test_unrecorded") or ())
         details = [str(ledger.get("accountant")).upper(), f"{ledger.get('releases')} release(s)"]
         if ledger.get("cap") is not None:
             details.append(f"cap ε = {ledger['cap']:g}")

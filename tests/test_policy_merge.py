@@ -26,6 +26,7 @@ from mlflow import MlflowClient
 
 from dpmerge import policy_merge as pm
 from dpmerge.accounting.calibration import calibrate
+from dpmerge.accounting.private_accuracy import Evaluation
 from dpmerge.data import load_dataset
 from dpmerge.errors import DatasetError
 from dpmerge.evaluation import MergeAccuracy
@@ -296,6 +297,10 @@ def test_apply_counts_serves_and_reuses(workspace: pm.Workspace, registry_home) 
     for split in ("training", "validation", "test"):
         assert f"| {split} | protected: " in result.card
     assert f"| test | protected: ε = {epsilon_text(1.0)}, δ = 0 (Laplace" in result.card
+    # the ledger counts the test rows' spending: the kept estimate's ε and n_test
+    (entry,) = state.releases
+    assert entry.evaluation == Evaluation(kept["test_accuracy_epsilon"], kept["test_n"])
+    assert "Test rows: ε = " in result.card and "One person, whichever split" in result.card
     # the same policy again: the registered release is reused, nothing is merged or drawn again
     calls.clear()
     again = pm.apply_policy(_store(workspace, policy), workspace, steps=_recording(calls)).outcome
@@ -675,7 +680,8 @@ def test_a_tuned_release_publishes_no_validation_metric_and_its_ledger_line_is_d
     assert "validation_loss" not in text and "test_accuracy" in text
     description = _client(workspace).get_model_version(outcome.merged_model, outcome.version)
     as_of = re.search(
-        r"data source together \(every subset\) as of (\S+): ε = ", description.description
+        r"data source together \(every subset\) as of (\S+): training rows ε = ",
+        description.description,
     )
     assert as_of is not None and "`dpmerge ledger show` shows it now" in description.description
     state = _ledger(workspace, outcome)
@@ -688,9 +694,20 @@ def test_a_tuned_release_publishes_no_validation_metric_and_its_ledger_line_is_d
     assert ledger["source"] == "digits" and ledger["releases"] == len(state.ledger)
     assert ledger["epsilon"] == state.cumulative(ledger["delta"]).epsilon
     assert ledger["epsilon"] >= outcome.cumulative_epsilon - 1e-12
+    statement = state.statement(ledger["delta"])
+    assert ledger["test_rows"] == {
+        "epsilon": statement.test.epsilon,
+        "delta": 0.0,
+        "composition": "sequential",
+        "unrecorded": list(statement.test.unrecorded),
+    }
+    assert ledger["per_person"]["epsilon"] == statement.person.epsilon
+    assert ledger["per_person"]["delta"] == ledger["delta"]
+    assert ledger["per_person"]["accountant"] == ledger["accountant"]
     code = cli.main(["ledger", "show", "--tracking-uri", workspace.tracking_uri])
     out = capsys.readouterr().out
     assert code == 0 and "digits (every subset: " in out and "as of " in out
+    assert "  test rows: " in out and "  one person, whichever split: " in out
 
 
 def test_releases_of_two_subsets_of_one_source_are_charged_to_one_ledger(tmp_path: Path) -> None:

@@ -164,16 +164,32 @@ def test_rs_card_names_probabilities_but_no_draw() -> None:
 
 
 def test_ledger_section() -> None:
-    card = build_privacy_card(
-        fabricated_lc_report(None),
-        target_epsilon=2.0,
-        target_delta=DELTA,
-        candidates=entries(),
-        ledger={"epsilon": 3.21, "delta": DELTA, "accountant": "pld", "cap": 8.0, "releases": 3},
-    )
-    assert "## Release ledger (cumulative)" in card.markdown
-    assert "ε = **3.2100** at δ = 1e-05 (PLD; cap ε = 8; 3 releases)" in card.markdown
-    assert card.data["ledger"]["epsilon"] == 3.21
+    """The ledger line states the training rows' bound, the test rows' (δ = 0, how composed)
+    and one person's, with the rule that composes it; unbounded test rows read so, in bold."""
+    ledger = {"epsilon": 3.21, "delta": DELTA, "accountant": "pld", "cap": 8.0, "releases": 3}
+    ledger |= {"test_epsilon": 1.5, "test_composition": "sequential", "test_unrecorded": []}
+    ledger |= {"person_epsilon": 3.21, "person_composition": "parallel"}
+
+    def card(ledger: dict[str, Any]) -> str:
+        return build_privacy_card(
+            fabricated_lc_report(None),
+            target_epsilon=2.0,
+            target_delta=DELTA,
+            candidates=entries(),
+            ledger=ledger,
+        ).markdown
+
+    md = card(ledger)
+    assert "## Release ledger (cumulative)" in md
+    assert "training rows ε = **3.2100** at δ = 1e-05 (PLD; cap ε = 8; 3 releases)." in md
+    assert "Test rows: ε = **1.5000** at δ = 0 (the releases' accuracy estimates' ε summed" in md
+    assert "One person, whichever split holds their row: ε = **3.2100** at δ = 1e-05" in md
+    assert "the larger of the two: every release used one dataset identifier" in md
+    summed = card(ledger | {"person_epsilon": 4.71, "person_composition": "sequential"})
+    assert "ε = **4.7100** at δ = 1e-05 (their sum: releases used several dataset" in summed
+    old = card(ledger | {"test_epsilon": None, "test_unrecorded": ["r1", "r2"]})
+    assert "Test rows: **not bounded** — 2 release(s) have no recorded DP estimate" in old
+    assert "whichever split holds their row: **not bounded**" in old
 
 
 def test_description_fits_mlflow_limit() -> None:
@@ -320,6 +336,8 @@ def test_the_public_card_warns_of_a_weak_delta_states_its_assumptions_and_dates_
     assert f"digits: a fixed {DIGITS_TEST_FRACTION * 100:g} %" in split
     ledger = {"epsilon": 2.5, "delta": 5e-5, "accountant": "pld", "cap": None, "releases": 8}
     ledger["as_of"] = "2026-12-05T08:00:00+00:00"
+    ledger |= {"test_epsilon": 1.0, "test_composition": "sequential", "test_unrecorded": []}
+    ledger |= {"person_epsilon": 2.5, "person_composition": "parallel"}
     for delta in (5e-5, DELTA):
         report = account(RECORDS, "lc", [0.2, 0.3, 0.5], delta).to_dict()
         warning = delta_check_for(RECORDS, delta).warning
@@ -345,7 +363,10 @@ def test_the_public_card_warns_of_a_weak_delta_states_its_assumptions_and_dates_
         assert all(f"- {a}" in md for a in data["assumptions"])
         gate = data["assumptions"][-1]
         assert "the generic bound" in gate and report["accountant"].upper() in gate
-        assert "as of 2026-12-05T08:00:00+00:00: ε = **2.5000**" in md
+        assert "as of 2026-12-05T08:00:00+00:00: training rows ε = **2.5000**" in md
+        assert "Test rows: ε = **1.0000** at δ = 0" in md and "ε = **2.5000** at δ = 5e-05 (" in md
+        assert data["ledger"]["test_epsilon"] == 1.0 and data["ledger"]["test_unrecorded"] == 0
+        assert data["ledger"]["person_composition"] == "parallel"
         assert f"`{LEDGER_COMMAND}` shows it now" in md and LEDGER_COMMAND == "dpmerge ledger show"
         assert data["ledger"]["as_of"] == ledger["as_of"]
         text = md + card.to_json()

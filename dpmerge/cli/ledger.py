@@ -17,8 +17,11 @@ The repairs need the workflow's key (they sign what they write).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from typing import Any
 
 from dpmerge.cli.common import print_json, probability
+from dpmerge.formatting import epsilon_text
 from dpmerge.locate import locate_registry
 
 TRACKING_HELP = "MLflow tracking URI (default: found as every command finds it)"
@@ -118,7 +121,6 @@ def _restore(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from dpmerge.formatting import epsilon_text
     from dpmerge.state.serving import read_state, sources
     from dpmerge.state.store import stamp
     from dpmerge.workspace import Workspace
@@ -135,14 +137,27 @@ def _show(args: argparse.Namespace) -> int:
         if not ledger:
             continue
         delta = args.delta or max(r.delta for r in ledger)
-        bound = state.cumulative(delta)
+        statement = state.statement(delta)
+        test, person = statement.test, statement.person
         ledgers.append(
             {
                 "source": source,
                 "datasets": datasets,
-                "epsilon": bound.epsilon,
+                "epsilon": statement.training.epsilon,
                 "delta": delta,
-                "accountant": str(bound.accountant),
+                "accountant": str(statement.training.accountant),
+                "test_rows": {
+                    "epsilon": test.epsilon,
+                    "delta": test.delta,
+                    "composition": test.composition.value,
+                    "unrecorded": list(test.unrecorded),
+                },
+                "per_person": {
+                    "epsilon": person.epsilon,
+                    "delta": person.delta,
+                    "composition": person.composition.value,
+                    "accountant": str(statement.training.accountant),
+                },
                 "releases": len(ledger),
                 "last_counted_at": max(r.counted_at for r in ledger),
             }
@@ -154,11 +169,39 @@ def _show(args: argparse.Namespace) -> int:
     for row in ledgers:
         print(
             f"{row['source']} (every subset: {len(row['datasets'])} dataset identifier(s)): "
-            f"ε = {epsilon_text(row['epsilon'])} at δ = {row['delta']:g} ({row['accountant']}), "
-            f"{row['releases']} release(s), the last counted {row['last_counted_at']}"
+            f"training rows ε = {epsilon_text(row['epsilon'])} at δ = {row['delta']:g} "
+            f"({row['accountant']}), {row['releases']} release(s), the last counted "
+            f"{row['last_counted_at']}"
         )
+        print(f"  {_test_line(row['test_rows'])}")
+        print(f"  {_person_line(row['per_person'])}")
     if not ledgers:
         print("no release is counted" + (f" for {args.source}" if args.source else ""))
     unchecked = "" if checked else "; signatures not checked (no workflow key here)"
     print(f"as of {as_of} (state {store.where}{unchecked})")
     return 0
+
+
+def _test_line(test: Mapping[str, Any]) -> str:
+    if test["epsilon"] is None:
+        shown = ", ".join(r[:12] + "…" for r in test["unrecorded"][:3])
+        return (
+            f"test rows: NOT BOUNDED — {len(test['unrecorded'])} release(s) have no recorded DP "
+            f"estimate of their accuracy (e.g. {shown}; they may have published an exact one)"
+        )
+    return (
+        f"test rows: ε = {epsilon_text(test['epsilon'])} at δ = 0 ({test['composition']} "
+        "composition of the releases' Laplace estimates: their ε summed)"
+    )
+
+
+def _person_line(person: Mapping[str, Any]) -> str:
+    from dpmerge.privacy_card import PERSON_RULES
+
+    if person["epsilon"] is None:
+        return "one person, whichever split: NOT BOUNDED (the test rows are not)"
+    rule = PERSON_RULES[person["composition"]]
+    return (
+        f"one person, whichever split: ε = {epsilon_text(person['epsilon'])} at "
+        f"δ = {person['delta']:g} ({person['composition']}: {rule})"
+    )

@@ -46,7 +46,7 @@ from dpmerge.policy_merge import calibration, ledger, preparation, promotion, re
 from dpmerge.policy_merge.calibration import PolicyPlan
 from dpmerge.policy_merge.candidates import CandidatePool
 from dpmerge.policy_merge.evaluation_data import EvaluationData
-from dpmerge.policy_merge.ledger import LedgerSummary, ledger_entry
+from dpmerge.policy_merge.ledger import LedgerSummary, evaluated, ledger_entry
 from dpmerge.policy_merge.outcome import PolicyOutcome, Status
 from dpmerge.policy_merge.preparation import Prepared, ReleasePlan, start_export_warmup
 from dpmerge.policy_merge.promotion import (
@@ -198,6 +198,7 @@ class _Run:
         if registered is None:
             merged = steps.merge(self.workspace, request, candidates, plan, data, self.workdir)
             merged = replace(merged, internal_notes=prepared.notes)  # δ on the internal card
+            entry = evaluated(entry, merged.metrics)  # the test rows' spending is counted too
             try:
                 counted = steps.count(self.workspace, entry, self.policy.cumulative_epsilon_cap)
             except RefusalError as refusal:  # a concurrent release took the room: unpublished

@@ -15,11 +15,12 @@ The ledger itself lives in the release-state store, in the dataset's signed docu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dpmerge.accounting.ledger import release_for, release_of
+from dpmerge.accounting.private_accuracy import PrivateAccuracy
 from dpmerge.accounting.records import candidate_from_dict
 from dpmerge.errors import IntegrityError
 from dpmerge.formatting import epsilon_text
@@ -32,6 +33,7 @@ from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.releases import read_release
 from dpmerge.state.store import stamp
+from dpmerge.vocabulary import Composition
 from dpmerge.workspace import Workspace
 
 
@@ -66,10 +68,22 @@ def ledger_entry(
     )
 
 
+def evaluated(entry: CountedRelease, metrics: Mapping[str, Any]) -> CountedRelease:
+    """``entry`` with what its published accuracy estimate (in the merged model's
+    ``metrics``) spent on the test rows; unchanged where they carry no private estimate."""
+    estimate = PrivateAccuracy.from_metrics(metrics)
+    return entry if estimate is None else replace(entry, evaluation=estimate.evaluation)
+
+
 @dataclass(frozen=True)
 class LedgerSummary:
     """The cumulative bound with a release counted, as its card shows it (``as_of``: the UTC
-    time it was read), and why a cap refuses it (``refusal``; ``None`` when it does not)."""
+    time it was read), and why a cap refuses it (``refusal``; ``None`` when it does not):
+    the training rows' ``epsilon`` at ``delta`` under ``accountant``; the test rows'
+    ``test_epsilon`` (δ = 0, composed ``test_composition``; ``None`` where
+    ``test_unrecorded`` releases have no recorded estimate) and one person's
+    ``person_epsilon`` (at ``delta``, composed ``person_composition``),
+    docs/design.md#release-ledger."""
 
     epsilon: float
     delta: float
@@ -77,6 +91,11 @@ class LedgerSummary:
     candidates: tuple[str, ...]
     releases: int
     cap: float | None
+    test_epsilon: float | None = None
+    test_composition: str = Composition.SEQUENTIAL.value
+    test_unrecorded: tuple[str, ...] = ()
+    person_epsilon: float | None = None
+    person_composition: str = Composition.SEQUENTIAL.value
     attempts: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     refusal: str | None = None
     as_of: str = field(default_factory=stamp)
@@ -86,6 +105,7 @@ class LedgerSummary:
         data.pop("refusal")
         data["candidates"] = list(self.candidates)
         data["attempts"] = list(self.attempts)
+        data["test_unrecorded"] = list(self.test_unrecorded)
         return data
 
 
@@ -111,7 +131,8 @@ def check_witnessed(registry: Registry, state: DatasetState) -> None:
 
 def _summary(state: DatasetState, entry: CountedRelease, cap: float | None) -> LedgerSummary:
     state_serving.check_records(state, entry)
-    bound = state.cumulative(entry.delta, entry)
+    statement = state.statement(entry.delta, entry)
+    bound = statement.training
     others = [r for r in state.ledger if r.release_id != entry.release_id]
     names = sorted({name for r in [*others, entry] for name in r.names})
     refusal = None
@@ -137,6 +158,11 @@ def _summary(state: DatasetState, entry: CountedRelease, cap: float | None) -> L
         candidates=tuple(names),
         releases=len(others) + 1,
         cap=cap,
+        test_epsilon=statement.test.epsilon,
+        test_composition=statement.test.composition.value,
+        test_unrecorded=statement.test.unrecorded,
+        person_epsilon=statement.person.epsilon,
+        person_composition=statement.person.composition.value,
         attempts=attempts,
         refusal=refusal,
     )
