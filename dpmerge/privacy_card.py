@@ -325,7 +325,7 @@ def test_protection(estimate: PrivateAccuracy | None) -> RowProtection:
         f"({estimate.mechanism.value.capitalize()} mechanism, sensitivity 1/n_test, "
         f"n_test = {estimate.n}): the test accuracy on this card is this differentially "
         "private estimate, and promotion is gated on it; each release's estimate spends its own "
-        "ε on the same test rows"
+        "ε on the same test rows, and the release ledger states their sum"
     )
     return RowProtection(True, estimate.epsilon, estimate.delta, text)
 
