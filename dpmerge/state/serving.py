@@ -298,14 +298,17 @@ class DatasetState:
     def statement(self, delta: float, extra: CountedRelease | None = None) -> LedgerStatement:
         """The source ledger's statement per split at ``delta`` (with ``extra`` counted): the
         training rows' bound (:meth:`cumulative`), the test rows' (every release's recorded
-        evaluation ε summed) and one person's (the two's largest where every release used one
-        dataset identifier, else their sum), docs/design.md#release-ledger."""
+        evaluation ε summed) and one person's (the two's largest where every release and every
+        candidate used one dataset identifier, else their sum), docs/design.md#release-ledger."""
         from dpmerge.accounting.ledger import LedgerStatement, evaluation_bound, person_bound
 
         entries = self._with(extra)
         training = self.cumulative(delta, extra)
         test = evaluation_bound({e.release_id: e.evaluation for e in entries})
-        one_split = len({e.dataset for e in entries}) <= 1
+        datasets = {e.dataset for e in entries} | {
+            c.dataset for e in entries for c in e.release().candidates
+        }
+        one_split = len(datasets) <= 1
         return LedgerStatement(training, test, person_bound(training, test, one_split))
 
     def with_entry(self, entry: CountedRelease, cap: float | None) -> DatasetState:
