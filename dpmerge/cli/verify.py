@@ -8,6 +8,9 @@ pt2 program, the weights, ``MLmodel`` — must be the ones the workflow register
 consumers read — the version's description and its run's ``privacy_card.json`` — must be exactly
 the signed card among those files. Exit 0 when they are; exit 2 with one line when anything
 differs (swapped weights, an edited card or description, a planted version): do not serve it.
+An alias is resolved once, and only if the workflow's signed, unexpired serving statement for it
+names the version it resolves to (dpmerge.serving_statement): an alias moved to an older or
+another policy's release is refused; ``models:/NAME/VERSION`` names no alias and needs none.
 
 ``--download DIR`` leaves the verified model directory in DIR (a new or empty directory) and
 prints the command that serves exactly those files (``mlflow models serve -m DIR``): serving
@@ -75,7 +78,7 @@ def _verify(args: argparse.Namespace) -> int:
         model_uri = f"models:/{open_catalog(tracking_uri).holder(model_uri[1:])}{model_uri}"
     target = _target(args.download) if args.download is not None else None
     registry = Registry(tracking_uri)
-    name, version = registry.resolve(model_uri)
+    name, version = registry.resolve_served(model_uri, public_key)
     with _scratch(target) as scratch:
         manifest, root = registry.verified_model(name, version, scratch, public_key)
         registry.check_card(registry.get_version(name, version), manifest, root)

@@ -9,6 +9,8 @@ Each check compares a projection with its source of truth and yields a :class:`F
 * ``ledger_lacks_release`` — a signed merged version is not counted; counted (adding only
   raises the bound);
 * ``alias_drift`` — the MLflow alias is not where the serving pointer says; moved back;
+  with ``repair`` every served alias is projected again, so its signed serving statement is
+  re-issued every run, well before it expires (dpmerge.serving_statement);
 * ``unmanaged_alias`` — an alias on a releases model that no pointer names; removed;
 
 Repairs act on what is true when they act, never on the snapshot the checks read: other runs
@@ -49,9 +51,9 @@ from dpmerge.findings import Finding
 from dpmerge.locate import command
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
-from dpmerge.policy_merge.promotion import hold_alias, quarantined_parents, served_text, unmet
+from dpmerge.policy_merge.promotion import hold_alias, publish, quarantined_parents, unmet
 from dpmerge.registry import Registry, RegistryError
-from dpmerge.registry.tags import SERVED_TAG, STATUS_QUARANTINED
+from dpmerge.registry.tags import STATUS_QUARANTINED
 from dpmerge.state import (
     AliasState,
     DatasetState,
@@ -127,6 +129,8 @@ def _alias(
             f"{f'v{alias.serving}' if alias.serving else 'nothing'} ({alias.state.value})",
             done,
         )
+    elif repair and alias.serving is not None:  # re-issue the statement before it expires
+        _project(store, registry, state.dataset, alias)
     if alias.serving is None:
         return
     if alias.release is not None and state.entry(alias.release) is None:
@@ -157,15 +161,14 @@ def _alias(
 
 
 def _project(store: StateStore, registry: Registry, dataset: str, alias: AliasState) -> str:
-    """Move ``alias`` back to its pointer as read now, under its policy's lease; what was
-    done."""
+    """Move ``alias`` back to its pointer as read now, under its policy's lease, and re-issue
+    its serving statement; what was done."""
     try:
         with lease(store, alias.owner, timeout_s=0):
             fresh = state_serving.read_state(store, dataset).alias(alias.model, alias.alias)
             if fresh is None:
                 return "not repaired: its pointer is gone"
-            registry.set_alias(fresh.model, fresh.alias, fresh.serving)
-            registry.set_model_tag(fresh.model, SERVED_TAG + fresh.alias, served_text(fresh))
+            publish(registry, fresh)
     except LeaseTimeoutError:
         return f"not repaired: a run of policy {alias.owner} is applying it and projects it"
     return f"alias set back to {f'v{fresh.serving}' if fresh.serving else 'nothing'}"
