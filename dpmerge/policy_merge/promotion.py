@@ -378,10 +378,8 @@ def publish(registry: Registry, record: AliasState, now: datetime | None = None)
     none), the tag showing what it serves, and the workflow's serving statement issued ``now``
     (:mod:`dpmerge.serving_statement`; removed when it serves nothing); the version the alias
     named before."""
-    before = registry.set_alias(record.model, record.alias, record.serving)
-    registry.set_model_tag(record.model, SERVED_TAG + record.alias, served_text(record))
     statement = None
-    if record.serving is not None:
+    if record.serving is not None:  # signed first: without the key, nothing changes
         statement = serving_statement.issue(
             record.model,
             record.alias,
@@ -391,6 +389,8 @@ def publish(registry: Registry, record: AliasState, now: datetime | None = None)
             registry.keys,
             now,
         )
+    before = registry.set_alias(record.model, record.alias, record.serving)
+    registry.set_model_tag(record.model, SERVED_TAG + record.alias, served_text(record))
     registry.set_model_tag(record.model, STATEMENT_TAG + record.alias, statement)
     return before
 
