@@ -587,8 +587,9 @@ def test_a_serving_statement_expires_needs_the_release_key_and_is_reissued_by_ve
     fresh: pm.Workspace, trained: dict[str, Any], capsys
 ) -> None:
     """An expired statement (issued over its TTL ago: a frozen workflow), one signed with
-    another key, one for another alias, or none at all is refused; `verify-state` re-issues a
-    valid one on every run, so consumers never see one expire while it runs."""
+    another key, one for another alias, or none at all is refused; `registry verify` reports a
+    statement consumers refuse, and `verify-state` (repair) re-issues a valid one on every run,
+    so consumers never see one expire while it runs."""
     served = _apply(fresh, _policy(name="ttl", target_epsilon=trained["epsilons"][2] * 1.5))
     assert served.status == pm.Status.PROMOTED
     name, tag = served.merged_model, STATEMENT_TAG + "policy-ttl"
@@ -620,8 +621,13 @@ def test_a_serving_statement_expires_needs_the_release_key_and_is_reissued_by_ve
     client.delete_registered_model_tag(name, tag)
     code, err = _verify_line("@policy-ttl", key, uri, capsys)
     assert code == 2 and "no serving statement" in err
-    assert verify_drift(fresh) == []  # nothing drifted: reported by no finding, re-issued below
-    assert verify_drift(fresh, repair=True) == []
+    (found,) = verify_drift(fresh)  # the operator sees what consumers refuse
+    assert (found.kind, found.repaired) == (FindingKind.SERVING_STATEMENT, None)
+    assert "no serving statement" in found.detail
+    (found,) = verify_drift(fresh, repair=True)
+    assert found.kind == FindingKind.SERVING_STATEMENT and found.repaired
+    assert verify_drift(fresh) == []
+    assert verify_drift(fresh, repair=True) == []  # re-issued on every run, no finding
     value = client.get_registered_model(name).tags[tag]
     statement = serving_statement.check(
         value, key[1], model=name, alias="policy-ttl", version=served.version

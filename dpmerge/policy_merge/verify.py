@@ -9,8 +9,10 @@ Each check compares a projection with its source of truth and yields a :class:`F
 * ``ledger_lacks_release`` — a signed merged version is not counted; counted (adding only
   raises the bound);
 * ``alias_drift`` — the MLflow alias is not where the serving pointer says; moved back;
-  with ``repair`` every served alias is projected again, so its signed serving statement is
-  re-issued every run, well before it expires (dpmerge.serving_statement);
+* ``serving_statement`` — a served alias's signed serving statement is one consumers refuse
+  (missing, expired, not the workflow's, naming another version); re-issued. With ``repair``
+  every served alias's statement is re-issued on every run, well before it expires
+  (dpmerge.serving_statement);
 * ``unmanaged_alias`` — an alias on a releases model that no pointer names; removed;
 
 Repairs act on what is true when they act, never on the snapshot the checks read: other runs
@@ -47,6 +49,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import suppress
 
+from dpmerge import serving_statement
 from dpmerge.findings import Finding
 from dpmerge.locate import command
 from dpmerge.manifests import ReleaseSignatureError
@@ -54,6 +57,7 @@ from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, r
 from dpmerge.policy_merge.promotion import hold_alias, publish, quarantined_parents, unmet
 from dpmerge.registry import Registry, RegistryError
 from dpmerge.registry.tags import STATUS_QUARANTINED
+from dpmerge.serving_statement import ServingStatementError
 from dpmerge.state import (
     AliasState,
     DatasetState,
@@ -129,10 +133,10 @@ def _alias(
             f"{f'v{alias.serving}' if alias.serving else 'nothing'} ({alias.state.value})",
             done,
         )
-    elif repair and alias.serving is not None:  # re-issue the statement before it expires
-        _project(store, registry, state.dataset, alias)
     if alias.serving is None:
         return
+    if shown == alias.serving:
+        yield from _statement(store, registry, state.dataset, alias, repair)
     if alias.release is not None and state.entry(alias.release) is None:
         yield Finding(
             FindingKind.SERVED_UNCOUNTED, subject, f"release {alias.release[:12]}… is not counted"
@@ -172,6 +176,27 @@ def _project(store: StateStore, registry: Registry, dataset: str, alias: AliasSt
     except LeaseTimeoutError:
         return f"not repaired: a run of policy {alias.owner} is applying it and projects it"
     return f"alias set back to {f'v{fresh.serving}' if fresh.serving else 'nothing'}"
+
+
+def _statement(
+    store: StateStore, registry: Registry, dataset: str, alias: AliasState, repair: bool
+) -> Iterator[Finding]:
+    """A finding when consumers would refuse the alias's serving statement; with ``repair``
+    the statement is re-issued on every run, well before it expires."""
+    try:
+        serving_statement.check(
+            registry.serving_statement(alias.model, alias.alias),
+            registry.public_key,
+            model=alias.model,
+            alias=alias.alias,
+            version=str(alias.serving),
+        )
+        problem = None
+    except ServingStatementError as error:
+        problem = str(error)
+    done = _project(store, registry, dataset, alias) if repair else None
+    if problem is not None:
+        yield Finding(FindingKind.SERVING_STATEMENT, f"{alias.model}@{alias.alias}", problem, done)
 
 
 def _hold(workspace: Workspace, dataset: str, alias: AliasState, reason: str) -> str:

@@ -328,6 +328,11 @@ class RegistryQueries(MlflowConnection):
             version = aliases[alias]
         return name, str(version)
 
+    def serving_statement(self, name: str, alias: str) -> str | None:
+        """The workflow's signed serving statement for ``alias`` of ``name`` as stored (the
+        registered-model tag; :mod:`dpmerge.serving_statement`), ``None`` when there is none."""
+        return (self._model_tags(name) or {}).get(STATEMENT_TAG + alias)
+
     def resolve_served(self, model_uri: str, public_key: str) -> tuple[str, str]:
         """:meth:`resolve`, resolving an alias once; for ``models:/NAME@ALIAS`` only if the
         workflow's signed serving statement for the alias names the version it resolves to
@@ -337,7 +342,7 @@ class RegistryQueries(MlflowConnection):
         alias = match["alias"] if match else None
         if alias is not None:
             serving_statement.check(
-                (self._model_tags(name) or {}).get(STATEMENT_TAG + alias),
+                self.serving_statement(name, alias),
                 public_key,
                 model=name,
                 alias=alias,
