@@ -39,7 +39,7 @@ from dpmerge.policy_merge import draws
 from dpmerge.policy_merge import release as release_step
 from dpmerge.policy_merge.promotion import publish
 from dpmerge.policy_merge.verify import verify as verify_drift
-from dpmerge.registry import RecordIntegrityError, candidate_content_hash
+from dpmerge.registry import RecordIntegrityError, Registry, candidate_content_hash
 from dpmerge.registry.tags import STATEMENT_TAG
 from dpmerge.serving_statement import ServingStatementError
 from dpmerge.state import AliasOwnershipError, StateIntegrityError
@@ -535,6 +535,48 @@ def test_verify_download_leaves_exactly_the_verified_files_for_serving(
         assert sorted(p.name for p in place.iterdir()) == ["served"], why
         assert not Path("/proc/dpmerge-verify-test").exists()
     assert digests() == manifest.files
+
+
+def test_serve_verifies_once_then_serves_exactly_the_verified_directory(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dpmerge serve @ALIAS` resolves the alias once, verifies into a private directory and
+    starts `mlflow models serve -m DIR` on exactly those files (the server is replaced here by
+    a recorder); a refused release starts nothing and leaves one line."""
+    served = _apply(fresh, _policy(name="srv", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert served.status == pm.Status.PROMOTED
+    name, version = served.merged_model, served.version
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    manifest, _ = fresh.registry().verified_model(name, version, fresh.home / "ref", key[1])
+    resolved: list[str] = []
+    resolve = Registry.resolve
+    monkeypatch.setattr(Registry, "resolve", lambda self, u: resolved.append(u) or resolve(self, u))
+    started: list[tuple[list[str], dict[str, str], int]] = []
+
+    def server(command: list[str], env: dict[str, str]) -> int:
+        directory = Path(command[command.index("-m") + 1])
+        found = manifests.file_digests(directory)
+        files = {k: v for k, v in found.items() if k not in manifests.MLFLOW_BOOKKEEPING}
+        started.append((command, files, directory.parent.stat().st_mode & 0o777))
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", server)
+    assert main(["serve", "@policy-srv", "--port", "8123", *key, *uri]) == 0
+    ((command, files, mode),) = started
+    assert command[1:4] == ["models", "serve", "-m"] and "models:/" not in " ".join(command)
+    assert command[5:] == ["--env-manager", "local", "--host", "127.0.0.1", "--port", "8123"]
+    assert files == manifest.files and mode == 0o700
+    assert resolved == [f"models:/{name}@policy-srv"]  # once
+    assert not Path(command[4]).exists()  # removed when the server stopped
+    assert f"serving models:/{name}@policy-srv = {name} v{version}" in capsys.readouterr().out
+    _client(fresh).delete_registered_model_tag(name, STATEMENT_TAG + "policy-srv")
+    assert main(["serve", "@policy-srv", *key, *uri]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no serving statement" in err
+    assert main(["serve", "@policy-srv", "--port", "70000", *key, *uri]) == 2
+    assert "not a TCP port" in capsys.readouterr().err
+    assert len(started) == 1  # nothing started
 
 
 # --- issue 28 item 4, row G: the signed serving statement --------------------------------------
