@@ -165,11 +165,29 @@ class Manifest:
             raise ReleaseSignatureError(f"the release manifest cannot be read ({error})") from None
 
 
+def sign_text(text: str, key: WorkflowKey) -> str:
+    """The Ed25519 signature (hex) of ``text`` under the release-signing key: every signed
+    document (a manifest, a serving statement) is a JSON text naming its own schema, so one
+    kind of document never reads as another."""
+    return signing_key(key).sign(text.encode()).hex()
+
+
+def signed_by(text: str, signature: str, public_hex: str) -> bool:
+    """Whether ``signature`` (hex) is the Ed25519 signature of ``text`` under ``public_hex``."""
+    try:
+        Ed25519PublicKey.from_public_bytes(bytes.fromhex(checked_public_key(public_hex))).verify(
+            bytes.fromhex(signature), text.encode()
+        )
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
 def sign(manifest: Manifest, key: WorkflowKey) -> tuple[str, str]:
     """The manifest's text (naming the signing key) and its Ed25519 signature (hex)."""
     named = Manifest(**{**manifest.__dict__, "key": fingerprint(public_key_hex(key))})
     text = named.text()
-    return text, signing_key(key).sign(text.encode()).hex()
+    return text, sign_text(text, key)
 
 
 def verify(text: str | None, signature: str | None, public_hex: str) -> Manifest:
@@ -177,11 +195,7 @@ def verify(text: str | None, signature: str | None, public_hex: str) -> Manifest
     :class:`ReleaseSignatureError` otherwise (unsigned, another key, changed)."""
     if not text or not signature:
         raise ReleaseSignatureError("the release is unsigned")
-    try:
-        Ed25519PublicKey.from_public_bytes(bytes.fromhex(checked_public_key(public_hex))).verify(
-            bytes.fromhex(signature), text.encode()
-        )
-    except (InvalidSignature, ValueError):
+    if not signed_by(text, signature, public_hex):
         manifest_key = ""
         with contextlib.suppress(ReleaseSignatureError):
             manifest_key = Manifest.parse(text).key

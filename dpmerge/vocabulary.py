@@ -140,6 +140,9 @@ class FindingKind(StrEnum):
     NONCOMPLIANT = "noncompliant"
     QUARANTINED_PARENT = "quarantined_parent"
     """A served release whose candidates include a quarantined one: revoked on repair."""
+    SERVING_STATEMENT = "serving_statement"
+    """A served alias whose signed serving statement consumers would refuse (missing, expired,
+    not the workflow's, another version): re-issued on repair."""
     QUARANTINE_DRIFT = "quarantine_drift"
     CANDIDATE_FORGED = "candidate_forged"
     REQUEST_REJECTED = "request_rejected"

@@ -40,6 +40,7 @@ EXPECTED = {
     "TrainingConfigError": ExitCode.REFUSED,
     "NoCandidatesError": ExitCode.REFUSED,
     "ReleaseSignatureError": ExitCode.REFUSED,
+    "ServingStatementError": ExitCode.REFUSED,
     "StateConflictError": ExitCode.REFUSED,
     "StateIntegrityError": ExitCode.REFUSED,
     "LedgerIntegrityError": ExitCode.REFUSED,

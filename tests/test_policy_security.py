@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -26,7 +27,7 @@ import torch
 from factories import DELTA, train_digits
 from mlflow import MlflowClient
 
-from dpmerge import manifests, model_signature
+from dpmerge import manifests, model_signature, serving_statement
 from dpmerge import policy_merge as pm
 from dpmerge.cli import main
 from dpmerge.data import load_dataset
@@ -36,11 +37,16 @@ from dpmerge.keys import WorkflowKey
 from dpmerge.policies import Policy, PolicyError, policy_from_dict
 from dpmerge.policy_merge import draws
 from dpmerge.policy_merge import release as release_step
-from dpmerge.registry import RecordIntegrityError, candidate_content_hash
+from dpmerge.policy_merge.promotion import publish
+from dpmerge.policy_merge.verify import verify as verify_drift
+from dpmerge.registry import RecordIntegrityError, Registry, candidate_content_hash
+from dpmerge.registry.tags import STATEMENT_TAG
+from dpmerge.serving_statement import ServingStatementError
 from dpmerge.state import AliasOwnershipError, StateIntegrityError
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion, set_policy
 from dpmerge.state.serving import dataset_key
+from dpmerge.vocabulary import FindingKind
 
 SIGMAS = (1.0, 1.6, 3.0)
 
@@ -529,6 +535,147 @@ def test_verify_download_leaves_exactly_the_verified_files_for_serving(
         assert sorted(p.name for p in place.iterdir()) == ["served"], why
         assert not Path("/proc/dpmerge-verify-test").exists()
     assert digests() == manifest.files
+
+
+def test_serve_verifies_once_then_serves_exactly_the_verified_directory(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dpmerge serve @ALIAS` resolves the alias once, verifies into a private directory and
+    starts `mlflow models serve -m DIR` on exactly those files (the server is replaced here by
+    a recorder); a refused release starts nothing and leaves one line."""
+    served = _apply(fresh, _policy(name="srv", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert served.status == pm.Status.PROMOTED
+    name, version = served.merged_model, served.version
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    manifest, _ = fresh.registry().verified_model(name, version, fresh.home / "ref", key[1])
+    resolved: list[str] = []
+    resolve = Registry.resolve
+    monkeypatch.setattr(Registry, "resolve", lambda self, u: resolved.append(u) or resolve(self, u))
+    started: list[tuple[list[str], dict[str, str], int]] = []
+
+    def server(command: list[str], env: dict[str, str]) -> int:
+        directory = Path(command[command.index("-m") + 1])
+        found = manifests.file_digests(directory)
+        files = {k: v for k, v in found.items() if k not in manifests.MLFLOW_BOOKKEEPING}
+        started.append((command, files, directory.parent.stat().st_mode & 0o777))
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", server)
+    assert main(["serve", "@policy-srv", "--port", "8123", *key, *uri]) == 0
+    ((command, files, mode),) = started
+    assert command[1:4] == ["models", "serve", "-m"] and "models:/" not in " ".join(command)
+    assert command[5:] == ["--env-manager", "local", "--host", "127.0.0.1", "--port", "8123"]
+    assert files == manifest.files and mode == 0o700
+    assert resolved == [f"models:/{name}@policy-srv"]  # once
+    assert not Path(command[4]).exists()  # removed when the server stopped
+    assert f"serving models:/{name}@policy-srv = {name} v{version}" in capsys.readouterr().out
+    _client(fresh).delete_registered_model_tag(name, STATEMENT_TAG + "policy-srv")
+    assert main(["serve", "@policy-srv", *key, *uri]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no serving statement" in err
+    assert main(["serve", "@policy-srv", "--port", "70000", *key, *uri]) == 2
+    assert "not a TCP port" in capsys.readouterr().err
+    assert len(started) == 1  # nothing started
+
+
+# --- issue 28 item 4, row G: the signed serving statement --------------------------------------
+
+
+def _verify_line(alias: str, key: list[str], uri: list[str], capsys) -> tuple[int, str]:
+    code = main(["verify", alias, *key, *uri])
+    out, err = capsys.readouterr()
+    assert code == 0 or (out == "" and err.count("\n") == 1), err
+    return code, err
+
+
+def test_an_alias_moved_to_an_older_or_another_policys_release_is_refused_by_consumers(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys
+) -> None:
+    """Row G: the workflow's MLflow credential moves `policy-eu` back to an older signed release
+    of the same policy, or to another policy's release. Every release is signed, so only the
+    workflow's serving statement tells them apart: `dpmerge verify @policy-eu` refuses both in
+    one line naming the version the statement names; the explicit version still verifies;
+    `verify-state`'s repair moves the alias back and re-issues the statement."""
+    e2 = trained["epsilons"][2]
+    older = _apply(fresh, _policy(name="eu", method="lc", target_epsilon=40.0))
+    current = _apply(fresh, _policy(name="eu", method="rs", target_epsilon=e2 * 1.05))
+    other = _apply(fresh, _policy(name="us", method="mixture", target_epsilon=40.0))
+    assert {o.status for o in (older, current, other)} == {pm.Status.PROMOTED}
+    assert len({older.version, current.version, other.version}) == 3
+    assert older.epsilon > e2 * 1.05  # the older release does not meet eu's current target
+    name = current.merged_model
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    assert _verify_line("@policy-eu", key, uri, capsys)[0] == 0
+    client = _client(fresh)
+    for moved in (older.version, other.version):
+        client.set_registered_model_alias(name, "policy-eu", moved)
+        code, err = _verify_line("@policy-eu", key, uri, capsys)
+        assert code == 2
+        assert f"the alias serves v{moved} but the workflow's statement (issued" in err
+        assert f"names v{current.version} (policy 'eu'" in err
+        with pytest.raises(ServingStatementError):
+            fresh.registry().load_verified(f"models:/{name}@policy-eu", fresh.home / "l", key[1])
+        assert _verify_line(f"models:/{name}/{moved}", key, uri, capsys)[0] == 0
+    findings = verify_drift(fresh, repair=True)
+    assert [f.kind for f in findings] == [FindingKind.ALIAS_DRIFT]
+    assert _aliases(fresh, name)["policy-eu"] == current.version
+    assert _verify_line("@policy-eu", key, uri, capsys)[0] == 0
+    assert _verify_line("@policy-us", key, uri, capsys)[0] == 0
+
+
+def test_a_serving_statement_expires_needs_the_release_key_and_is_reissued_by_verify_state(
+    fresh: pm.Workspace, trained: dict[str, Any], capsys
+) -> None:
+    """An expired statement (issued over its TTL ago: a frozen workflow), one signed with
+    another key, one for another alias, or none at all is refused; `registry verify` reports a
+    statement consumers refuse, and `verify-state` (repair) re-issues a valid one on every run,
+    so consumers never see one expire while it runs."""
+    served = _apply(fresh, _policy(name="ttl", target_epsilon=trained["epsilons"][2] * 1.5))
+    assert served.status == pm.Status.PROMOTED
+    name, tag = served.merged_model, STATEMENT_TAG + "policy-ttl"
+    uri = ["--tracking-uri", fresh.tracking_uri]
+    key = ["--public-key", manifests.public_key_hex(fresh.workflow_key())]
+    record = state_serving.read_state(fresh.state(), _pool(fresh).dataset).alias(name, "policy-ttl")
+    assert record is not None and record.serving == served.version
+    registry, client = fresh.registry(), _client(fresh)
+    now = datetime.now(UTC)
+    publish(registry, record, now - serving_statement.TTL - serving_statement.SKEW / 2)
+    assert _verify_line("@policy-ttl", key, uri, capsys)[0] == 0  # within the skew
+    publish(registry, record, now - serving_statement.TTL - 2 * serving_statement.SKEW)
+    code, err = _verify_line("@policy-ttl", key, uri, capsys)
+    assert code == 2 and "expired at" in err
+    issued = json.loads(client.get_registered_model(name).tags[tag])["statement"]
+    assert json.loads(issued)["policy"] == "ttl"
+    forged = serving_statement.issue(
+        name, "policy-ttl", served.version, "ttl", 1, WorkflowKey.generate()
+    )
+    client.set_registered_model_tag(name, tag, forged)
+    code, err = _verify_line("@policy-ttl", key, uri, capsys)
+    assert code == 2 and "signature does not verify" in err
+    elsewhere = serving_statement.issue(
+        name, "policy-x", served.version, "ttl", 1, fresh.workflow_key()
+    )
+    client.set_registered_model_tag(name, tag, elsewhere)
+    code, err = _verify_line("@policy-ttl", key, uri, capsys)
+    assert code == 2 and f"is for {name}@policy-x" in err
+    client.delete_registered_model_tag(name, tag)
+    code, err = _verify_line("@policy-ttl", key, uri, capsys)
+    assert code == 2 and "no serving statement" in err
+    (found,) = verify_drift(fresh)  # the operator sees what consumers refuse
+    assert (found.kind, found.repaired) == (FindingKind.SERVING_STATEMENT, None)
+    assert "no serving statement" in found.detail
+    (found,) = verify_drift(fresh, repair=True)
+    assert found.kind == FindingKind.SERVING_STATEMENT and found.repaired
+    assert verify_drift(fresh) == []
+    assert verify_drift(fresh, repair=True) == []  # re-issued on every run, no finding
+    value = client.get_registered_model(name).tags[tag]
+    statement = serving_statement.check(
+        value, key[1], model=name, alias="policy-ttl", version=served.version
+    )
+    assert datetime.fromisoformat(statement.issued) >= now.replace(microsecond=0)
+    assert _verify_line("@policy-ttl", key, uri, capsys)[0] == 0
 
 
 # --- item 3: alias ownership ------------------------------------------------------------------

@@ -49,6 +49,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "state": ("dpmerge.cli.ledger", "the release-state store (restore a damaged document)"),
     "verify": ("dpmerge.cli.verify", "check a release's signature and files before serving it"),
+    "serve": ("dpmerge.cli.serve", "verify a release, then serve exactly the verified files"),
 }
 """Command name → (module defining it, one-line help)."""
 

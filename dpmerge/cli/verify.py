@@ -8,6 +8,9 @@ pt2 program, the weights, ``MLmodel`` — must be the ones the workflow register
 consumers read — the version's description and its run's ``privacy_card.json`` — must be exactly
 the signed card among those files. Exit 0 when they are; exit 2 with one line when anything
 differs (swapped weights, an edited card or description, a planted version): do not serve it.
+An alias is resolved once, and only if the workflow's signed, unexpired serving statement for it
+names the version it resolves to (dpmerge.serving_statement): an alias moved to an older or
+another policy's release is refused; ``models:/NAME/VERSION`` names no alias and needs none.
 
 ``--download DIR`` leaves the verified model directory in DIR (a new or empty directory) and
 prints the command that serves exactly those files (``mlflow models serve -m DIR``): serving
@@ -20,20 +23,38 @@ import argparse
 import json
 import os
 import shlex
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from dpmerge.errors import InputError
 from dpmerge.locate import locate_registry
 
-SERVE = "mlflow models serve -m {dir} --env-manager local --host 127.0.0.1 --port 8090"
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = release_parser(
+        subparsers, "verify", "check a release's signature and files before serving it", __doc__
+    )
+    parser.add_argument(
+        "--download",
+        metavar="DIR",
+        default=None,
+        help="leave the verified model in DIR (new or empty) and print how to serve it",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(handler=_verify)
+
+
+def release_parser(
+    subparsers: argparse._SubParsersAction, name: str, summary: str, doc: str | None
+) -> argparse.ArgumentParser:
+    """The parser of command ``name`` (``verify``, ``serve``) with the release to check and
+    how."""
     parser = subparsers.add_parser(
-        "verify",
-        help="check a release's signature and files before serving it",
-        description=__doc__,
+        name,
+        help=summary,
+        description=doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -46,43 +67,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="the workflow's release public key, hexadecimal (default $DPMERGE_RELEASE_PUBLIC_KEY)",
     )
-    parser.add_argument(
-        "--download",
-        metavar="DIR",
-        default=None,
-        help="leave the verified model in DIR (new or empty) and print how to serve it",
-    )
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.set_defaults(handler=_verify)
+    return parser
 
 
-def _verify(args: argparse.Namespace) -> int:
+def verified(
+    model_uri: str, public_key: str | None, tracking_uri: str | None, target: Path | None
+) -> dict[str, Any]:
+    """Resolve ``model_uri`` once, check the model it names (its statement, signature, files
+    and card) and, with ``target`` (checked by :func:`_target`), move the verified directory
+    there; what was verified."""
     from dpmerge import manifests
-    from dpmerge.formatting import epsilon_text
     from dpmerge.registry import Registry
 
     public_key = (
-        manifests.checked_public_key(args.public_key)
-        if args.public_key
-        else (manifests.configured_public_key())
+        manifests.checked_public_key(public_key)
+        if public_key
+        else manifests.configured_public_key()
     )
-    tracking_uri = locate_registry(args.tracking_uri).tracking_uri
-    model_uri = args.model_uri
+    tracking_uri = locate_registry(tracking_uri).tracking_uri
     if model_uri.startswith("@"):
         from dpmerge.registry.catalog import open_catalog
 
         model_uri = f"models:/{open_catalog(tracking_uri).holder(model_uri[1:])}{model_uri}"
-    target = _target(args.download) if args.download is not None else None
     registry = Registry(tracking_uri)
-    name, version = registry.resolve(model_uri)
+    name, version = registry.resolve_served(model_uri, public_key)
     with _scratch(target) as scratch:
         manifest, root = registry.verified_model(name, version, scratch, public_key)
         registry.check_card(registry.get_version(name, version), manifest, root)
         if target is not None:
             _place(root, target)
     facts = manifest.facts
-    document = {
+    document: dict[str, Any] = {
         "verified": True,
         "model_uri": model_uri,
         "name": name,
@@ -98,16 +114,37 @@ def _verify(args: argparse.Namespace) -> int:
     }
     if target is not None:
         document["directory"] = str(target)
-        document["serve"] = SERVE.format(dir=shlex.quote(str(target)))
+    return document
+
+
+def serve_command(directory: Path, port: int, program: str | None = None) -> list[str]:
+    """``mlflow models serve`` on exactly ``directory`` (never a ``models:/`` URI, which MLflow
+    would resolve again), on the loopback interface; ``program`` names MLflow's executable
+    (default: the one beside this Python)."""
+    mlflow = program or str(Path(sys.executable).parent / "mlflow")
+    return [
+        *(mlflow, "models", "serve", "-m", str(directory), "--env-manager", "local"),
+        *("--host", "127.0.0.1", "--port", str(port)),
+    ]
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from dpmerge.formatting import epsilon_text
+
+    target = _target(args.download) if args.download is not None else None
+    document = verified(args.model_uri, args.public_key, args.tracking_uri, target)
+    if target is not None:
+        document["serve"] = shlex.join(serve_command(target, 8090, program="mlflow"))
     if args.json:
         print(json.dumps(document, indent=2))
         return 0
     print(
-        f"verified: {model_uri} = {name} v{version} (release {manifest.release[:12]}…) — "
+        f"verified: {document['model_uri']} = {document['name']} v{document['version']} "
+        f"(release {document['release'][:12]}…) — "
         f"ε = {epsilon_text(document['epsilon'])}, δ = {document['delta']:g} "
         f"({document['bound']} bound, {document['accountant']}); {document['files']} files, "
         f"its tags and its card match the manifest signed by key {document['key']}; registry "
-        f"{registry.tracking_uri}"
+        f"{document['registry']}"
     )
     if target is not None:
         print(f"the verified files are in {target}; serve exactly them with:")

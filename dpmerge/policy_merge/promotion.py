@@ -14,7 +14,8 @@
   ``registry verify --repair``);
 * :func:`project` makes the MLflow alias name what the serving pointer says (the alias is a
   projection of the pointer: moved after it, and repaired from it by every later run and by
-  ``dpmerge registry verify``).
+  ``dpmerge registry verify``) and :func:`publish` signs the serving statement consumers
+  check (docs/design.md#security).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
+from dpmerge import serving_statement
 from dpmerge.errors import OutageError, RefusalError
 from dpmerge.formatting import epsilon_text
 from dpmerge.manifests import ReleaseSignatureError
@@ -31,8 +34,8 @@ from dpmerge.policy_merge.candidates import CandidatePool
 from dpmerge.policy_merge.ledger import LedgerSummary
 from dpmerge.policy_merge.outcome import Status
 from dpmerge.policy_merge.release import MergeRequest, Release
-from dpmerge.registry import GateError, RegistryError, ReleaseFacts
-from dpmerge.registry.tags import SERVED_TAG
+from dpmerge.registry import GateError, Registry, RegistryError, ReleaseFacts
+from dpmerge.registry.tags import SERVED_TAG, STATEMENT_TAG
 from dpmerge.state import AliasState, CountedRelease, Guarantee, StateStore, SupersededError
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
@@ -367,9 +370,29 @@ def project_alias(workspace: Workspace, dataset: str, model: str, alias: str) ->
     registry = workspace.registry()
     if record is None or not registry.model_exists(model):
         return Projection(None, None)  # nothing registered yet: no alias to project
-    before = registry.set_alias(model, alias, record.serving)
-    registry.set_model_tag(model, SERVED_TAG + alias, served_text(record))
-    return Projection(before, record.serving)
+    return Projection(publish(registry, record), record.serving)
+
+
+def publish(registry: Registry, record: AliasState, now: datetime | None = None) -> str | None:
+    """Set the MLflow alias of ``record`` to the version its pointer serves (remove it when
+    none), the tag showing what it serves, and the workflow's serving statement issued ``now``
+    (:mod:`dpmerge.serving_statement`; removed when it serves nothing); the version the alias
+    named before."""
+    statement = None
+    if record.serving is not None:  # signed first: without the key, nothing changes
+        statement = serving_statement.issue(
+            record.model,
+            record.alias,
+            record.serving,
+            record.owner,
+            record.policy_version,
+            registry.keys,
+            now,
+        )
+    before = registry.set_alias(record.model, record.alias, record.serving)
+    registry.set_model_tag(record.model, SERVED_TAG + record.alias, served_text(record))
+    registry.set_model_tag(record.model, STATEMENT_TAG + record.alias, statement)
+    return before
 
 
 def served_text(record: AliasState) -> str | None:

@@ -9,6 +9,10 @@ Each check compares a projection with its source of truth and yields a :class:`F
 * ``ledger_lacks_release`` — a signed merged version is not counted; counted (adding only
   raises the bound);
 * ``alias_drift`` — the MLflow alias is not where the serving pointer says; moved back;
+* ``serving_statement`` — a served alias's signed serving statement is one consumers refuse
+  (missing, expired, not the workflow's, naming another version); re-issued. With ``repair``
+  every served alias's statement is re-issued on every run, well before it expires
+  (dpmerge.serving_statement);
 * ``unmanaged_alias`` — an alias on a releases model that no pointer names; removed;
 
 Repairs act on what is true when they act, never on the snapshot the checks read: other runs
@@ -45,13 +49,15 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import suppress
 
+from dpmerge import serving_statement
 from dpmerge.findings import Finding
 from dpmerge.locate import command
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.ledger import LedgerIntegrityError, check_witnessed, rebuild_ledger
-from dpmerge.policy_merge.promotion import hold_alias, quarantined_parents, served_text, unmet
+from dpmerge.policy_merge.promotion import hold_alias, publish, quarantined_parents, unmet
 from dpmerge.registry import Registry, RegistryError
-from dpmerge.registry.tags import SERVED_TAG, STATUS_QUARANTINED
+from dpmerge.registry.tags import STATUS_QUARANTINED
+from dpmerge.serving_statement import ServingStatementError
 from dpmerge.state import (
     AliasState,
     DatasetState,
@@ -129,6 +135,8 @@ def _alias(
         )
     if alias.serving is None:
         return
+    if shown == alias.serving:
+        yield from _statement(store, registry, state.dataset, alias, repair)
     if alias.release is not None and state.entry(alias.release) is None:
         yield Finding(
             FindingKind.SERVED_UNCOUNTED, subject, f"release {alias.release[:12]}… is not counted"
@@ -157,18 +165,38 @@ def _alias(
 
 
 def _project(store: StateStore, registry: Registry, dataset: str, alias: AliasState) -> str:
-    """Move ``alias`` back to its pointer as read now, under its policy's lease; what was
-    done."""
+    """Move ``alias`` back to its pointer as read now, under its policy's lease, and re-issue
+    its serving statement; what was done."""
     try:
         with lease(store, alias.owner, timeout_s=0):
             fresh = state_serving.read_state(store, dataset).alias(alias.model, alias.alias)
             if fresh is None:
                 return "not repaired: its pointer is gone"
-            registry.set_alias(fresh.model, fresh.alias, fresh.serving)
-            registry.set_model_tag(fresh.model, SERVED_TAG + fresh.alias, served_text(fresh))
+            publish(registry, fresh)
     except LeaseTimeoutError:
         return f"not repaired: a run of policy {alias.owner} is applying it and projects it"
     return f"alias set back to {f'v{fresh.serving}' if fresh.serving else 'nothing'}"
+
+
+def _statement(
+    store: StateStore, registry: Registry, dataset: str, alias: AliasState, repair: bool
+) -> Iterator[Finding]:
+    """A finding when consumers would refuse the alias's serving statement; with ``repair``
+    the statement is re-issued on every run, well before it expires."""
+    try:
+        serving_statement.check(
+            registry.serving_statement(alias.model, alias.alias),
+            registry.public_key,
+            model=alias.model,
+            alias=alias.alias,
+            version=str(alias.serving),
+        )
+        problem = None
+    except ServingStatementError as error:
+        problem = str(error)
+    done = _project(store, registry, dataset, alias) if repair else None
+    if problem is not None:
+        yield Finding(FindingKind.SERVING_STATEMENT, f"{alias.model}@{alias.alias}", problem, done)
 
 
 def _hold(workspace: Workspace, dataset: str, alias: AliasState, reason: str) -> str:

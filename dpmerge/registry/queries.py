@@ -15,7 +15,7 @@ from typing import Any
 
 import mlflow
 
-from dpmerge import manifests
+from dpmerge import manifests, serving_statement
 from dpmerge.accounting.records import candidate_from_dict
 from dpmerge.artifacts import load_model_dir
 from dpmerge.errors import InputError
@@ -32,6 +32,7 @@ from dpmerge.registry.tags import (
     ROLE_CANDIDATE,
     ROLE_MERGED,
     SIGNATURE_TAG,
+    STATEMENT_TAG,
     STATUS_READY,
 )
 from dpmerge.registry.versions import (
@@ -327,13 +328,35 @@ class RegistryQueries(MlflowConnection):
             version = aliases[alias]
         return name, str(version)
 
+    def serving_statement(self, name: str, alias: str) -> str | None:
+        """The workflow's signed serving statement for ``alias`` of ``name`` as stored (the
+        registered-model tag; :mod:`dpmerge.serving_statement`), ``None`` when there is none."""
+        return (self._model_tags(name) or {}).get(STATEMENT_TAG + alias)
+
+    def resolve_served(self, model_uri: str, public_key: str) -> tuple[str, str]:
+        """:meth:`resolve`, resolving an alias once; for ``models:/NAME@ALIAS`` only if the
+        workflow's signed serving statement for the alias names the version it resolves to
+        (:func:`dpmerge.serving_statement.check`; docs/design.md#security)."""
+        name, version = self.resolve(model_uri)
+        match = MODEL_URI.match(model_uri)
+        alias = match["alias"] if match else None
+        if alias is not None:
+            serving_statement.check(
+                self.serving_statement(name, alias),
+                public_key,
+                model=name,
+                alias=alias,
+                version=version,
+            )
+        return name, version
+
     def load_verified(self, model_uri: str, dest: str | Path, public_key: str) -> Any:
         """The release ``model_uri`` names as an MLflow pyfunc model, loaded from ``dest`` only
         after its files, tags and card were checked against its signature under ``public_key``
         (:meth:`verified_model`, :meth:`check_card`; docs/design.md#security);
         :class:`~dpmerge.manifests.ReleaseSignatureError` when they differ: swapped weights are
         never loaded."""
-        name, version = self.resolve(model_uri)
+        name, version = self.resolve_served(model_uri, public_key)
         manifest, root = self.verified_model(name, version, dest, public_key)
         self.check_card(self.get_version(name, version), manifest, root)
         with self._errors(f"loading {model_uri}"):

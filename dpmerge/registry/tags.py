@@ -22,11 +22,15 @@ LIFECYCLE_TAGS = frozenset(
 """The ``dp.*`` tags that may change after registration (status, why, who registers) or that
 carry the signature itself; every other ``dp.*`` tag is a signed fact."""
 SERVED_TAG = "dpmerge.serves."  # + alias: on a registered model, what the alias serves (display)
+STATEMENT_TAG = "dpmerge.signed."  # + alias: the signed serving statement (serving_statement)
 MLFLOW_ALIAS_LIMIT = 255  # MLflow's MAX_REGISTERED_MODEL_ALIAS_LENGTH
 MLFLOW_TAG_KEY_LIMIT = 250  # MLflow's MAX_MODEL_REGISTRY_TAG_KEY_LENGTH
-ALIAS_LIMIT = min(MLFLOW_ALIAS_LIMIT, MLFLOW_TAG_KEY_LIMIT - len(SERVED_TAG))
+ALIAS_LIMIT = min(
+    MLFLOW_ALIAS_LIMIT, MLFLOW_TAG_KEY_LIMIT - max(len(SERVED_TAG), len(STATEMENT_TAG))
+)
 """Longest alias a policy may own: MLflow's own limit, and short enough that the registered
-model's tag showing what it serves (``dpmerge.serves.<alias>``) fits MLflow's tag-key limit."""
+model's tags showing what it serves (``dpmerge.serves.<alias>``, ``dpmerge.signed.<alias>``) fit
+MLflow's tag-key limit."""
 FAILURE_TAG = "dp.failure"  # why a version was marked failed or quarantined
 REGISTERING_BY_TAG = "dp.registering_by"  # host:pid of the process registering a version
 
