@@ -69,11 +69,13 @@ def _account(config: StackConfig) -> WorkerAccount:
     except KeyError:
         if name != WORKER_USER:
             raise StackError(f"worker user {name!r} does not exist; create it first") from None
-        subprocess.run(
+        made = subprocess.run(
             ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-            check=True,
             capture_output=True,
+            text=True,
         )
+        if made.returncode != 0:
+            raise StackError(f"useradd {name} failed: {made.stderr.strip()}") from None
         entry = pwd.getpwnam(name)
     if entry.pw_uid == 0:
         raise StackError(f"worker user {name!r} is root: the workers must not run as root")
