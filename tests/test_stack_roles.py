@@ -458,9 +458,7 @@ def test_workflow_holds_state_audit_and_the_ledger_but_not_the_artifact_store(
     assert admin.head_object(Bucket=project, Key=key)["ContentLength"] > 0  # it is there
 
 
-def test_a_flow_run_cannot_change_the_workers_command(
-    local_stack: devstack.StackConfig, tmp_path: Path
-) -> None:
+def test_a_flow_run_cannot_change_the_workers_command(local_stack: devstack.StackConfig) -> None:
     """Job variables a flow run brings are refused where Prefect validates them (a run of a
     deployment: 422, the pool's schema admits none) and ignored where it does not (a run
     created through ``POST /flow_runs/`` keeps them, but the template has no placeholder)."""
@@ -468,8 +466,9 @@ def test_a_flow_run_cannot_change_the_workers_command(
     from prefect.client.orchestration import get_client
     from prefect.exceptions import PrefectHTTPStatusError
 
-    marker = tmp_path / "marker"
     directory = flow_source("quick.py", QUICK_FLOW)
+    directory.chmod(0o777)  # the worker user could write the marker here, had it run the command
+    marker = directory / "marker"
     attempts = ({"command": f"touch {marker}"}, {"env": {"X": "1"}}, {"working_dir": "/"})
     with workflow_prefect(local_stack), get_client(sync_client=True) as api:
         source = flow.from_source(source=str(directory), entrypoint="quick.py:quick")
