@@ -29,9 +29,10 @@ def check_source(name: str, root: str | Path | None) -> None:
     dataset = DatasetName(name)
     if dataset == DatasetName.TABLE:
         if root is None or not Path(root).is_file():
+            given = "none was given" if root is None else f"{str(root)!r} is not a file"
             raise DatasetError(
-                f"table reads the spec file named by the data root, but {str(root)!r} is not a "
-                "file; pass its spec file (docs/design.md#table-data)"
+                f"table reads the spec file given as its data root (--data-root SPEC), but "
+                f"{given} (docs/design.md#table-data)"
             )
         return
     if dataset in FOLDERLESS:

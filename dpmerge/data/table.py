@@ -180,9 +180,10 @@ def _check(spec: TableSpec, frame: pd.DataFrame) -> None:
         values = frame[column]
         if not pd.api.types.is_numeric_dtype(values) or pd.api.types.is_bool_dtype(values):
             bad = pd.to_numeric(values, errors="coerce").isna().to_numpy()
-            row = int(np.argmax(bad)) + 1 if bad.any() else 1
+            row = int(np.argmax(bad)) if bad.any() else 0
             raise DatasetError(
-                f"{path}: column {column!r}, row {row}: not a number ({values.iloc[row - 1]!r})"
+                f"{path}: column {column!r}, row {row + 1}: not a number "
+                f"({_cell(frame, column, row)!r})"
             )
         infinite = np.flatnonzero(~np.isfinite(values.to_numpy(dtype=np.float64)))
         if infinite.size:
@@ -192,7 +193,7 @@ def _check(spec: TableSpec, frame: pd.DataFrame) -> None:
         row = outside[0]
         raise DatasetError(
             f"{path}: column {spec.label!r}, row {row + 1}: label "
-            f"{frame[spec.label].iloc[row]!r} is not one of the classes {list(spec.classes)}"
+            f"{_cell(frame, spec.label, row)!r} is not one of the classes {list(spec.classes)}"
         )
     if frame[spec.label].nunique() < 2:
         raise DatasetError(
@@ -202,13 +203,18 @@ def _check(spec: TableSpec, frame: pd.DataFrame) -> None:
         repeated = np.flatnonzero(frame[spec.unit].duplicated().to_numpy())
         if repeated.size:
             row = repeated[0]
-            unit = frame[spec.unit].iloc[row]
+            unit = _cell(frame, spec.unit, row)
             first = int(np.flatnonzero((frame[spec.unit] == unit).to_numpy())[0])
             raise DatasetError(
                 f"{path}: column {spec.unit!r}, row {row + 1}: unit {unit!r} also holds row "
                 f"{first + 1}; a unit of several rows is refused (DP-SGD here protects one row, "
                 "docs/design.md#table-data)"
             )
+
+
+def _cell(frame: pd.DataFrame, column: str, row: int) -> Any:
+    """The value at ``row`` (from 0) of ``column`` as a Python value, to name it in a message."""
+    return frame[column].to_list()[row]
 
 
 def split_of(unit_id: str, key: str, fractions: dict[SplitName, float]) -> SplitName:
@@ -231,7 +237,7 @@ def load_table(spec_path: str | Path, limit: int | None = None) -> DatasetSplits
     _check(spec, frame)
     units = frame[spec.unit].astype(str) if spec.unit else pd.Series(range(len(frame))).astype(str)
     splits = np.array([split_of(u, spec.split_key, spec.fractions) for u in units])
-    features = torch.from_numpy(frame[list(spec.features)].to_numpy(dtype=np.float32))
+    features = torch.from_numpy(frame[list(spec.features)].to_numpy(dtype=np.float32, copy=True))
     index = {value: i for i, value in enumerate(spec.classes)}
     labels = torch.tensor([index[value] for value in frame[spec.label]], dtype=torch.int64)
     parts = {}
