@@ -166,6 +166,17 @@ def test_empty_file_and_bad_spec_are_one_line(tmp_path: Path) -> None:
         load_dataset("table", spec)
 
 
+def test_a_yaml_spec_declares_the_same_dataset(tmp_path: Path) -> None:
+    spec = write(tmp_path, table())
+    declared = json.loads(spec.read_text())
+    yaml_spec = tmp_path / "spec.yaml"
+    yaml_spec.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in declared.items()))
+    assert load_dataset("table", yaml_spec).fingerprint == load_dataset("table", spec).fingerprint
+    yaml_spec.write_text(yaml_spec.read_text().replace("classes: [0, 1]", "classes: [[0], 1]"))
+    with pytest.raises(DatasetError, match=r"spec\.yaml: classes must list"):
+        load_dataset("table", yaml_spec)
+
+
 def train(tmp_path: Path, spec: Path, out: Path) -> int:
     return dpmerge.cli.main(
         [

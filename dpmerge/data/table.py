@@ -105,14 +105,24 @@ def read_spec(spec_path: str | Path) -> TableSpec:
         raise DatasetError(f"{spec_path}: missing key {missing[0]!r}")
     features = _names(spec_path, "features", raw["features"])
     label, unit = raw["label"], raw.get("unit")
-    for key, value in (("path", raw["path"]), ("label", label), ("unit", unit or "-")):
+    for key, value in (
+        ("path", raw["path"]),
+        ("label", label),
+        ("unit", "-" if unit is None else unit),
+    ):
         if not isinstance(value, str) or not value:
             raise DatasetError(f"{spec_path}: {key} must be a non-empty string")
     if len({*features, label, unit or label}) != len(features) + 1 + (unit is not None):
         raise DatasetError(f"{spec_path}: features, label and unit must name distinct columns")
     classes = raw["classes"]
-    if not isinstance(classes, list) or len(classes) < 2 or len(set(classes)) < len(classes):
-        raise DatasetError(f"{spec_path}: classes must list at least two distinct label values")
+    labels = isinstance(classes, list) and all(
+        isinstance(c, int | str) and not isinstance(c, bool) for c in classes
+    )
+    if not labels or len(classes) < 2 or len(set(classes)) < len(classes):
+        raise DatasetError(
+            f"{spec_path}: classes must list at least two distinct label values (integers or "
+            "strings)"
+        )
     split_key = raw.get("split_key", DEFAULT_SPLIT_KEY)
     if not isinstance(split_key, str) or not split_key:
         raise DatasetError(f"{spec_path}: split_key must be a non-empty string")
