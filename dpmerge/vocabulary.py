@@ -199,6 +199,16 @@ class DatasetName(StrEnum):
     FASHION_MNIST = "fashion-mnist"
     MNIST = "mnist"
     CIFAR10 = "cifar10"
+    TABLE = "table"
+    """A Parquet or CSV table named by a spec file (docs/design.md#table-data)."""
+
+
+class SplitName(StrEnum):
+    """The parts a dataset is split into (docs/design.md#table-data)."""
+
+    TRAIN = "train"
+    VALIDATION = "validation"
+    TEST = "test"
 
 
 class ModelName(StrEnum):

@@ -25,7 +25,9 @@ def _add_data_options(parser: argparse.ArgumentParser, *, required: bool) -> Non
     parser.add_argument(
         "--dataset", required=required, choices=values(DatasetName), help="dataset to evaluate on"
     )
-    parser.add_argument("--data-root", help="folder holding the dataset files")
+    parser.add_argument(
+        "--data-root", help="folder holding the dataset files (table: its spec file)"
+    )
     parser.add_argument("--limit", type=int, help="rows kept per file (as in training)")
     parser.add_argument("--batch-size", type=int, default=1024, help="evaluation batch size")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")

@@ -6,8 +6,9 @@ source are checked before torch loads: docs/design.md#studies); δ is checked ag
 training rows n (refused at δ ≥ 1/n, a warning above 1/(10·n): docs/design.md#mechanism-record).
 The output directory holds ``weights.safetensors``, ``model.json``, ``record.json`` (the
 mechanism record and its ε under PLD and RDP at ``--delta``) and ``metrics.json``. The summary
-on stdout gives σ, q, T, the ε under PLD and RDP at δ and the held-out accuracies (``--json``:
-the same as one JSON line). The command touches no registry.
+on stdout gives σ, q, T, n and the dataset identifier the record names, the ε under PLD and RDP
+at δ and the held-out accuracies (``--json``: the same as one JSON line). The command touches
+no registry.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def handler(args: argparse.Namespace) -> int:
         "noise_multiplier": result.record.noise_multiplier,
         "sample_rate": result.record.sample_rate,
         "steps": result.record.steps,
+        "dataset": result.record.dataset,
         "dataset_size": result.record.dataset_size,
         "delta": config.delta,
         "epsilon_pld": privacy.epsilon_pld,
@@ -111,7 +113,8 @@ def handler(args: argparse.Namespace) -> int:
     print(
         f"trained {result.record.name} → {out}\n"
         f"  σ = {summary['noise_multiplier']:.4g}, q = {summary['sample_rate']:.4g}, "
-        f"T = {summary['steps']} steps over n = {summary['dataset_size']:,} rows\n"
+        f"T = {summary['steps']} steps over n = {summary['dataset_size']:,} rows of "
+        f"{summary['dataset']}\n"
         f"  ε = {epsilon_text(privacy.epsilon_pld)} (PLD), {epsilon_text(privacy.epsilon_rdp)} "
         f"(RDP) at δ = {config.delta:g}, add-or-remove-one\n"
         f"  validation accuracy {fmt(summary['validation_accuracy'])}, "

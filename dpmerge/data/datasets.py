@@ -6,6 +6,7 @@
 | ``fashion-mnist`` | IDX files of the Debian package ``dataset-fashion-mnist``          |
 | ``mnist``       | IDX files in a folder you provide                                   |
 | ``cifar10``     | the python-pickle batches in a folder you provide                   |
+| ``table``       | a Parquet or CSV table named by a spec file (:mod:`dpmerge.data.table`) |
 
 Nothing is downloaded: a missing file raises :class:`~dpmerge.errors.DatasetError` naming the
 package or folder that provides it.
@@ -21,6 +22,7 @@ import numpy as np
 from dpmerge.data.readers import find_file, read_cifar_batch, read_idx
 from dpmerge.data.sources import FASHION_MNIST_PACKAGE, FASHION_MNIST_ROOT
 from dpmerge.data.splits import DatasetSplits, make_splits
+from dpmerge.data.table import load_table
 from dpmerge.errors import DatasetError
 from dpmerge.vocabulary import DatasetName, values
 
@@ -110,6 +112,8 @@ DATASET_NAMES = values(DatasetName)
 def preprocessing(name: str) -> str:
     """How raw images of dataset ``name`` become a model's input, in words (a served model's
     MLflow metadata and the README say it): channels first, pixels divided by the scale."""
+    if name == DatasetName.TABLE:
+        return "float32 array (n, features): the declared feature columns as stored"
     if name not in _LOADERS:
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
     scale = _LOADERS[DatasetName(name)][2]
@@ -133,11 +137,17 @@ def load_dataset(
 
     ``limit`` keeps the first ``limit`` rows of the training file and of the test file before
     the validation split is carved; the fingerprint covers the rows actually trained on.
+    A ``table`` reads the spec file ``root`` and splits by its keyed hash (``seed`` and
+    ``validation_fraction`` do not apply: docs/design.md#table-data).
     """
-    if name not in _LOADERS:
-        raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
     if limit is not None and limit < 1:
         raise DatasetError(f"limit must be a positive number of rows, got {limit}")
+    if name == DatasetName.TABLE:
+        if root is None:
+            raise DatasetError("no spec file given for table: pass it as root")
+        return load_table(root, limit)
+    if name not in _LOADERS:
+        raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
     reader, num_classes, scale = _LOADERS[name]
     root_path = Path(root) if root is not None else None
     train_images, train_labels, test_images, test_labels = reader(root_path, limit)

@@ -22,10 +22,19 @@ DEFAULT_ROOTS = {DatasetName.FASHION_MNIST: FASHION_MNIST_ROOT}
 
 def check_source(name: str, root: str | Path | None) -> None:
     """Refuse (:class:`~dpmerge.errors.DatasetError`) an unknown dataset, a folder given to a
-    dataset that takes none, and a dataset whose folder is absent."""
+    dataset that takes none, a dataset whose folder is absent and a table without its spec
+    file."""
     if name not in values(DatasetName):
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(values(DatasetName))}")
     dataset = DatasetName(name)
+    if dataset == DatasetName.TABLE:
+        if root is None or not Path(root).is_file():
+            given = "none was given" if root is None else f"{str(root)!r} is not a file"
+            raise DatasetError(
+                f"table reads the spec file given as its data root (--data-root SPEC), but "
+                f"{given} (docs/design.md#table-data)"
+            )
+        return
     if dataset in FOLDERLESS:
         if root is not None:
             raise DatasetError(

@@ -228,7 +228,9 @@ class TrainConfig:
 class RunOptions:
     """How a run is hosted: where its data comes from and the CPU threads torch may use."""
 
-    data_root: str | None = parameter("folder holding the dataset files", None)
+    data_root: str | None = parameter(
+        "folder holding the dataset files (table: its spec file)", None
+    )
     limit: int | None = parameter("use only the first rows of each file", None)
     torch_threads: int = parameter(
         "torch CPU threads (one: two can be 10× slower on a shared CPU)", 1, flag="--threads"
