@@ -23,6 +23,7 @@ import torch
 
 from dpmerge.data.splits import DatasetSplits, Split
 from dpmerge.errors import DatasetError
+from dpmerge.formatting import cut
 from dpmerge.vocabulary import DatasetName, SplitName
 
 DEFAULT_SPLIT_KEY = "dpmerge-table-split"
@@ -88,8 +89,7 @@ def read_spec(spec_path: str | Path) -> TableSpec:
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as error:
-            first = str(error).splitlines()[0]
-            raise DatasetError(f"{spec_path}: not valid YAML ({first})") from None
+            raise DatasetError(f"{spec_path}: not valid YAML ({cut(str(error), 200)})") from None
     else:
         try:
             raw = json.loads(text)
@@ -163,7 +163,7 @@ def _read(spec: TableSpec, limit: int | None) -> pd.DataFrame:
     try:
         frame = reader(path)
     except (OSError, ValueError) as error:  # pandas' and pyarrow's parse errors are ValueErrors
-        raise DatasetError(f"{path}: unreadable table ({str(error).splitlines()[0]})") from None
+        raise DatasetError(f"{path}: unreadable table ({cut(str(error), 200)})") from None
     frame = frame.iloc[:limit].reset_index(drop=True)
     if frame.empty:
         raise DatasetError(f"{path}: no rows")
