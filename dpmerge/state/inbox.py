@@ -28,7 +28,7 @@ from dpmerge.errors import OutageError
 from dpmerge.policies import NAME, PolicyError
 from dpmerge.state import policies as stored_policies
 from dpmerge.state import quarantine as stored_quarantine
-from dpmerge.state.rejections import FieldError, Rejection, digest, shown_key
+from dpmerge.state.rejections import FieldError, Rejection, digest, exact_fields, shown_key
 from dpmerge.state.store import StateStore, UnreadableObjectError, now, stamp
 
 PREFIX = "inbox/"
@@ -173,12 +173,7 @@ def _apply(store: StateStore, key: str) -> Handled:
         )
     name, request = match[1], match[2]
     document = _read(store, key)
-    for field in document:
-        if field not in FIELDS:
-            raise FieldError(str(field)[:60] or "''", "unknown field")
-    for field in FIELDS:
-        if field not in document:
-            raise FieldError(field, "missing")
+    exact_fields(document, FIELDS)
     if document["schema"] != SCHEMA:
         raise FieldError("schema", f"must be {SCHEMA!r}")
     if document["name"] != name:

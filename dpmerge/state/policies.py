@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpmerge.policies import NAME, Policy, PolicyError, policy_from_dict
-from dpmerge.state.rejections import FieldError
+from dpmerge.state.rejections import FieldError, exact_fields
 from dpmerge.state.store import (
     MAX_WRITE_ATTEMPTS,
     StateConflictError,
@@ -93,12 +93,7 @@ class PolicyVersion:
 
     @classmethod
     def _strict(cls, data: Mapping[str, Any], key: tuple[str, int] | None) -> PolicyVersion:
-        for name in data:
-            if name not in FIELDS:
-                raise FieldError(str(name)[:60] or "''", "unknown field")
-        for name in FIELDS:
-            if name not in data:
-                raise FieldError(name, "missing")
+        exact_fields(data, FIELDS)
         if data["schema"] != SCHEMA:
             raise FieldError("schema", f"must be {SCHEMA!r}")
         version = data["version"]

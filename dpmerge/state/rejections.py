@@ -14,6 +14,7 @@ key>.json`` by the workflow's dispatcher, create-once, so it is examined once an
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,18 @@ class FieldError(ValueError):
         super().__init__(f"field {field!r}: {reason}")
         self.field = field
         self.reason = reason
+
+
+def exact_fields(document: Mapping[str, Any], names: Iterable[str]) -> None:
+    """``document`` has exactly the fields ``names``: :class:`FieldError` naming the first
+    unknown field (cut short), else the first missing one."""
+    known = tuple(names)
+    for name in document:
+        if name not in known:
+            raise FieldError(str(name)[:60] or "''", "unknown field")
+    for name in known:
+        if name not in document:
+            raise FieldError(name, "missing")
 
 
 def shown_key(key: str) -> str:
