@@ -101,6 +101,9 @@ def _free_admin_port() -> int:
     raise StackError("no free port pair for SeaweedFS's admin server in 20000–32700")
 
 
+WORKER_USER = "dpmerge-worker"
+
+
 @dataclass(frozen=True)
 class StackConfig:
     """Ports, buckets, the database and the state directory of one local stack.
@@ -121,6 +124,9 @@ class StackConfig:
     worker_query_seconds: float = 0.5
     """How often a worker asks Prefect for runs: half of it is, on average, part of every
     policy change's time to policy (docs/results.md#scale-out)."""
+    worker_user: str = WORKER_USER
+    """Who the workers, their flow runs and the dispatcher run as when ``up`` runs as root
+    (created if it is this default and missing; devstack/worker_user.py)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())

@@ -34,8 +34,9 @@ from devstack.config import LOOPBACK, StackConfig, StackError, repo_root
 from devstack.credentials import Credentials
 from devstack.processes import owns_ports, started_at
 from devstack.roles import prefect_headers, role_env
+from devstack.worker_user import heartbeat_file, supervised_user, worker_dir, worker_key_file
 from dpmerge.environment import probe
-from dpmerge.keys import KEY_ENV
+from dpmerge.keys import KEY_ENV, KEY_FILE_ENV
 from dpmerge.storage import MLFLOW_ARTIFACTS_PREFIX
 from dpmerge.vocabulary import StackDatabase, StackRole
 
@@ -65,6 +66,8 @@ class Service:
     cwd: Path | None = None
     problem: Callable[[int], str | None] | None = None
     """Why the service is unhealthy, given its pid (``None``: healthy), where it can say."""
+    user: str | None = None
+    """The user supervisord runs it as (``None``: supervisord's own; devstack/worker_user.py)."""
 
     def healthy(self, pid: int | None) -> bool:
         return pid is not None and owns_ports(pid, self.ports) and self.health(pid)
@@ -110,10 +113,6 @@ def worker_online(config: StackConfig, creds: Credentials, pool: str, pid: int) 
                 return False
             return beat.timestamp() >= started
     return False
-
-
-def dispatch_heartbeat(config: StackConfig) -> Path:
-    return config.state_dir / "dispatcher.heartbeat"
 
 
 def heartbeat_problem(
@@ -292,24 +291,35 @@ def services(config: StackConfig) -> list[Service]:
             stop_timeout_s=30.0,
         )
     )
+    # the workers and the dispatcher: the workflow's credentials only, as the worker user, at
+    # home in its own directory (devstack/worker_user.py)
+    user, home = supervised_user(config), worker_dir(config)
+    workflow_env = {
+        **role_env(config, StackRole.WORKFLOW),
+        **prefect_env,
+        KEY_FILE_ENV: str(worker_key_file(config)),
+        "HOME": str(home),
+        "PREFECT_HOME": str(home / "prefect"),
+        "DPMERGE_HOME": str(home / "dpmerge"),
+    }
     result.append(
         Service(
             name="dispatcher",
             argv=(
                 *(sys.executable, "-m", "flows.dispatch"),
-                *("--heartbeat", str(dispatch_heartbeat(config))),
+                *("--heartbeat", str(heartbeat_file(config))),
             ),
-            env={**role_env(config, StackRole.WORKFLOW), **prefect_env},
-            health=lambda pid: heartbeat_problem(dispatch_heartbeat(config), pid) is None,
-            problem=lambda pid: heartbeat_problem(dispatch_heartbeat(config), pid),
+            env=workflow_env,
+            health=lambda pid: heartbeat_problem(heartbeat_file(config), pid) is None,
+            problem=lambda pid: heartbeat_problem(heartbeat_file(config), pid),
             stage=2,
             cwd=repo_root(),
+            user=user,
         )
     )
     for pool in config.pools:
         worker_env = {
-            **role_env(config, StackRole.WORKFLOW),
-            **prefect_env,
+            **workflow_env,
             "PREFECT_WORKER_QUERY_SECONDS": str(config.worker_query_seconds),
             # the pools' commands run the first ``python`` on PATH: this environment's
             "PATH": os.pathsep.join(
@@ -332,6 +342,7 @@ def services(config: StackConfig) -> list[Service]:
                 # A worker under load can need more than 20 s to stop after SIGTERM.
                 stop_timeout_s=90.0,
                 cwd=repo_root(),
+                user=user,
             )
         )
     return result

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from devstack import credentials as secrets_store
-from devstack import postgres, processes, provision, roles
+from devstack import postgres, processes, provision, roles, worker_user
 from devstack import store as registry_store
 from devstack.config import LOOPBACK, ServiceStartError, StackConfig, StackError, port_free
 from devstack.services import (
@@ -100,7 +100,9 @@ def _after_stage(config: StackConfig, stage: list[Service]) -> None:
 def _prepare(config: StackConfig) -> None:
     """The credentials (first ``up``), the services' configuration files, the database."""
     creds = secrets_store.ensure(config.state_dir)
-    secrets_store.workflow_key(config.state_dir)
+    key = secrets_store.workflow_key(config.state_dir)
+    if config.prefect:
+        worker_user.ensure(config, key)
     secrets_store.write_private(
         s3_config_file(config), json.dumps(roles.s3_identities(config, creds), indent=2)
     )
@@ -181,6 +183,7 @@ def down(config: StackConfig) -> list[str]:
             stopped += _stop(supervisor, list(reversed(stage)))
         supervisor.shutdown()
     left = processes.end(processes.marked(config.state_dir))
+    worker_user.remove(config)
     if left:
         stopped.append(f"orphans ({', '.join(map(str, left))})")
     return stopped

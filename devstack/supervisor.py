@@ -98,6 +98,8 @@ def _program(config: StackConfig, service: Service, log: Path) -> str:
         "stdout_logfile_maxbytes = 20MB",
         "stdout_logfile_backups = 2",
     ]
+    if service.user is not None:
+        lines.append(f"user = {service.user}")
     return "\n".join(lines) + "\n"
 
 

@@ -83,6 +83,16 @@ def seed_secrets(state_dir: Path) -> None:
         shutil.copytree(session_secrets(), target)
 
 
+def flow_source(name: str, text: str) -> Path:
+    """A directory holding the flow file ``name`` (``text``) that the stack's worker user can
+    read, unlike a test's 0700 ``tmp_path`` (docs/stack.md#worker-user); removed at exit."""
+    directory = Path(tempfile.mkdtemp(prefix="dpmerge-flow-"))
+    atexit.register(shutil.rmtree, directory, True)
+    directory.chmod(0o755)
+    (directory / name).write_text(text)
+    return directory
+
+
 @contextmanager
 def running_stack(
     state_dir: Path, *, prefect: bool, **fields: Any
@@ -195,6 +205,8 @@ class Shell:
             "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
             "MLFLOW_DISABLE_TELEMETRY": "true",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            # this checkout's code, where an editable install names another (a git worktree)
+            **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
         }
         return cls(role, {**base, **_exports(config, role, base)}, home)
 

@@ -19,7 +19,14 @@ from uuid import UUID
 
 import pytest
 from mlflow import MlflowClient
-from servers import credentials_env, environment, running_stack, seed_secrets, workflow_prefect
+from servers import (
+    credentials_env,
+    environment,
+    flow_source,
+    running_stack,
+    seed_secrets,
+    workflow_prefect,
+)
 
 import devstack
 from devstack import credentials, processes, store
@@ -51,13 +58,12 @@ def sleepy(seconds: float = 600.0) -> None:
 """
 
 
-def _deploy_sleepy(config: devstack.StackConfig, directory: Path) -> str:
+def _deploy_sleepy(config: devstack.StackConfig) -> str:
     """Deploy a flow that sleeps to the ``cpu`` pool and start one run (on the warm process)."""
     from prefect import flow
     from prefect.deployments import run_deployment
 
-    directory.mkdir()
-    (directory / "sleepy.py").write_text(SLEEPY_FLOW)
+    directory = flow_source("sleepy.py", SLEEPY_FLOW)
     with workflow_prefect(config):
         source = flow.from_source(source=str(directory), entrypoint="sleepy.py:sleepy")
         source.deploy(name="sleepy", work_pool_name="cpu", print_next_steps=False)
@@ -153,7 +159,7 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
         ]
         assert rules and all(rule[-1] == "scram-sha-256" for rule in rules)
 
-        run_id = _deploy_sleepy(config, tmp_path / "flow")
+        run_id = _deploy_sleepy(config)
         capsys.readouterr()  # Prefect's advice on deploying to a process pool
         deadline = time.monotonic() + 180
         while _run_state(config, run_id) != "RUNNING":

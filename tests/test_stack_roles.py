@@ -8,6 +8,10 @@ template is reported and set back."""
 from __future__ import annotations
 
 import io
+import json
+import os
+import pwd
+import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +24,7 @@ from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
 from factories import synthetic_candidates
-from servers import Shell, environment, one_line, workflow_prefect
+from servers import Shell, environment, flow_source, one_line, workflow_prefect
 
 import devstack
 from devstack import credentials, mlflow_writes, provision
@@ -454,9 +458,7 @@ def test_workflow_holds_state_audit_and_the_ledger_but_not_the_artifact_store(
     assert admin.head_object(Bucket=project, Key=key)["ContentLength"] > 0  # it is there
 
 
-def test_a_flow_run_cannot_change_the_workers_command(
-    local_stack: devstack.StackConfig, tmp_path: Path
-) -> None:
+def test_a_flow_run_cannot_change_the_workers_command(local_stack: devstack.StackConfig) -> None:
     """Job variables a flow run brings are refused where Prefect validates them (a run of a
     deployment: 422, the pool's schema admits none) and ignored where it does not (a run
     created through ``POST /flow_runs/`` keeps them, but the template has no placeholder)."""
@@ -464,12 +466,12 @@ def test_a_flow_run_cannot_change_the_workers_command(
     from prefect.client.orchestration import get_client
     from prefect.exceptions import PrefectHTTPStatusError
 
-    marker = tmp_path / "marker"
-    (tmp_path / "flow").mkdir()
-    (tmp_path / "flow" / "quick.py").write_text(QUICK_FLOW)
+    directory = flow_source("quick.py", QUICK_FLOW)
+    directory.chmod(0o777)  # the worker user could write the marker here, had it run the command
+    marker = directory / "marker"
     attempts = ({"command": f"touch {marker}"}, {"env": {"X": "1"}}, {"working_dir": "/"})
     with workflow_prefect(local_stack), get_client(sync_client=True) as api:
-        source = flow.from_source(source=str(tmp_path / "flow"), entrypoint="quick.py:quick")
+        source = flow.from_source(source=str(directory), entrypoint="quick.py:quick")
         deployment_id = source.deploy(name="quick", work_pool_name="gpu", print_next_steps=False)
         for variables in attempts:
             with pytest.raises(PrefectHTTPStatusError) as refused:
@@ -574,3 +576,68 @@ def test_the_key_is_in_no_prefect_secret_block(local_stack: devstack.StackConfig
     with workflow_prefect(local_stack), pytest.raises(ValueError):
         Secret.load(provision.OLD_SECRET_BLOCK)
     provision.remove_secret_block(local_stack, credentials.require(local_stack.state_dir))
+
+
+WHOAMI_FLOW = """
+import json, os
+from pathlib import Path
+from prefect import flow
+
+@flow
+def whoami(report: str, admin: str) -> None:
+    try:
+        Path(admin).read_text()
+        admin_read = "read"
+    except PermissionError:
+        admin_read = "PermissionError"
+    key = Path(os.environ["DPMERGE_SECRET_KEY_FILE"]).read_text().strip()
+    Path(report).write_text(json.dumps({"uid": os.getuid(), "admin": admin_read, "key": key}))
+"""
+
+
+def _wait_for(path: Path, timeout_s: float = 180.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file() or not path.read_text():
+        assert time.monotonic() < deadline, f"nothing wrote {path}"
+        time.sleep(1)
+    return path.read_text()
+
+
+def test_flow_runs_and_a_changed_template_run_as_the_worker_user(
+    local_stack: devstack.StackConfig,
+) -> None:
+    """Issue 28 row B: a flow run is not root, cannot read the stack's credentials and reads
+    the workflow key; a command a changed base job template runs is the worker user's too
+    (docs/stack.md#worker-user)."""
+    from prefect import flow
+    from prefect.deployments import run_deployment
+
+    if os.geteuid() != 0:
+        pytest.skip("the worker user needs `up` as root (docs/stack.md#worker-user)")
+    worker_uid = pwd.getpwnam(local_stack.worker_user).pw_uid
+    reports = flow_source("whoami.py", WHOAMI_FLOW)
+    reports.chmod(0o777)  # the flow run writes its answers here
+    admin = credentials.secrets_dir(local_stack.state_dir) / credentials.CREDENTIALS_FILE
+    with workflow_prefect(local_stack):
+        source = flow.from_source(source=str(reports), entrypoint="whoami.py:whoami")
+        source.deploy(name="whoami", work_pool_name="cpu", print_next_steps=False)
+        parameters = {"report": str(reports / "run.json"), "admin": str(admin)}
+        run_deployment("whoami/whoami", parameters=parameters, timeout=0)
+    seen = json.loads(_wait_for(reports / "run.json"))
+    assert seen == {
+        "uid": worker_uid,
+        "admin": "PermissionError",
+        "key": credentials.workflow_key(local_stack.state_dir),
+    }
+    assert worker_uid != 0
+
+    marker = reports / "tampered"
+    write_uid = f"import os; open({str(marker)!r}, 'w').write(str(os.getuid()))"
+    _tamper_with_pool(local_stack, shlex.join(["python", "-c", write_uid]))
+    try:
+        with workflow_prefect(local_stack):
+            run_deployment("whoami/whoami", parameters=parameters, timeout=0)
+        assert _wait_for(marker) == str(worker_uid)
+    finally:
+        devstack.status(local_stack)  # sets the template back
+    assert _cpu_template(local_stack) == provision.locked_template("cpu")
