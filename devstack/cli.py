@@ -149,6 +149,8 @@ def _print_status(statuses: list[stack.ServiceStatus], as_json: bool, header: st
     for s in statuses:
         if s.reason:
             print(f"  {s.name}: unhealthy: {s.reason}")
+        if s.finding:
+            print(f"  {s.finding}")
         if s.orphans:
             pids = ", ".join(map(str, s.orphans))
             print(f"  {s.name}: orphaned processes of an earlier instance: {pids}")

@@ -68,6 +68,8 @@ class Service:
     """Why the service is unhealthy, given its pid (``None``: healthy), where it can say."""
     user: str | None = None
     """The user supervisord runs it as (``None``: supervisord's own; devstack/worker_user.py)."""
+    confined: bool = False
+    """Meant to run as the worker user: ``status`` reports it when it runs as the admin."""
 
     def healthy(self, pid: int | None) -> bool:
         return pid is not None and owns_ports(pid, self.ports) and self.health(pid)
@@ -315,6 +317,7 @@ def services(config: StackConfig) -> list[Service]:
             stage=2,
             cwd=repo_root(),
             user=user,
+            confined=True,
         )
     )
     for pool in config.pools:
@@ -343,6 +346,7 @@ def services(config: StackConfig) -> list[Service]:
                 stop_timeout_s=90.0,
                 cwd=repo_root(),
                 user=user,
+                confined=True,
             )
         )
     return result

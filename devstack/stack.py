@@ -54,6 +54,7 @@ class ServiceStatus:
     log: Path
     orphans: tuple[int, ...] = ()  # live processes of an earlier instance of this service
     reason: str | None = None  # why it is unhealthy, where its service can say
+    finding: str | None = None  # a finding that leaves it healthy (workers_not_separated)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "log": str(self.log)}
@@ -214,6 +215,9 @@ def status(config: StackConfig) -> list[ServiceStatus]:
                         sorted(set(processes.marked(config.state_dir, service.name)) - own)
                     ),
                     reason=reason,
+                    finding=worker_user.separation(config, service.name, info.pid)
+                    if service.confined and running
+                    else None,
                 )
             )
     return _with_pool_drift(config, result)

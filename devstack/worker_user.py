@@ -10,7 +10,11 @@ The worker's own directory (:func:`worker_dir`, 0700, its owner) lies outside th
 directory, whose parents need not be open to it: ``$HOME``, ``$PREFECT_HOME``, ``$DPMERGE_HOME``
 (the warm server's ``run/``), the dispatcher's heartbeat, and its copy of the workflow key
 (0400), written at every ``up`` from ``STATE/secrets/workflow.key`` and removed with the
-directory at ``down``.
+directory at ``down``. It reaches the interpreter and the checkout wherever they are: ``up``
+grants it passage through the directories above them that it cannot traverse
+(:mod:`devstack.grants`), checks as that user that it runs the interpreter and reads the code,
+and ``down`` takes the grants back. Not root, ``status`` reports each worker and the dispatcher
+as a ``workers_not_separated`` finding; the stack works as before.
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import dpmerge
+from devstack import grants
 from devstack.config import WORKER_USER, StackConfig, StackError, repo_root
+from dpmerge.findings import Finding
+from dpmerge.vocabulary import FindingKind
 
 REACH_TIMEOUT_S = 120.0
 
@@ -111,39 +119,81 @@ def _write_key(path: Path, key: str, account: WorkerAccount) -> None:
     temporary.replace(path)
 
 
-def _check_reach(config: StackConfig, account: WorkerAccount) -> None:
-    """The worker user runs this interpreter and reads the code, or ``up`` stops here."""
-    if account.name is None:
-        return
-    probe = repo_root() / "pyproject.toml"
-    done = subprocess.run(
-        [sys.executable, "-c", f"open({str(probe)!r}).close()"],
-        user=account.uid,
-        group=account.gid,
-        extra_groups=[],
-        cwd=worker_dir(config),
-        env={"PATH": os.defpath},
-        capture_output=True,
-        text=True,
-        timeout=REACH_TIMEOUT_S,
+def separation(config: StackConfig, name: str, pid: int | None) -> str | None:
+    """A ``workers_not_separated`` finding's line for the service ``name`` when its process
+    runs as the state directory's owner (``up`` not as root), else ``None``."""
+    try:
+        uid = Path(f"/proc/{pid}").stat().st_uid
+        admin = config.state_dir.stat().st_uid
+    except OSError:
+        return None
+    if uid != admin:
+        return None
+    detail = (
+        f"runs as uid {uid}, the state directory's owner, so a flow run or a changed pool "
+        "template reads STATE/secrets/; run `dpmerge stack up` as root to separate them"
     )
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise StackError(
-            f"worker user {account.name!r} cannot run {sys.executable} or read {probe} "
-            f"(every parent directory needs o+x): {last}"
+    return Finding(FindingKind.WORKERS_NOT_SEPARATED, name, detail).line()
+
+
+def reach_targets(config: StackConfig) -> list[Path]:
+    """What the worker user runs and reads: this interpreter (its link and what it names), the
+    checkout, the code this process imported, ``$PYTHONPATH`` and its own directory."""
+    executable = Path(sys.executable)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return [
+        executable,
+        executable.resolve(),
+        repo_root() / "pyproject.toml",
+        Path(dpmerge.__file__).parent,
+        *(Path(path) / "." for path in paths if path),
+        worker_dir(config),
+    ]
+
+
+def _check_reach(config: StackConfig, account: WorkerAccount) -> None:
+    """The worker user runs this interpreter and reads the code, or ``up`` stops here with
+    one line."""
+    probe = repo_root() / "pyproject.toml"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", f"open({str(probe)!r}).close(); import flows"],
+            user=account.uid,
+            group=account.gid,
+            extra_groups=[],
+            cwd=repo_root(),
+            env={"PATH": os.defpath},
+            capture_output=True,
+            text=True,
+            timeout=REACH_TIMEOUT_S,
         )
+    except (OSError, subprocess.SubprocessError) as error:
+        last = str(error)
+    else:
+        if done.returncode == 0:
+            return
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    raise StackError(
+        f"worker user {account.name!r} cannot run {sys.executable} or read {probe} "
+        f"(the checkout and the environment must be readable by it): {last}"
+    )
 
 
 def ensure(config: StackConfig, key: str) -> WorkerAccount:
-    """The worker account (created as root if missing), its directory and its key copy."""
+    """The worker account (created as root if missing), its directory, its key copy and its
+    way to the code (:func:`devstack.grants.grant`, checked as that user)."""
     account = _account(config)
     _own_dir(worker_dir(config), account)
     _write_key(worker_key_file(config), key, account)
-    _check_reach(config, account)
+    if account.name is not None:
+        grants.grant(config.state_dir, account.uid, account.gid, reach_targets(config))
+        _check_reach(config, account)
     return account
 
 
 def remove(config: StackConfig) -> None:
-    """The worker's directory gone (``down``, its processes ended): no key copy is left."""
+    """The worker's directory gone (``down``, its processes ended): no key copy is left; the
+    grants no other stack needs are taken back."""
     shutil.rmtree(worker_dir(config), ignore_errors=True)
+    if os.geteuid() == 0:
+        grants.revoke(config.state_dir)

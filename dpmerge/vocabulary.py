@@ -150,6 +150,9 @@ class FindingKind(StrEnum):
     POOL_TEMPLATE_DRIFT = "pool_template_drift"
     """A stack's work pool whose base job template is not the provisioned one: set back
     (``verify-state``, devstack/provision.py)."""
+    WORKERS_NOT_SEPARATED = "workers_not_separated"
+    """A stack's worker or dispatcher running as the state directory's owner, not as the worker
+    user (``up`` not as root; devstack/worker_user.py): reported by ``stack status``."""
 
 
 class CardCheck(StrEnum):
