@@ -3,6 +3,8 @@
 #   * Debian package dataset-fashion-mnist (real data, installed under /usr/share/datasets),
 #   * Debian package postgresql (the local stack's database; `dpmerge stack up` runs its own
 #     cluster in the state directory, never the system's),
+#   * Debian package acl (setfacl: as root, `stack up` lets the worker user through the
+#     directories above the checkout; docs/stack.md#worker-user),
 #   * a virtual environment at .venv with torch's CPU wheel and dpmerge (+ test extras).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +20,7 @@ apt_install() {  # $1: the package; tries without `apt-get update` first
 }
 [ -d /usr/share/datasets/fashion-mnist ] || apt_install dataset-fashion-mnist
 ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || apt_install postgresql
+command -v setfacl >/dev/null || apt_install acl
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 stamp=$(sha256sum pyproject.toml | cut -c1-16)
