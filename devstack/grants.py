@@ -21,6 +21,7 @@ import subprocess
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from devstack.config import StackError
 
@@ -92,8 +93,9 @@ def _user_entry(entries: list[str], uid: int) -> str | None:
 
 
 @contextmanager
-def _ledger() -> Iterator[list[dict]]:
-    """The ledger's entries, locked; written back when the block ends without error."""
+def _ledger() -> Iterator[list[dict[str, Any]]]:
+    """The ledger's grants, locked; written back when the block ends, also after a failure (a
+    grant is listed once ``setfacl`` made it)."""
     LEDGER.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     found = LEDGER.parent.lstat()
     if found.st_uid != os.geteuid() or found.st_mode & 0o077:
@@ -106,10 +108,12 @@ def _ledger() -> Iterator[list[dict]]:
             entries = json.loads(text) if text else []
         except json.JSONDecodeError as error:
             raise StackError(f"{LEDGER} is not a grant ledger ({error})") from None
-        yield entries
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps(entries, indent=1))
+        try:
+            yield entries
+        finally:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps(entries, indent=1))
 
 
 def grant(stack: Path, uid: int, gid: int, targets: Iterable[Path]) -> list[Path]:
@@ -118,25 +122,26 @@ def grant(stack: Path, uid: int, gid: int, targets: Iterable[Path]) -> list[Path
     granted = []
     with _ledger() as entries:
         for directory in above(targets):
-            mine = [e for e in entries if e["dir"] == str(directory) and e["uid"] == uid]
-            if not mine and traversable(directory, uid, gid):
+            found = [e for e in entries if e["dir"] == str(directory) and e["uid"] == uid]
+            if found:
+                entry = found[0]
+            elif traversable(directory, uid, gid):
                 continue
-            if not mine:
+            else:
                 acl = _entries(directory)
-                prior = _user_entry(acl, uid)
-                mine = [{"dir": str(directory), "uid": uid, "prior": prior}]
-                mine[0]["extended"] = _extended(acl)
-                mine[0]["stacks"] = []
-                entries.append(mine[0])
-            perms = mine[0]["prior"] or "---"
-            _acl(["setfacl", "-m", f"u:{uid}:{perms[:2]}x", str(directory)])
-            if str(stack) not in mine[0]["stacks"]:
-                mine[0]["stacks"].append(str(stack))
+                entry = {"dir": str(directory), "uid": uid, "prior": _user_entry(acl, uid)}
+                entry |= {"extended": _extended(acl), "stacks": []}
+            perms = (entry["prior"] or "---")[:2] + "x"
+            _acl(["setfacl", "-m", f"u:{uid}:{perms}", str(directory)])
+            if not found:
+                entries.append(entry)
+            if str(stack) not in entry["stacks"]:
+                entry["stacks"].append(str(stack))
             granted.append(directory)
     return granted
 
 
-def _restore(entry: dict) -> None:
+def _restore(entry: dict[str, Any]) -> None:
     directory = entry["dir"]
     if not Path(directory).is_dir():
         return
@@ -151,12 +156,16 @@ def _restore(entry: dict) -> None:
 
 
 def revoke(stack: Path) -> None:
-    """Take ``stack`` off every grant; restore each grant no other stack needs."""
+    """Take ``stack`` off every grant; restore each grant no other stack needs (a grant whose
+    restore failed stays listed, so the next ``down`` tries again)."""
+    if not LEDGER.exists():
+        return
     with _ledger() as entries:
         for entry in list(entries):
             if str(stack) not in entry["stacks"]:
                 continue
-            entry["stacks"].remove(str(stack))
-            if not entry["stacks"]:
+            others = [each for each in entry["stacks"] if each != str(stack)]
+            if not others:
                 _restore(entry)
                 entries.remove(entry)
+            entry["stacks"] = others

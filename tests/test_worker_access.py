@@ -168,3 +168,18 @@ def test_a_worker_running_as_the_admin_is_the_finding_workers_not_separated(
         confined.kill()
         confined.wait()
     assert worker_user.separation(config, "worker-cpu", None) is None
+
+
+def test_without_the_acl_tools_up_stops_in_one_line_and_records_nothing(
+    tmp_path: Path,
+    ledger: Path,
+    account: worker_user.WorkerAccount,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, code = _checkout(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    with pytest.raises(StackError) as refused:
+        grants.grant(tmp_path / "stack", account.uid, account.gid, [code])
+    assert len(str(refused.value).splitlines()) == 1
+    assert "install the Debian package acl" in str(refused.value)
+    assert json.loads(ledger.read_text()) == []
