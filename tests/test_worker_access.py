@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from devstack import credentials, grants, worker_user
+from devstack import cli, credentials, grants, worker_user
 from devstack.config import WORKER_USER, StackConfig, StackError
+from devstack.stack import ServiceStatus
 from dpmerge.vocabulary import FindingKind
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the worker user needs root")
@@ -153,7 +154,7 @@ def test_the_worker_reads_its_own_key_copy_and_no_admin_credential(
 
 
 def test_a_worker_running_as_the_admin_is_the_finding_workers_not_separated(
-    tmp_path: Path, account: worker_user.WorkerAccount
+    tmp_path: Path, account: worker_user.WorkerAccount, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Not as root, ``up`` runs the workers as the state directory's owner: ``status``
     reports it (this process stands in for such a worker); a worker user's process is not."""
@@ -168,6 +169,10 @@ def test_a_worker_running_as_the_admin_is_the_finding_workers_not_separated(
         confined.kill()
         confined.wait()
     assert worker_user.separation(config, "worker-cpu", None) is None
+
+    shown = ServiceStatus("worker-cpu", "RUNNING", 1, True, True, None, tmp_path, finding=line)
+    assert cli._print_status([shown], False, "header") == 0
+    assert f"  {line}\n" in capsys.readouterr().out  # one line; the worker stays healthy
 
 
 def test_without_the_acl_tools_up_stops_in_one_line_and_records_nothing(
