@@ -187,7 +187,11 @@ def ensure(config: StackConfig, key: str) -> WorkerAccount:
     _write_key(worker_key_file(config), key, account)
     if account.name is not None:
         grants.grant(config.state_dir, account.uid, account.gid, reach_targets(config))
-        _check_reach(config, account)
+        try:
+            _check_reach(config, account)
+        except StackError:
+            grants.revoke(config.state_dir)  # no passage left for a stack that did not start
+            raise
     return account
 
 

@@ -110,6 +110,25 @@ def test_an_interpreter_out_of_reach_is_one_line_not_a_traceback(
     assert f"worker user {account.name!r} cannot run {python}" in str(refused.value)
 
 
+def test_up_stopped_by_the_reach_check_leaves_no_grant(
+    tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Passage granted, the interpreter still refuses the worker (0700): one line, and the
+    grants this ``up`` made are taken back at once."""
+    private, _ = _checkout(tmp_path)
+    before = _acl(private)
+    python = private / "checkout" / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o700)
+    monkeypatch.setattr(sys, "executable", str(python))
+    config = StackConfig(state_dir=tmp_path / "state")
+    with pytest.raises(StackError) as refused:
+        worker_user.ensure(config, "0" * 64)
+    assert len(str(refused.value).splitlines()) == 1
+    assert json.loads(ledger.read_text()) == []
+    assert _acl(private) == before
+
+
 def test_the_worker_reads_its_own_key_copy_and_no_admin_credential(
     tmp_path: Path, ledger: Path
 ) -> None:
