@@ -1,7 +1,8 @@
 """DP-SGD throughput against non-private SGD, per model and grad_sample_mode (engine).
 
 Run: ``.venv/bin/python benchmarks/bench_training.py [--threads 1 2] [--repeats 3]
-[--device cuda] [--models logreg cnn resnet18_gn] [--dataset fashion-mnist|cifar10-synthetic]``
+[--device cuda] [--models logreg cnn resnet18_gn] [--modes vmap layers]
+[--dataset fashion-mnist|cifar10-synthetic]``
 
 Both sides train the same architecture on Fashion-MNIST rows with B = 256 and plain SGD; the
 DP side is ``dpmerge.training.train_candidate`` (Poisson sampling, clipping, noise, accounting),
@@ -106,9 +107,9 @@ def cifar_shaped(n: int = 50_000) -> DatasetSplits:
     )
 
 
-def variants(model_name: str) -> list[str]:
-    """non-private, then every grad_sample_mode that can run ``model_name``."""
-    modes = [m for m in GRAD_SAMPLE_MODES if m != LINEAR_EXACT or model_name in LINEAR_EXACT_MODELS]
+def variants(model_name: str, chosen: list[str]) -> list[str]:
+    """non-private, then every grad_sample_mode in ``chosen`` that can run ``model_name``."""
+    modes = [m for m in chosen if m != LINEAR_EXACT or model_name in LINEAR_EXACT_MODELS]
     return ["non-private", *modes]
 
 
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=["logreg", "cnn"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--modes", nargs="+", choices=GRAD_SAMPLE_MODES, default=GRAD_SAMPLE_MODES)
     parser.add_argument(
         "--dataset",
         default="fashion-mnist",
@@ -131,11 +133,12 @@ def main() -> None:
     empty = Split(data.test.features[:0], data.test.labels[:0])
     data = replace(data, validation=empty, test=empty)  # skip evaluation: time training only
     samples: dict[tuple[int, str, str], list[float]] = {}
+    load_before = os.getloadavg()[0]
     for threads in args.threads:
         torch.set_num_threads(threads)
         for _ in range(args.repeats):
             for model_name in args.models:
-                for variant in variants(model_name):
+                for variant in variants(model_name, args.modes):
                     steps = STEPS[model_name]
                     rate = (
                         non_private(data, model_name, steps, args.device)
@@ -147,13 +150,14 @@ def main() -> None:
     print(f"{data.name}, B = {BATCH}, n = {data.dataset_size}, medians of {args.repeats}")
     device = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, device {device}")
+    print(f"load average {load_before:.1f} → {os.getloadavg()[0]:.1f}")
     print()
     print("| threads | model | variant | examples/s | ratio to non-private |")
     print("|---|---|---|---|---|")
     for threads in args.threads:
         for model_name in args.models:
             base = statistics.median(samples[(threads, model_name, "non-private")])
-            for variant in variants(model_name):
+            for variant in variants(model_name, args.modes):
                 rate = statistics.median(samples[(threads, model_name, variant)])
                 print(f"| {threads} | {model_name} | {variant} | {rate:,.0f} | {rate / base:.2f} |")
 

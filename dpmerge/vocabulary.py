@@ -223,8 +223,9 @@ class ModelName(StrEnum):
 
 
 class GradSampleMode(StrEnum):
-    """How per-example gradients are computed: the exact linear engine, an Opacus mode, or
-    ``vmap`` (``torch.func.vmap(grad)`` over the batch, clipped and noised by Opacus)."""
+    """How per-example gradients are computed: the exact linear engine, an Opacus mode,
+    ``vmap`` (``torch.func.vmap(grad)`` over the batch) or ``layers`` (one batched backward
+    pass, each parameter layer's closed form), the last two clipped and noised by Opacus."""
 
     LINEAR_EXACT = "linear-exact"
     HOOKS = "hooks"
@@ -232,6 +233,7 @@ class GradSampleMode(StrEnum):
     EW = "ew"
     GHOST = "ghost"
     VMAP = "vmap"
+    LAYERS = "layers"
 
 
 class Engine(StrEnum):

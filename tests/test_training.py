@@ -41,6 +41,7 @@ from dpmerge.training import (
     train_kept,
 )
 from dpmerge.training.checkpoint import RunState
+from dpmerge.training.engines.layers import LayerGradients
 from dpmerge.training.engines.linear import PoissonSubsetSampler
 from dpmerge.training.engines.opacus import OpacusEngine
 from dpmerge.training.engines.vmap import PerExampleGradients
@@ -385,9 +386,11 @@ def test_clipped_sum_equals_a_per_example_loop(mode: str) -> None:
         torch.testing.assert_close(clipped_sum[key], value, atol=1e-5, rtol=1e-4)
 
 
-def test_vmap_takes_an_empty_poisson_batch() -> None:
-    """An empty Poisson batch is still a step: ``vmap`` gives empty per-example gradients (the
-    loss of one example cannot be taken on none), so Opacus adds only the noise (none at σ = 0)."""
+@pytest.mark.parametrize("gradients", [PerExampleGradients, LayerGradients])
+def test_vmap_and_layers_take_an_empty_poisson_batch(gradients: type) -> None:
+    """An empty Poisson batch is still a step: ``vmap`` and ``layers`` give empty per-example
+    gradients (the loss of one example cannot be taken on none), so Opacus adds only the noise
+    (none at σ = 0)."""
     model = build_model(ModelSpec("cnn", (1, 8, 8), 3))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = DPOptimizer(
@@ -396,13 +399,35 @@ def test_vmap_takes_an_empty_poisson_batch() -> None:
         max_grad_norm=1.0,
         expected_batch_size=4,
     )
-    loss = PerExampleGradients(model, torch.nn.CrossEntropyLoss()).compute(
+    loss = gradients(model, torch.nn.CrossEntropyLoss()).compute(
         torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long)
     )
     assert loss.isnan()
     assert all(p.grad_sample.shape == (0, *p.shape) for p in model.parameters())
     optimizer.step()
     assert weights_equal(model.state_dict(), before)
+
+
+@pytest.mark.parametrize(
+    ("model", "refused"),
+    [
+        (torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Bilinear(2, 2, 3)), "Linear, Conv2d"),
+        (torch.nn.Conv2d(2, 2, 3, groups=2), "groups 1"),
+        (torch.nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"), "zero padding"),
+    ],
+)
+def test_layers_refuses_what_it_has_no_closed_form_for(
+    model: torch.nn.Module, refused: str
+) -> None:
+    with pytest.raises(TrainingConfigError, match=refused):
+        LayerGradients(model, torch.nn.CrossEntropyLoss())
+
+
+def test_layers_refuses_a_layer_called_twice() -> None:
+    linear = torch.nn.Linear(3, 3)
+    gradients = LayerGradients(torch.nn.Sequential(linear, linear), torch.nn.CrossEntropyLoss())
+    with pytest.raises(TrainingConfigError, match="once"):
+        gradients.compute(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))
 
 
 def test_initial_checkpoint_is_recorded_by_hash(digits: DatasetSplits, tmp_path: Path) -> None:

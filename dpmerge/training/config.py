@@ -36,7 +36,8 @@ DEFAULT_GRAD_SAMPLE_MODE = {
 docs/training.md, "Throughput"; docs/results.md §6). ``cnn``: ``vmap`` (one batched backward
 pass, no parameter ``.grad`` beside the per-example gradients; 0.78 of non-private against
 0.54 for ``hooks`` and 0.51 for ``ghost``, whose conv and GroupNorm layers have no ghost norm
-sampler). ``resnet18_gn``: ``hooks`` (docs/training.md, "Throughput")."""
+sampler; ``layers`` was not faster, docs/results.md §6.2). ``resnet18_gn``: ``hooks``
+(docs/training.md, "Throughput")."""
 DEFAULT_LEARNING_RATE = {ModelName.LOGREG: 2.0, ModelName.CNN: 1.0, ModelName.RESNET18_GN: 0.5}
 """Plain-SGD step sizes at C = 1, B = 256, chosen in docs/training.md ("Logreg learning rate",
 "CNN learning rate"); resnet18_gn is not tuned here."""

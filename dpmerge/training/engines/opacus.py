@@ -1,6 +1,7 @@
 """The Opacus engine: Opacus 1.6's ``PrivacyEngine`` with Poisson sampling, in any of its
 grad-sample modes (``hooks``, ``functorch``, ``ew``, ``ghost``) or with per-example gradients
-from ``torch.func`` (``vmap``, :mod:`~dpmerge.training.engines.vmap`), for any model."""
+from ``torch.func`` (``vmap``, :mod:`~dpmerge.training.engines.vmap`), for any model, or from
+one batched backward pass (``layers``, :mod:`~dpmerge.training.engines.layers`)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,18 @@ from torch.utils.data import DataLoader
 from dpmerge.data import Split, collate_batch
 from dpmerge.training.checkpoint import RunState
 from dpmerge.training.config import TrainConfig
+from dpmerge.training.engines.layers import LayerGradients
 from dpmerge.training.engines.vmap import PerExampleGradients
 from dpmerge.training.plan import MechanismPlan
 from dpmerge.training.record import Ran, accountant_history
 from dpmerge.training.streams import Streams
 from dpmerge.vocabulary import GradSampleMode
 
-OPACUS_GRAD_SAMPLE_MODE = {GradSampleMode.VMAP: "no_op"}
-"""Opacus' mode where it is not dpmerge's: ``vmap`` sets the per-example gradients itself."""
+OPACUS_GRAD_SAMPLE_MODE = {GradSampleMode.VMAP: "no_op", GradSampleMode.LAYERS: "no_op"}
+"""Opacus' mode where it is not dpmerge's: ``vmap`` and ``layers`` set the per-example
+gradients themselves."""
+PER_EXAMPLE = {GradSampleMode.VMAP: PerExampleGradients, GradSampleMode.LAYERS: LayerGradients}
+"""What computes the per-example gradients in the modes where Opacus' module does not."""
 
 
 class OpacusEngine:
@@ -69,11 +74,8 @@ class OpacusEngine:
         else:
             self.dp_model, self.optimizer, self.loader = private
             self.criterion = nn.CrossEntropyLoss()
-        self.per_example = (
-            PerExampleGradients(model, self.criterion)
-            if self.config.mode == GradSampleMode.VMAP
-            else None
-        )
+        per_example = PER_EXAMPLE.get(self.config.mode)
+        self.per_example = None if per_example is None else per_example(model, self.criterion)
         if self.loader.batch_sampler.sample_rate != self.plan.sample_rate:
             raise RuntimeError(
                 f"Opacus samples at q = {self.loader.batch_sampler.sample_rate}, "

@@ -1,0 +1,106 @@
+"""Per-example gradients of the parameter layers from one batched backward pass (grad-sample
+mode ``layers``; docs/design.md#mechanism-record: only how the gradients are computed differs,
+so the mechanism and its record are the Opacus engine's).
+
+One ordinary batched forward pass keeps each parameter layer's input and output; one batched
+backward pass (``torch.autograd.grad`` of the summed per-example losses with respect to those
+outputs, so no parameter ``.grad`` is computed) gives each example's gradient at each layer's
+output. Each parameter's per-example gradient is then the layer's own closed form:
+
+* ``Linear``: ``g_b aᵀ_b`` (bias ``g_b``);
+* ``Conv2d``: ``g_b`` against the unfolded input patches (bias ``g_b`` summed over positions);
+* ``GroupNorm``: ``g_b`` times the normalised input, summed over positions (bias ``g_b``
+  summed).
+
+Layers without parameters (pooling, activations) run batched in both passes, unlike ``vmap``,
+where ``torch.func`` batches max-pool's and GroupNorm's backward element by element
+(docs/results.md §6.2). Opacus (its ``no_op`` mode) clips, sums and noises the ``grad_sample``
+tensors set here, exactly as those of its other modes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpmerge.training.config import TrainingConfigError
+
+LAYERS = (nn.Linear, nn.Conv2d, nn.GroupNorm)
+"""The layers whose per-example gradients this mode computes."""
+
+
+class LayerGradients:
+    """Sets ``p.grad_sample`` of ``module``'s parameters to per-example gradients of ``loss``
+    (a mean over the batch, as Opacus' ``loss_reduction="mean"``)."""
+
+    def __init__(self, module: nn.Module, loss: nn.Module) -> None:
+        self.module, self.loss = module, loss
+        self.layers = [
+            layer
+            for layer in module.modules()
+            if isinstance(layer, LAYERS) and list(layer.parameters(recurse=False))
+        ]
+        covered = {id(p) for layer in self.layers for p in layer.parameters(recurse=False)}
+        if any(id(p) not in covered for p in module.parameters()):
+            raise TrainingConfigError(
+                "grad_sample_mode 'layers' supports models whose parameters are all in "
+                "Linear, Conv2d and GroupNorm layers"
+            )
+        for layer in self.layers:
+            if isinstance(layer, nn.Conv2d) and (
+                layer.groups != 1 or layer.padding_mode != "zeros" or isinstance(layer.padding, str)
+            ):
+                raise TrainingConfigError(
+                    "grad_sample_mode 'layers' supports Conv2d with groups 1 and zero padding"
+                )
+
+    def compute(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Set each parameter's ``grad_sample`` (leading dimension ``len(y)``); the batch's
+        mean loss (NaN for an empty batch, which gets empty per-example gradients)."""
+        if len(y) == 0:
+            for p in self.module.parameters():
+                p.grad_sample = p.new_zeros((0, *p.shape))
+            return torch.tensor(float("nan"))
+        inputs: dict[nn.Module, torch.Tensor] = {}
+        outputs: dict[nn.Module, torch.Tensor] = {}
+
+        def keep(layer: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            if layer in outputs:
+                raise TrainingConfigError(
+                    "grad_sample_mode 'layers' supports models that call each layer once"
+                )
+            inputs[layer], outputs[layer] = args[0].detach(), out
+
+        handles = [layer.register_forward_hook(keep) for layer in self.layers]
+        try:
+            mean = self.loss(self.module(x), y)
+        finally:
+            for handle in handles:
+                handle.remove()
+        # Σ_b loss_b: each example's gradient at a layer's output is its own loss's gradient.
+        backprops = torch.autograd.grad(mean * len(y), [outputs[layer] for layer in self.layers])
+        for layer, g in zip(self.layers, backprops, strict=True):
+            _per_example(layer, inputs[layer], g.detach())
+        return mean.detach()
+
+
+def _per_example(layer: nn.Module, a: torch.Tensor, g: torch.Tensor) -> None:
+    """Set ``grad_sample`` of ``layer``'s parameters from its input ``a`` and the per-example
+    gradients ``g`` at its output."""
+    if isinstance(layer, nn.Linear):
+        weight = torch.einsum("b...o,b...i->boi", g, a)
+        bias = g.flatten(1, -2).sum(1) if g.dim() > 2 else g
+    elif isinstance(layer, nn.Conv2d):
+        patches = F.unfold(a, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
+        g = g.flatten(2)
+        weight = torch.einsum("bol,bkl->bok", g, patches).view(len(a), *layer.weight.shape)
+        bias = g.sum(2)
+    else:
+        normalised = F.group_norm(a, layer.num_groups, eps=layer.eps).flatten(2)
+        g = g.flatten(2)
+        weight = torch.einsum("bcl,bcl->bc", normalised, g)
+        bias = g.sum(2)
+    layer.weight.grad_sample = weight
+    if layer.bias is not None:
+        layer.bias.grad_sample = bias
