@@ -5,6 +5,7 @@ documented fixed transform of its own row, and a bad file is refused with nothin
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -112,3 +113,21 @@ def test_the_command_writes_the_spec_and_names_the_package_when_it_is_absent(
     assert dpmerge.cli.main(["study", "diamonds-table", "--out", str(tmp_path / "o2")]) == 2
     assert "PyPI package plotnine is not installed" in capsys.readouterr().err
     assert not (tmp_path / "o2").exists()
+
+
+def test_the_frontier_study_runs_on_the_prepared_table(tmp_path: Path) -> None:
+    """``dpmerge study frontier --dataset table --data-root SPEC``: the candidates train on the
+    table (the record names its fingerprint) and every point meets its target."""
+    spec = prepare_diamonds(tmp_path / "data", source(tmp_path, rows=400)).spec
+    results = tmp_path / "results"
+    args = ["study", "frontier", "--dataset", "table", "--data-root", str(spec)]
+    args += ["--sigmas", "1,3", "--grid", "2", "--seeds", "1", "--epochs", "1"]
+    args += ["--batch-size", "32", "--no-structured", "--no-compute-matched"]
+    assert dpmerge.cli.main([*args, "--no-mlflow", "--no-progress", "--results", str(results)]) == 0
+    table = pd.read_csv(results / "frontier.csv")
+    assert set(table.kind) >= {"candidate", "auto", "retrain"}
+    points = table[table.kind != "candidate"]
+    assert (points.epsilon <= points.target_epsilon * (1 + 1e-9)).all()
+    fingerprint = load_dataset("table", spec).fingerprint
+    records = [json.loads(p.read_text()) for p in results.glob("units/model-*/record.json")]
+    assert records and {r["record"]["dataset"] for r in records} == {fingerprint}
