@@ -64,6 +64,7 @@ REFUSALS: list[tuple[list[str], str]] = [
     (["study", "frontier", "--quick", "--data-root", "mydata.csv"], "reads no folder"),
     (["study", "non-convex", "--dataset", "mydata.csv"], "unknown dataset 'mydata.csv'"),
     (["study", "pretrained", "--dataset", "mnist"], "no folder given for mnist"),
+    (["study", "diamonds-table", "--out", "o", "--source", "d.csv"], "CSV not found: d.csv"),
     (["demo", "--dataset", "digits", "--noise-multipliers", "1,-2"], "must be positive"),
     (["demo", "--dataset", "digits", "--epochs", "0"], "expected a positive whole number"),
     (["demo", "--dataset", "digits", "--noise-multipliers", "1,x"], "comma-separated numbers"),

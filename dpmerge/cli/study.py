@@ -45,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _frontier(studies)
     _non_convex(studies)
     _pretrained(studies)
+    _diamonds_table(studies)
 
 
 def _interruptible(handler: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
@@ -202,6 +203,30 @@ def _pretrained(studies: argparse._SubParsersAction) -> None:
     parser.add_argument("--pretrain-learning-rate", type=positive_float, default=0.1)
     _training(parser, epochs=1, batch=256)
     _common(parser, run_pretrained)
+
+
+def _diamonds_table(studies: argparse._SubParsersAction) -> None:
+    parser = studies.add_parser(
+        "diamonds-table",
+        help="a second real dataset: plotnine's diamonds as a table and its spec",
+        description=(
+            "Writes diamonds.parquet and its spec diamonds.json under --out from the diamonds "
+            "CSV the PyPI package plotnine ships (or --source CSV): label cut (five grades), "
+            "features fixed row-wise transforms (docs/design.md#second-dataset-diamonds). "
+            "Then: dpmerge study frontier --dataset table --data-root OUT/diamonds.json."
+        ),
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder to write into")
+    parser.add_argument("--source", type=Path, help="diamonds CSV (default: plotnine's copy)")
+    parser.set_defaults(handler=run_diamonds_table)
+
+
+def run_diamonds_table(args: argparse.Namespace) -> int:
+    from dpmerge.studies.diamonds import prepare_diamonds
+
+    prepared = prepare_diamonds(args.out, args.source)
+    print(f"diamonds: {prepared.rows} rows in {prepared.table}; spec {prepared.spec}")
+    return 0
 
 
 def _tracking_uri(args: argparse.Namespace) -> str:
