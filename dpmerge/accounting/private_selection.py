@@ -27,6 +27,7 @@ from dpmerge.vocabulary import SelectionMechanism
 
 SELECTION_EPSILON = 1.0
 """The default ε of the selection, spent on the validation rows once per release."""
+METRIC_KEYS = ("epsilon", "delta", "mechanism", "n", "options")
 SENSITIVITY = 1.0
 """Δ of a count of correct validation predictions (see the module docstring)."""
 
@@ -65,12 +66,23 @@ class Selection:
             "options": self.options,
         }
 
+    def metrics(self) -> dict[str, Any]:
+        """The release's metrics that state the selection (the cards' validation row)."""
+        return {f"selection_{key}": value for key, value in self.to_dict().items()}
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, Any]) -> Selection | None:
+        """The selection a release's metrics state; ``None`` where it made none."""
+        data = {k.removeprefix("selection_"): v for k, v in metrics.items()}
+        if not all(f"selection_{key}" in metrics for key in METRIC_KEYS):
+            return None
+        return cls.from_dict({key: data[key] for key in METRIC_KEYS})
+
     @classmethod
     def from_dict(cls, data: Any) -> Selection:
         """Strict: exactly these five fields, ε finite and positive, δ = 0, a known mechanism,
         positive counts (:class:`RecordError` otherwise)."""
-        keys = {"epsilon", "delta", "mechanism", "n", "options"}
-        if not isinstance(data, Mapping) or set(data) != keys:
+        if not isinstance(data, Mapping) or set(data) != set(METRIC_KEYS):
             raise RecordError(
                 f"a selection record holds epsilon, delta, mechanism, n and options, got {data!r}"
             )

@@ -51,6 +51,7 @@ class TuningPlan:
     consulted: tuple[str, ...]
     bound: PrivacyReport
     auto: Calibration
+    lc: Calibration
 
 
 def simplex_grid(members: Sequence[int], k: int, resolution: int) -> list[tuple[float, ...]]:
@@ -95,7 +96,7 @@ def tuning_plan(
     options = [TuningOption(label, weights) for weights, label in grid.items()]
     if with_auto:
         options.insert(0, TuningOption(f"{AUTO_LABEL} ({auto.method})"))
-    return TuningPlan(tuple(options), tuple(records[i].name for i in members), bound, auto)
+    return TuningPlan(tuple(options), tuple(records[i].name for i in members), bound, auto, lc)
 
 
 def choices(calibration: Calibration) -> tuple[list[tuple[float, ...]], list[float]]:
@@ -123,7 +124,7 @@ def tuned_release(
         report = auto.report
     else:
         report = account(records, Method.LC, option.weights, auto.delta)
-        base = replace(auto, method=Method.LC, weights=option.weights)
+        base = replace(plan.lc, weights=option.weights)
     note = TUNED_NOTE.format(options=selection_count, consulted=", ".join(plan.consulted))
     report = replace(
         report,

@@ -32,8 +32,8 @@ from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.choice import choose_method
 from dpmerge.accounting.private_selection import SELECTION_EPSILON, noisy_max
-from dpmerge.accounting.tuning import choices, tuned_release, tuning_plan
 from dpmerge.accounting.records import MechanismRecord
+from dpmerge.accounting.tuning import choices, tuned_release, tuning_plan
 from dpmerge.artifacts import ModelDir
 from dpmerge.data import DatasetSplits
 from dpmerge.errors import InfeasibleTargetError, RecordError

@@ -32,9 +32,7 @@ def paired(table: pd.DataFrame, kind: str, reference: str) -> pd.DataFrame:
     for target, rows in merged.groupby("target_epsilon", sort=True):
         mean, std = mean_std(rows.gap)
         low, high = confidence_interval(mean, std, len(rows))
-        out.append(
-            dict(target_epsilon=target, gap=mean, ci_low=low, ci_high=high, seeds=len(rows))
-        )
+        out.append(dict(target_epsilon=target, gap=mean, ci_low=low, ci_high=high, seeds=len(rows)))
     return pd.DataFrame(out)
 
 
