@@ -261,16 +261,17 @@ def ledger_line(ledger: Mapping[str, Any], details: Sequence[str]) -> str:
 
 
 PERSON_RULES = {
-    Composition.PARALLEL.value: "the larger of the two: every release used one dataset "
-    "identifier, so a person is a training row or a test row, never both",
+    Composition.PARALLEL.value: "the largest of the splits': every release used one dataset "
+    "identifier, so a person is a training, a validation or a test row, never two",
     Composition.SEQUENTIAL.value: "their sum: releases used several dataset identifiers "
     "(subsets), whose test rows are not known to be apart from another's training rows",
 }
 
 
 def split_statements(ledger: Mapping[str, Any]) -> list[str]:
-    """The test rows' and one person's sentences of a ledger statement (none where it predates
-    them: ``test_composition`` absent)."""
+    """The test rows', the validation rows' (where a private selection spent on them) and one
+    person's sentences of a ledger statement (none where it predates them:
+    ``test_composition`` absent)."""
     if "test_composition" not in ledger:
         return []
     unrecorded = ledger.get("test_unrecorded") or ()
@@ -293,7 +294,14 @@ def split_statements(ledger: Mapping[str, Any]) -> list[str]:
             f"**{epsilon_text(ledger.get('person_epsilon'))}** at δ = {num(ledger.get('delta'))} "
             f"({rule})."
         )
-    return [test, person]
+    validation = ledger.get("validation_epsilon") or 0.0
+    if not validation:
+        return [test, person]
+    selections = (
+        f"Validation rows: ε = **{epsilon_text(validation)}** at δ = 0 (the releases' private "
+        "selections' ε summed: basic composition of pure ε)."
+    )
+    return [test, selections, person]
 
 
 @dataclass(frozen=True)

@@ -765,6 +765,7 @@ def test_private_tuning_releases_a_card_whose_validation_rows_are_protected(
     assert outcome.status == pm.Status.PROMOTED, outcome.reasons
     row = "| validation | protected: ε = 0.5000, δ = 0 (private tuning: the exponential mechanism"
     assert row in result.card
+    assert "Validation rows: ε = **0.5000** at δ = 0" in result.card
     public = _client(workspace).get_model_version(outcome.merged_model, outcome.version)
     assert row in _published(workspace, outcome, tmp_path / "published")
     assert "not protected" not in public.description.split("## Which rows")[1].split("##")[0]
