@@ -751,7 +751,7 @@ def test_releases_of_two_subsets_of_one_source_are_charged_to_one_ledger(tmp_pat
 
 
 def test_private_tuning_releases_a_card_whose_validation_rows_are_protected(
-    workspace: pm.Workspace, registry_home, tmp_path: Path
+    workspace: pm.Workspace, registry_home, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``tune: private``: the release is chosen by the exponential mechanism on validation
     counts (docs/design.md#private-tuning); both cards' row tables read the validation rows
@@ -777,5 +777,12 @@ def test_private_tuning_releases_a_card_whose_validation_rows_are_protected(
     assert set(used) <= set(entry.names)  # the consulted candidates are all counted
     statement = state.statement(DELTA)
     assert statement.validation >= 0.5
+    from dpmerge import cli
+
+    argv = ["ledger", "show", "--tracking-uri", workspace.tracking_uri, "--json"]
+    assert cli.main(argv) == 0
+    ledgers = json.loads(capsys.readouterr().out)["ledgers"]
+    (shown,) = [g for g in ledgers if g["source"] == "digits"]
+    assert shown["validation_rows"] == {"epsilon": statement.validation, "delta": 0.0}
     again = pm.apply_policy(_store(workspace, policy), workspace).outcome
     assert again.version == outcome.version and again.reused
