@@ -760,6 +760,9 @@ def test_private_tuning_releases_a_card_whose_validation_rows_are_protected(
     redrawn)."""
     target = registry_home["epsilons"][1] * 1.2
     policy = _policy(name="private", target_epsilon=target, tune="private", selection_epsilon=0.5)
+    planned = pm.dry_run(_store(workspace, policy), workspace)  # spends nothing, says so
+    assert "a dry run spends nothing" in planned.summary()
+    assert not list(workspace.private_dir("audit").glob("selection-*"))
     result = pm.apply_policy(_store(workspace, policy), workspace)
     outcome = result.outcome
     assert outcome.status == pm.Status.PROMOTED, outcome.reasons
@@ -773,6 +776,7 @@ def test_private_tuning_releases_a_card_whose_validation_rows_are_protected(
     (entry,) = [e for e in state.ledger if e.policy == "private"]
     assert entry.selection is not None and entry.selection.epsilon == 0.5
     assert f"n_validation = {entry.selection.n}" in result.card
+    assert len(list(workspace.private_dir("audit").glob("selection-*"))) == 1
     used = [n for n, w in zip(outcome.candidates, outcome.weights or (), strict=True) if w > 0]
     assert set(used) <= set(entry.names)  # the consulted candidates are all counted
     statement = state.statement(DELTA)
