@@ -192,7 +192,7 @@ def test_the_stated_bound_covers_every_consulted_candidate(target: float) -> Non
     has_auto = plan.options[0].weights is None
     assert has_auto == (set(auto.report.used_candidates) <= set(plan.consulted))
     for index in (0, len(plan.options) - 1):  # auto (where offered) and a grid point
-        release = tuned_release(plan, index, records, len(plan.options))
+        release = tuned_release(plan, index, records)
         assert release.report.epsilon == plan.bound.epsilon
         assert set(release.report.used_candidates) <= set(plan.consulted)
         assert release.report.structured is None or release.report.structured.epsilon_pld is None

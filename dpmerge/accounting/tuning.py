@@ -15,13 +15,14 @@ stays within the target; otherwise U = S, whose bound the generic gate already c
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from dpmerge.accounting.account import account
 from dpmerge.accounting.bounds import PrivacyReport, unavailable
 from dpmerge.accounting.calibrated import Calibration
 from dpmerge.accounting.records import Candidate
+from dpmerge.errors import RecordError
 from dpmerge.vocabulary import BoundKind, Method
 
 RESOLUTION = 4
@@ -82,7 +83,7 @@ def tuning_plan(
     subset S), ``auto`` the release ``choose_method`` picked (see the module docstring)."""
     k = len(records)
     if lc.weights is None:
-        raise ValueError("the LC calibration has weights")
+        raise RecordError("private tuning needs the generic gate's LC weights")
     subset = [i for i, w in enumerate(lc.weights) if w > 0]
     used = set(auto.report.used_candidates)
     union = sorted(set(subset) | {i for i, r in enumerate(records) if r.name in used})
@@ -99,6 +100,18 @@ def tuning_plan(
     return TuningPlan(tuple(options), tuple(records[i].name for i in members), bound, auto, lc)
 
 
+def option_counts(
+    plan: TuningPlan, accuracy: Callable[[tuple[float, ...]], float], n: int
+) -> list[float]:
+    """Each option's count of correct predictions on ``n`` validation rows, from ``accuracy``
+    of an LC merge's weights (RS and the mixture: the expected count over the draw)."""
+    counts = []
+    for option in plan.options:
+        merges, odds = choices(plan.auto) if option.weights is None else ([option.weights], [1.0])
+        counts.append(n * sum(p * accuracy(w) for w, p in zip(merges, odds, strict=True) if p > 0))
+    return counts
+
+
 def choices(calibration: Calibration) -> tuple[list[tuple[float, ...]], list[float]]:
     """A release's LC merges and their odds: one merge (LC), one candidate each (RS), two
     rungs (the mixture)."""
@@ -112,9 +125,7 @@ def choices(calibration: Calibration) -> tuple[list[tuple[float, ...]], list[flo
     return [tuple(r.weights) for r in report.rungs], [r.probability for r in report.rungs]
 
 
-def tuned_release(
-    plan: TuningPlan, index: int, records: Sequence[Candidate], selection_count: int
-) -> Calibration:
+def tuned_release(plan: TuningPlan, index: int, records: Sequence[Candidate]) -> Calibration:
     """The calibration of option ``index``, stating the consulted set's bound as its gating
     bound (the structured bound does not apply to a data-dependent choice)."""
     option = plan.options[index]
@@ -125,7 +136,7 @@ def tuned_release(
     else:
         report = account(records, Method.LC, option.weights, auto.delta)
         base = replace(plan.lc, weights=option.weights)
-    note = TUNED_NOTE.format(options=selection_count, consulted=", ".join(plan.consulted))
+    note = TUNED_NOTE.format(options=len(plan.options), consulted=", ".join(plan.consulted))
     report = replace(
         report,
         gating=plan.bound.gating,

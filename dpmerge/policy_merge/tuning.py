@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from dpmerge.accounting.tuning import choices, tuned_release, tuning_plan
-from dpmerge.evaluation import expected_accuracy
+from dpmerge.accounting.tuning import option_counts, tuned_release, tuning_plan
 from dpmerge.policies import Policy
 from dpmerge.policy_merge.calibration import PolicyPlan, merge_accuracy
 from dpmerge.policy_merge.candidates import CandidatePool
@@ -37,18 +36,7 @@ def select_privately(
     records = [c.model_dir.record for c in candidates if c.model_dir.record is not None]
     tuning = tuning_plan(records, plan.calibration, lc)
     merges, n = merge_accuracy(candidates), len(data.validation)
-    counts = []
-    for option in tuning.options:
-        weights, odds = (
-            choices(plan.calibration)
-            if option.weights is None
-            else (
-                [option.weights],
-                [1.0],
-            )
-        )
-        accuracies = [merges.accuracy(w, data.validation) for w in weights]
-        counts.append(n * expected_accuracy(accuracies, odds))
+    counts = option_counts(tuning, lambda w: merges.accuracy(w, data.validation), n)
     labels = [option.label for option in tuning.options]
     key = selection_key(
         {
@@ -60,7 +48,7 @@ def select_privately(
         }
     )
     index, selection = stored_selection(workspace, key, labels, counts, n, policy.selection_epsilon)
-    calibration = tuned_release(tuning, index, records, len(labels))
+    calibration = tuned_release(tuning, index, records)
     reason = (
         f"private tuning chose {labels[index]} among {len(labels)} merges (exponential "
         f"mechanism on validation accuracy, ε = {selection.epsilon:g} on the validation rows)"

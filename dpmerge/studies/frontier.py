@@ -33,7 +33,7 @@ from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.choice import choose_method
 from dpmerge.accounting.private_selection import SELECTION_EPSILON, noisy_max
 from dpmerge.accounting.records import MechanismRecord
-from dpmerge.accounting.tuning import choices, tuned_release, tuning_plan
+from dpmerge.accounting.tuning import option_counts, tuned_release, tuning_plan
 from dpmerge.artifacts import ModelDir
 from dpmerge.data import DatasetSplits
 from dpmerge.errors import InfeasibleTargetError, RecordError
@@ -241,14 +241,10 @@ class FrontierContext:
         """The row of the privately tuned release (:data:`AUTO_PRIVATE`): the option
         :func:`noisy_max` picks on validation counts (``draw`` seeds it in a study)."""
         plan = tuning_plan(self.records, auto, lc)
-        n = len(self.evaluator.data.validation)
-        counts = []
-        for option in plan.options:
-            merges, odds = choices(auto) if option.weights is None else ([option.weights], [1.0])
-            accuracies = [self.evaluator.accuracy(w, "validation") for w in merges]
-            counts.append(n * expected_accuracy(accuracies, odds))
+        validation = len(self.evaluator.data.validation)
+        counts = option_counts(plan, lambda w: self.evaluator.accuracy(w, "validation"), validation)
         index = noisy_max(counts, epsilon, draw)
-        release = tuned_release(plan, index, self.records, len(plan.options))
+        release = tuned_release(plan, index, self.records)
         row = self.release_row(AUTO_PRIVATE.kind, target, release, draw)
         return {**row, "options": len(plan.options), "chosen": plan.options[index].label}
 
