@@ -31,11 +31,12 @@ from pydantic import (
     model_validator,
 )
 
+from dpmerge.accounting.private_selection import SELECTION_EPSILON
 from dpmerge.documents import describe_validation_error, load_yaml, read_item_list, shorten
 from dpmerge.errors import InputError
 from dpmerge.publication import dataset_name
 from dpmerge.registry.tags import ALIAS_LIMIT
-from dpmerge.vocabulary import GatingBound, OnNoncompliant, PolicyMethod
+from dpmerge.vocabulary import GatingBound, OnNoncompliant, PolicyMethod, Tuning
 
 if TYPE_CHECKING:
     from dpmerge.registry.catalog import Inventory
@@ -91,8 +92,22 @@ class Policy(BaseModel):
     )
     tune_weights: StrictBool = Field(
         default=False,
-        description="tune LC weights within the chosen subset on validation accuracy (generic "
-        "gate only); the card then states that the validation rows are not protected",
+        description="the unprotected opt-out: tune LC weights within the chosen subset on "
+        "validation accuracy (generic gate only); the card then states that the validation "
+        "rows are not protected",
+    )
+    tune: Tuning = Field(
+        default=Tuning.NONE,
+        description="private: choose among auto's release and a grid of LC weights by a "
+        "differentially private selection on validation accuracy (docs/design.md#private-tuning)",
+    )
+    selection_epsilon: StrictFloat = Field(
+        default=SELECTION_EPSILON,
+        gt=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="ε of the private selection under tune: private, spent on the validation "
+        "rows once per release",
     )
     min_accuracy: StrictFloat = Field(
         default=0.0,
@@ -160,6 +175,13 @@ class Policy(BaseModel):
             )
         if self.tune_weights and self.method == "rs":
             raise ValueError("tune_weights applies to LC weights; method 'rs' has none")
+        if self.tune == Tuning.PRIVATE and (
+            self.tune_weights or self.method != "auto" or self.gating_bound != "generic"
+        ):
+            raise ValueError(
+                "tune 'private' chooses among auto's release and LC weights under the generic "
+                "gate: it needs method 'auto', gating_bound 'generic' and no tune_weights"
+            )
         object.__setattr__(self, "alias", alias)
         return self
 

@@ -26,6 +26,7 @@ from importlib import metadata
 from typing import Any
 
 from dpmerge.accounting.private_accuracy import PrivateAccuracy
+from dpmerge.accounting.private_selection import Selection
 from dpmerge.accounting.records import Candidate, MechanismRecord
 from dpmerge.errors import RecordError
 from dpmerge.formatting import epsilon_text
@@ -260,16 +261,17 @@ def ledger_line(ledger: Mapping[str, Any], details: Sequence[str]) -> str:
 
 
 PERSON_RULES = {
-    Composition.PARALLEL.value: "the larger of the two: every release used one dataset "
-    "identifier, so a person is a training row or a test row, never both",
+    Composition.PARALLEL.value: "the largest of the splits': every release used one dataset "
+    "identifier, so a person is a training, a validation or a test row, never two",
     Composition.SEQUENTIAL.value: "their sum: releases used several dataset identifiers "
     "(subsets), whose test rows are not known to be apart from another's training rows",
 }
 
 
 def split_statements(ledger: Mapping[str, Any]) -> list[str]:
-    """The test rows' and one person's sentences of a ledger statement (none where it predates
-    them: ``test_composition`` absent)."""
+    """The test rows', the validation rows' (where a private selection spent on them) and one
+    person's sentences of a ledger statement (none where it predates them:
+    ``test_composition`` absent)."""
     if "test_composition" not in ledger:
         return []
     unrecorded = ledger.get("test_unrecorded") or ()
@@ -292,7 +294,14 @@ def split_statements(ledger: Mapping[str, Any]) -> list[str]:
             f"**{epsilon_text(ledger.get('person_epsilon'))}** at δ = {num(ledger.get('delta'))} "
             f"({rule})."
         )
-    return [test, person]
+    validation = ledger.get("validation_epsilon") or 0.0
+    if not validation:
+        return [test, person]
+    selections = (
+        f"Validation rows: ε = **{epsilon_text(validation)}** at δ = 0 (the releases' private "
+        "selections' ε summed: basic composition of pure ε)."
+    )
+    return [test, selections, person]
 
 
 @dataclass(frozen=True)
@@ -330,23 +339,36 @@ def test_protection(estimate: PrivateAccuracy | None) -> RowProtection:
     return RowProtection(True, estimate.epsilon, estimate.delta, text)
 
 
+def validation_protection(selection: Selection | None, tuned: bool) -> RowProtection:
+    """The validation rows' protection: not protected where ``tuned`` (the opt-out), the
+    private selection's ε where ``selection`` (private tuning), else unused (ε = 0)."""
+    if tuned:
+        return RowProtection(False, None, None, f"{NOT_PROTECTED}: {VALIDATION_TUNED}")
+    if selection is None:
+        return RowProtection(True, 0.0, 0.0, f"protected: {VALIDATION_UNUSED}")
+    text = (
+        f"protected: ε = {epsilon_text(selection.epsilon)}, δ = {num(selection.delta)} "
+        f"(private tuning: the {selection.mechanism.value} mechanism chose this release among "
+        f"{selection.options} merges on its count of correct predictions, sensitivity 1, "
+        f"n_validation = {selection.n})"
+    )
+    return RowProtection(True, selection.epsilon, selection.delta, text)
+
+
 def row_protection(
     report: Mapping[str, Any], metrics: Mapping[str, Any], tuned: bool
 ) -> dict[str, RowProtection]:
     """How the release ``report`` describes protects each split's rows
     (docs/design.md#row-protection): the training rows by its (ε, δ), the validation rows
-    unused unless ``tuned`` (its LC weights were tuned on validation accuracy), the test rows
-    by the private estimate ``metrics`` carry, if they carry one."""
+    unused unless ``tuned`` (its LC weights were tuned on validation accuracy) or privately
+    selected on (the selection ``metrics`` carry), the test rows by the private estimate
+    ``metrics`` carry, if they carry one."""
     epsilon, delta = report["epsilon"], report["delta"]
     training = (
         f"protected: ε = {epsilon_text(epsilon)}, δ = {num(delta)} — the guarantee above: the "
         "candidates were trained on them with DP-SGD"
     )
-    validation = (
-        RowProtection(False, None, None, f"{NOT_PROTECTED}: {VALIDATION_TUNED}")
-        if tuned
-        else RowProtection(True, 0.0, 0.0, f"protected: {VALIDATION_UNUSED}")
-    )
+    validation = validation_protection(Selection.from_metrics(metrics), tuned)
     return {
         "training": RowProtection(True, epsilon, delta, training),
         "validation": validation,

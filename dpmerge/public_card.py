@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dpmerge.accounting.private_accuracy import PRIVACY_KEYS
+from dpmerge.accounting.private_selection import METRIC_KEYS as SELECTION_KEYS
 from dpmerge.privacy_card import (
     BOUND_LABELS,
     LEDGER_NOTE,
@@ -58,9 +59,14 @@ LEDGER_KEYS = (
 """The ledger fields a public card shows; of ``test_unrecorded`` (release ids), the count."""
 ACCURACY_KEYS = ("test_accuracy",)
 """The accuracy a public card shows: the test split's only (see the module docstring)."""
-PUBLIC_METRICS = (*ACCURACY_KEYS, *PRIVACY_KEYS, "test_n")
+PUBLIC_METRICS = (
+    *ACCURACY_KEYS,
+    *PRIVACY_KEYS,
+    "test_n",
+    *(f"selection_{key}" for key in SELECTION_KEYS),
+)
 """The metrics a public card reads: the test accuracy and, where it is a private estimate, its
-guarantee and n_test (public)."""
+guarantee and n_test (public), and a private selection's guarantee on the validation rows."""
 INTERNAL_NOTE = (
     "The candidates this release was merged from, their mechanism records, metrics and the "
     "merge weights are internal (operators read them on the internal card: `dpmerge registry "

@@ -43,6 +43,23 @@ class EvaluationMechanism(StrEnum):
     LAPLACE = "laplace"
 
 
+class SelectionMechanism(StrEnum):
+    """The mechanism that protects the validation rows under private tuning
+    (docs/design.md#row-protection): the exponential mechanism on the count of correct
+    validation predictions, sampled as report-noisy-max with Gumbel noise; pure ε, δ = 0."""
+
+    EXPONENTIAL = "exponential"
+
+
+class Tuning(StrEnum):
+    """How a policy chooses among its feasible merges (docs/design.md#private-tuning):
+    ``none`` from the records alone; ``private`` by a differentially private selection on
+    validation accuracy, its ε spent on the validation rows."""
+
+    NONE = "none"
+    PRIVATE = "private"
+
+
 class Composition(StrEnum):
     """How the release ledger composes a statement (docs/design.md#release-ledger):
     ``sequential`` adds the parts' ε (basic composition; exact-safe for pure ε), ``parallel``

@@ -748,3 +748,45 @@ def test_releases_of_two_subsets_of_one_source_are_charged_to_one_ledger(tmp_pat
     joint = accountant.compose(event).get_epsilon(DELTA)
     assert outcomes[1].cumulative_epsilon >= joint > max(o.epsilon for o in outcomes)
     assert state.cumulative(DELTA).epsilon >= joint
+
+
+def test_private_tuning_releases_a_card_whose_validation_rows_are_protected(
+    workspace: pm.Workspace, registry_home, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tune: private``: the release is chosen by the exponential mechanism on validation
+    counts (docs/design.md#private-tuning); both cards' row tables read the validation rows
+    protected with the selection's ε, the ledger entry records it and counts every candidate
+    the selection consulted, and a rerun reuses the release (the selection is kept, not
+    redrawn)."""
+    target = registry_home["epsilons"][1] * 1.2
+    policy = _policy(name="private", target_epsilon=target, tune="private", selection_epsilon=0.5)
+    planned = pm.dry_run(_store(workspace, policy), workspace)  # spends nothing, says so
+    assert "a dry run spends nothing" in planned.summary()
+    assert not list(workspace.private_dir("audit").glob("selection-*"))
+    result = pm.apply_policy(_store(workspace, policy), workspace)
+    outcome = result.outcome
+    assert outcome.status == pm.Status.PROMOTED, outcome.reasons
+    row = "| validation | protected: ε = 0.5000, δ = 0 (private tuning: the exponential mechanism"
+    assert row in result.card
+    assert "Validation rows: ε = **0.5000** at δ = 0" in result.card
+    public = _client(workspace).get_model_version(outcome.merged_model, outcome.version)
+    assert row in _published(workspace, outcome, tmp_path / "published")
+    assert "not protected" not in public.description.split("## Which rows")[1].split("##")[0]
+    state = _ledger(workspace, outcome)
+    (entry,) = [e for e in state.ledger if e.policy == "private"]
+    assert entry.selection is not None and entry.selection.epsilon == 0.5
+    assert f"n_validation = {entry.selection.n}" in result.card
+    assert len(list(workspace.private_dir("audit").glob("selection-*"))) == 1
+    used = [n for n, w in zip(outcome.candidates, outcome.weights or (), strict=True) if w > 0]
+    assert set(used) <= set(entry.names)  # the consulted candidates are all counted
+    statement = state.statement(DELTA)
+    assert statement.validation >= 0.5
+    from dpmerge import cli
+
+    argv = ["ledger", "show", "--tracking-uri", workspace.tracking_uri, "--json"]
+    assert cli.main(argv) == 0
+    ledgers = json.loads(capsys.readouterr().out)["ledgers"]
+    (shown,) = [g for g in ledgers if g["source"] == "digits"]
+    assert shown["validation_rows"] == {"epsilon": statement.validation, "delta": 0.0}
+    again = pm.apply_policy(_store(workspace, policy), workspace).outcome
+    assert again.version == outcome.version and again.reused

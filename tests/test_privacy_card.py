@@ -184,7 +184,7 @@ def test_ledger_section() -> None:
     assert "training rows ε = **3.2100** at δ = 1e-05 (PLD; cap ε = 8; 3 releases)." in md
     assert "Test rows: ε = **1.5000** at δ = 0 (the releases' accuracy estimates' ε summed" in md
     assert "One person, whichever split holds their row: ε = **3.2100** at δ = 1e-05" in md
-    assert "the larger of the two: every release used one dataset identifier" in md
+    assert "the largest of the splits': every release used one dataset identifier" in md
     summed = card(ledger | {"person_epsilon": 4.71, "person_composition": "sequential"})
     assert "ε = **4.7100** at δ = 1e-05 (their sum: releases used several dataset" in summed
     old = card(ledger | {"test_epsilon": None, "test_unrecorded": ["r1", "r2"]})

@@ -142,12 +142,16 @@ class PersonBound:
     composition: Composition
 
 
-def person_bound(training: PairBound, test: EvaluationBound, one_split: bool) -> PersonBound:
-    """The per-person bound from the training rows' ``training`` and the test rows' ``test``."""
+def person_bound(
+    training: PairBound, test: EvaluationBound, one_split: bool, validation: float = 0.0
+) -> PersonBound:
+    """The per-person bound from the training rows' ``training``, the test rows' ``test`` and
+    the validation rows' ``validation`` (private selections' ε summed; 0 where none was made:
+    a third split, apart from both by the keyed split)."""
     composition = Composition.PARALLEL if one_split else Composition.SEQUENTIAL
     if test.epsilon is None:
         return PersonBound(None, training.delta, composition)
-    parts = [training.epsilon, test.epsilon]
+    parts = [training.epsilon, test.epsilon, validation]
     epsilon = max(parts) if one_split else sum_up(parts)
     return PersonBound(epsilon, training.delta, composition)
 
@@ -160,3 +164,5 @@ class LedgerStatement:
     training: PairBound
     test: EvaluationBound
     person: PersonBound
+    validation: float = 0.0
+    """The validation rows' ε: the releases' private selections' ε summed (pure ε, δ = 0)."""

@@ -152,6 +152,7 @@ def _show(args: argparse.Namespace) -> int:
                     "composition": test.composition.value,
                     "unrecorded": list(test.unrecorded),
                 },
+                "validation_rows": {"epsilon": statement.validation, "delta": 0.0},
                 "per_person": {
                     "epsilon": person.epsilon,
                     "delta": person.delta,
@@ -174,6 +175,11 @@ def _show(args: argparse.Namespace) -> int:
             f"{row['last_counted_at']}"
         )
         print(f"  {_test_line(row['test_rows'])}")
+        if row["validation_rows"]["epsilon"]:
+            print(
+                f"  validation rows: ε = {epsilon_text(row['validation_rows']['epsilon'])} at "
+                "δ = 0 (the private selections' ε summed)"
+            )
         print(f"  {_person_line(row['per_person'])}")
     if not ledgers:
         print("no release is counted" + (f" for {args.source}" if args.source else ""))

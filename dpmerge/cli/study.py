@@ -26,7 +26,7 @@ from dpmerge.cli.common import (
     probability,
 )
 from dpmerge.data.sources import check_source
-from dpmerge.vocabulary import DatasetName
+from dpmerge.vocabulary import DatasetName, Tuning
 
 EXIT_INTERRUPTED = 130
 """As a shell reports a command ended by SIGINT (128 + 2)."""
@@ -140,6 +140,15 @@ def _frontier(studies: argparse._SubParsersAction) -> None:
     )
     front.add_argument("--no-structured", action="store_true", help="skip LC (structured)")
     front.add_argument("--no-compute-matched", action="store_true", help="skip that retrain")
+    front.add_argument(
+        "--tune",
+        choices=[t.value for t in Tuning],
+        default=Tuning.NONE.value,
+        help=(
+            "private: compare auto with private tuning (the exponential mechanism on validation "
+            "counts, ε = 1), paired by seed, without retrains (docs/design.md#private-tuning)"
+        ),
+    )
     front.add_argument(
         "--checkpoints",
         type=lambda text: tuple(positive_int(v) for v in text.split(",")),
@@ -325,6 +334,10 @@ def run_frontier(args: argparse.Namespace) -> int:
         checkpoints=args.checkpoints,
     )
     _threads(args)
+    if args.tune == Tuning.PRIVATE:
+        from dpmerge.studies.tuning import STUDY, run_tuning_study
+
+        return _finish(args, run_tuning_study(study, _folder(args, STUDY)))
     return _finish(args, run_frontier_study(study, _folder(args, "frontier")))
 
 

@@ -57,6 +57,7 @@ from dpmerge.policy_merge.promotion import (
     superseded_reason,
 )
 from dpmerge.policy_merge.release import MergeRequest, Release, merge_request, spend_note
+from dpmerge.policy_merge.tuning import select_privately
 from dpmerge.registry import RegisteredCandidate
 from dpmerge.state import CountedRelease, SupersededError
 from dpmerge.state.policies import PolicyVersion
@@ -171,6 +172,7 @@ class _Run:
                 (str(error),),
                 {"reachable_epsilon_range": (float(low), float(high))},
             )
+        plan = select_privately(self.workspace, self.policy, pool, candidates, plan, data)
         request = merge_request(self.policy, pool, candidates, plan)
         entry = ledger_entry(request, candidates, plan, self.version)
         report = plan.calibration.report

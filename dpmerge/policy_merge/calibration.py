@@ -8,8 +8,9 @@ mixture and keeps the release with the best expected noise-proxy utility
 validation accuracy tune the LC weights within the chosen subset (each rung's, for the mixture)
 under the generic gate, where every weighting has the same bound; the validation rows are then
 not protected, and the card says so. A choice *between* methods, subsets or candidates steered by
-validation accuracy would depend on every candidate consulted, which no bound over the released
-ones covers."""
+validation accuracy depends on every candidate consulted, which no bound over the released ones
+covers: private tuning (``tune: private``, :mod:`dpmerge.policy_merge.tuning`) makes it with a
+differentially private selection and states the consulted candidates' bound."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 from dpmerge.accounting.calibration import Calibration, calibrate
 from dpmerge.accounting.choice import PREFERENCE, choose_method
+from dpmerge.accounting.private_selection import Selection
 from dpmerge.accounting.records import Candidate
 from dpmerge.errors import RefusalError
 from dpmerge.evaluation import MergeAccuracy
@@ -28,7 +30,7 @@ from dpmerge.registry import RegisteredCandidate
 from dpmerge.vocabulary import GatingBound, Method, PolicyMethod
 
 
-def _merges(candidates: Sequence[RegisteredCandidate]) -> MergeAccuracy:
+def merge_accuracy(candidates: Sequence[RegisteredCandidate]) -> MergeAccuracy:
     """Accuracy of LC merges of the candidates, with the released merge's arithmetic."""
     specs = {c.model_dir.spec for c in candidates}
     if len(specs) != 1:
@@ -39,11 +41,16 @@ def _merges(candidates: Sequence[RegisteredCandidate]) -> MergeAccuracy:
 @dataclass(frozen=True)
 class PolicyPlan:
     """The chosen calibration and how the methods compared (their expected noise-proxy
-    utilities, read off the records; a refused method says why)."""
+    utilities, read off the records; a refused method says why); ``offered``: each method's
+    calibration; under private tuning, what the selection spent on the validation rows
+    (``selection``) and every candidate it consulted (``consulted``, counted in the ledger)."""
 
     calibration: Calibration
     compared: dict[str, dict[str, Any]] = field(default_factory=dict)
     reason: str | None = None
+    offered: dict[str, Calibration] = field(default_factory=dict)
+    selection: Selection | None = None
+    consulted: tuple[str, ...] = ()
 
     @property
     def method(self) -> str:
@@ -61,7 +68,7 @@ def calibrate_policy(
         if c.model_dir.record is None:
             raise RefusalError(f"{c.name} v{c.version} is not a candidate")
         records.append(c.model_dir.record)
-    merges = _merges(candidates) if policy.tune_weights else None
+    merges = merge_accuracy(candidates) if policy.tune_weights else None
     methods = PREFERENCE if policy.method == PolicyMethod.AUTO else (Method(policy.method),)
     results: dict[str, Calibration] = {}
     compared: dict[str, dict[str, Any]] = {}
@@ -88,4 +95,5 @@ def calibrate_policy(
     choice = choose_method(results, records)
     for method, utility in choice.utilities.items():
         compared[method]["expected_utility"] = utility
-    return PolicyPlan(choice.calibration, compared, choice.reason if len(methods) > 1 else None)
+    reason = choice.reason if len(methods) > 1 else None
+    return PolicyPlan(choice.calibration, compared, reason, offered=results)

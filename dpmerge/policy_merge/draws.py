@@ -1,5 +1,6 @@
 """Draws kept once per release, stored before they are used (docs/design.md#rs-secrecy,
-docs/design.md#row-protection): the RS index, and the noise of the test-accuracy estimate.
+docs/design.md#row-protection, docs/design.md#private-tuning): the RS index, the noise of the
+test-accuracy estimate, and private tuning's selection.
 
 A retried or concurrent run of the same release must not draw again: a second RS draw is a
 selection step that costs privacy, and two versions from two draws reveal both; a second noisy
@@ -9,10 +10,13 @@ none is a new one drawn from the OS's cryptographic RNG and written create-once 
 bucket (``If-None-Match: *``), or without S3 as a 0600 file under ``<home>/audit``
 (``O_EXCL``). If another run wrote first, its draw is used and this one is discarded unused.
 The RS record is the release's audit record: the index never goes anywhere else. The accuracy
-record holds the published estimate only, never the exact accuracy."""
+record holds the published estimate only, never the exact accuracy; the selection record the
+options and the chosen index, never the validation counts. A selection is made before its
+release is known, so its key is a hash of what it chooses among (:func:`selection_key`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -21,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from dpmerge.accounting.private_accuracy import PrivateAccuracy, private_accuracy
+from dpmerge.accounting.private_selection import Selection, noisy_max
 from dpmerge.errors import IntegrityError, RecordError
 from dpmerge.merging import draw_index
 from dpmerge.storage import ObjectExistsError, ObjectNotFoundError
@@ -28,6 +33,7 @@ from dpmerge.workspace import Workspace
 
 SCHEMA = "dpmerge.rs_draw/1"
 ACCURACY_SCHEMA = "dpmerge.test_accuracy_draw/1"
+SELECTION_SCHEMA = "dpmerge.selection_draw/1"
 ACCURACY_SUFFIX = ".test-accuracy"
 """The accuracy draw's key: the release hash with this suffix (the RS draw's is the hash)."""
 Kept = TypeVar("Kept")
@@ -166,3 +172,57 @@ def stored_accuracy(
         }
 
     return kept_once(workspace, release + ACCURACY_SUFFIX, draw, lambda r: _estimate(r, release, n))
+
+
+def selection_key(parts: Any) -> str:
+    """The key of a selection among ``parts`` (JSON: the candidates, target and options)."""
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    return f"selection-{digest[:40]}"
+
+
+def _selection(record: dict[str, Any], key: str, labels: Sequence[str]) -> tuple[int, Selection]:
+    index = record.get("drawn_index")
+    try:
+        selection = Selection.from_dict(record.get("selection"))
+    except RecordError:
+        selection = None
+    if (
+        record.get("schema") != SELECTION_SCHEMA
+        or record.get("key") != key
+        or record.get("options") != list(labels)
+        or selection is None
+        or not isinstance(index, int)
+        or isinstance(index, bool)
+        or not 0 <= index < len(labels)
+    ):
+        raise IntegrityError(
+            f"the stored selection {key!r} does not match its options; the audit record was "
+            "altered (restore it from the audit bucket's versions)"
+        )
+    return index, selection
+
+
+def stored_selection(
+    workspace: Workspace,
+    key: str,
+    labels: Sequence[str],
+    counts: Sequence[float],
+    n: int,
+    epsilon: float,
+) -> tuple[int, Selection]:
+    """The option private tuning chose under ``key``: the stored choice (with the ε it was
+    made at), else a new :func:`noisy_max` draw at ``epsilon`` on the validation ``counts`` of
+    ``n`` rows, stored before use. The counts are not stored."""
+
+    def draw() -> dict[str, Any]:
+        index = noisy_max(counts, epsilon)
+        return {
+            "schema": SELECTION_SCHEMA,
+            "key": key,
+            "options": list(labels),
+            "drawn_index": index,
+            "selection": Selection(epsilon, n, len(labels)).to_dict(),
+            "drawn_at": datetime.now(UTC).isoformat(),
+        }
+
+    return kept_once(workspace, key, draw, lambda r: _selection(r, key, labels))

@@ -40,8 +40,14 @@ from dpmerge.registry import RegisteredCandidate
 from dpmerge.state import CountedRelease
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.serving import read_state
-from dpmerge.vocabulary import Method, OnNoncompliant
+from dpmerge.vocabulary import Method, OnNoncompliant, Tuning
 from dpmerge.workspace import Workspace, remove_tree
+
+PRIVATE_TUNING_NOTE = (
+    "tune: private — a run chooses the release among auto's and a grid of LC weights by a "
+    "private selection on validation accuracy (its selection_epsilon on the validation rows); "
+    "a dry run spends nothing and shows auto's release (docs/design.md#private-tuning)"
+)
 
 
 class Verdict(StrEnum):
@@ -158,6 +164,8 @@ def dry_run(version: PolicyVersion, workspace: Workspace) -> DryRun:
         records = [c.model_dir.record for c in candidates]
         delta_check = delta_check_for(records, policy.target_delta)  # δ ≥ 1/n: refused
         base["notes"] = tuple(n for n in (delta_check.warning, delta_check.note) if n)
+        if policy.tune == Tuning.PRIVATE:  # the selection is made, and spends, only in a run
+            base["notes"] = (*base["notes"], PRIVATE_TUNING_NOTE)
         first = records[0]
         data = load_evaluation_data(  # by the internal fingerprint, as a real run does
             first.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir

@@ -49,11 +49,19 @@ def ledger_entry(
     version: PolicyVersion,
 ) -> CountedRelease:
     """The ledger entry of the release ``request`` names: its candidates with non-zero weight
-    as published (keyed dataset identifier and lineages, signed with each candidate: every
-    number the accountants use, never a fingerprint), asked for by ``version`` of its policy."""
-    release = release_for(
-        request.content_hash, [c.published for c in candidates], plan.calibration.report
-    )
+    (under private tuning every candidate the selection consulted, and what it spent on the
+    validation rows) as published (keyed dataset identifier and lineages, signed with each
+    candidate: every number the accountants use, never a fingerprint), asked for by
+    ``version`` of its policy."""
+    published = [c.published for c in candidates]
+    release = release_for(request.content_hash, published, plan.calibration.report)
+    if plan.consulted:  # a private selection: every candidate it consulted is counted
+        release = release_of(
+            request.content_hash,
+            release.method,
+            published,
+            [float(c.name in plan.consulted) for c in published],
+        )
     versions = {
         c.model_dir.record.name: f"{c.name} v{c.version}"
         for c in candidates
@@ -65,6 +73,7 @@ def ledger_entry(
         delta=plan.calibration.delta,
         policy=version.name,
         policy_version=version.version,
+        selection=plan.selection,
     )
 
 
@@ -82,7 +91,8 @@ class LedgerSummary:
     the training rows' ``epsilon`` at ``delta`` under ``accountant``; the test rows'
     ``test_epsilon`` (δ = 0, composed ``test_composition``; ``None`` where
     ``test_unrecorded`` releases have no recorded estimate) and one person's
-    ``person_epsilon`` (at ``delta``, composed ``person_composition``),
+    ``person_epsilon`` (at ``delta``, composed ``person_composition``), the validation rows'
+    ``validation_epsilon`` (private selections, δ = 0),
     docs/design.md#release-ledger."""
 
     epsilon: float
@@ -96,6 +106,7 @@ class LedgerSummary:
     test_unrecorded: tuple[str, ...] = ()
     person_epsilon: float | None = None
     person_composition: str = Composition.SEQUENTIAL.value
+    validation_epsilon: float = 0.0
     attempts: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     refusal: str | None = None
     as_of: str = field(default_factory=stamp)
@@ -163,6 +174,7 @@ def _summary(state: DatasetState, entry: CountedRelease, cap: float | None) -> L
         test_unrecorded=statement.test.unrecorded,
         person_epsilon=statement.person.epsilon,
         person_composition=statement.person.composition.value,
+        validation_epsilon=statement.validation,
         attempts=attempts,
         refusal=refusal,
     )

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from dpmerge.accounting.calibrated import Calibration
+from dpmerge.accounting.private_selection import Selection
 from dpmerge.artifacts import ModelSpec
 from dpmerge.evaluation import evaluate
 from dpmerge.formatting import epsilon_text
@@ -33,6 +34,8 @@ POLICY_REQUEST_KEYS = (
     "model",
     "method",
     "tune_weights",
+    "tune",
+    "selection_epsilon",
     "evaluation_epsilon",
 )
 """The policy fields recorded with a release (its run's ``policy`` param and its card name the
@@ -104,12 +107,18 @@ class Release:
     ended_ms: int | None = None
 
 
-def evaluation_metrics(workspace: Workspace, request: MergeRequest, data: EvaluationData) -> Any:
+def evaluation_metrics(
+    workspace: Workspace,
+    request: MergeRequest,
+    data: EvaluationData,
+    selection: Selection | None = None,
+) -> Any:
     """A merged model's metrics: an ε-DP estimate of its test accuracy (the policy's
     ``evaluation_epsilon``; the draw kept once per release, :func:`stored_accuracy`) and n_test.
     No exact test statistic (accuracy, loss) and never a validation split's: a release whose
     weights were tuned on validation rows must not publish their accuracy or count, which its
-    guarantee does not cover (docs/design.md#row-protection)."""
+    guarantee does not cover (docs/design.md#row-protection). A private selection's guarantee
+    (``selection``) joins them: the cards' validation row states it."""
 
     def metrics(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         scores = evaluate((spec, weights), data.test)
@@ -117,7 +126,7 @@ def evaluation_metrics(workspace: Workspace, request: MergeRequest, data: Evalua
         estimate = stored_accuracy(
             workspace, request.content_hash, scores["accuracy"], scores["n"], epsilon
         )
-        return estimate.metrics()
+        return {**estimate.metrics(), **(selection.metrics() if selection else {})}
 
     return metrics
 
@@ -151,7 +160,7 @@ def merge_release(
         Path(workdir) / "release",
         delta=calibration.delta,
         gating_bound=calibration.report.gating.kind if calibration.method == "lc" else "generic",
-        metrics=evaluation_metrics(workspace, request, data),
+        metrics=evaluation_metrics(workspace, request, data, plan.selection),
         draw=lambda pi: stored_draw(workspace, request.content_hash, names, pi, notes),
     )
     report = result.report

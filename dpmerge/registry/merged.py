@@ -29,7 +29,15 @@ from dpmerge.registry.names import release_hash
 from dpmerge.registry.tags import ROLE_MERGED, tag_values
 
 INTERNAL_MERGE_KEYS = ("method", "weights", "rungs", "bound", "calibration")
-PUBLIC_POLICY_KEYS = ("name", "target_epsilon", "target_delta", "method", "tune_weights")
+PUBLIC_POLICY_KEYS = (
+    "name",
+    "target_epsilon",
+    "target_delta",
+    "method",
+    "tune_weights",
+    "tune",
+    "selection_epsilon",
+)
 
 
 @dataclass(frozen=True)

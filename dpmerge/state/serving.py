@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from dpmerge.accounting.private_accuracy import Evaluation
+from dpmerge.accounting.private_selection import Selection
 from dpmerge.documents import shorten
 from dpmerge.errors import InputError, RefusalError
 from dpmerge.formatting import epsilon_text
@@ -92,7 +93,8 @@ class CountedRelease:
     dataset identifier and lineages; every number the accountants use) — who asked for it,
     where each candidate is registered, and what its published accuracy estimate spent on the
     test rows (``evaluation``; ``None`` in entries counted before the ledger recorded it, or
-    rebuilt: no published DP estimate recorded, docs/design.md#release-ledger)."""
+    rebuilt: no published DP estimate recorded, docs/design.md#release-ledger), and what a private
+    selection spent on the validation rows (``selection``; ``None`` where none was made)."""
 
     release_id: str
     dataset: str
@@ -104,6 +106,7 @@ class CountedRelease:
     policy_version: int
     counted_at: str = ""
     evaluation: Evaluation | None = None
+    selection: Selection | None = None
 
     @classmethod
     def of(
@@ -115,6 +118,7 @@ class CountedRelease:
         policy: str,
         policy_version: int,
         evaluation: Evaluation | None = None,
+        selection: Selection | None = None,
     ) -> CountedRelease:
         data = release.to_dict()
         return cls(
@@ -127,6 +131,7 @@ class CountedRelease:
             policy=policy,
             policy_version=policy_version,
             evaluation=evaluation,
+            selection=selection,
         )
 
     def release(self) -> Release:
@@ -162,6 +167,9 @@ class CountedRelease:
         data.pop("evaluation")  # absent, not null, where none is recorded (as entries before)
         if self.evaluation is not None:
             data["evaluation"] = self.evaluation.to_dict()
+        data.pop("selection")  # absent where no private selection was made
+        if self.selection is not None:
+            data["selection"] = self.selection.to_dict()
         return data
 
     @classmethod
@@ -180,6 +188,7 @@ class CountedRelease:
             policy_version=int(data["policy_version"]),
             counted_at=str(data.get("counted_at", "")),
             evaluation=Evaluation.from_dict(data["evaluation"]) if "evaluation" in data else None,
+            selection=Selection.from_dict(data["selection"]) if "selection" in data else None,
         )
 
 
@@ -300,7 +309,12 @@ class DatasetState:
         training rows' bound (:meth:`cumulative`), the test rows' (every release's recorded
         evaluation ε summed) and one person's (the two's largest where every release and every
         candidate used one dataset identifier, else their sum), docs/design.md#release-ledger."""
-        from dpmerge.accounting.ledger import LedgerStatement, evaluation_bound, person_bound
+        from dpmerge.accounting.ledger import (
+            LedgerStatement,
+            evaluation_bound,
+            person_bound,
+            sum_up,
+        )
 
         entries = self._with(extra)
         training = self.cumulative(delta, extra)
@@ -309,7 +323,9 @@ class DatasetState:
             c.dataset for e in entries for c in e.release().candidates
         }
         one_split = len(datasets) <= 1
-        return LedgerStatement(training, test, person_bound(training, test, one_split))
+        validation = sum_up([e.selection.epsilon for e in entries if e.selection is not None])
+        person = person_bound(training, test, one_split, validation)
+        return LedgerStatement(training, test, person, validation)
 
     def with_entry(self, entry: CountedRelease, cap: float | None) -> DatasetState:
         """This state with ``entry`` counted (unchanged when it is already), after checking

@@ -31,7 +31,9 @@ from dpmerge.accounting.calibrated import Calibration
 from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.choice import choose_method
+from dpmerge.accounting.private_selection import SELECTION_EPSILON, noisy_max
 from dpmerge.accounting.records import MechanismRecord
+from dpmerge.accounting.tuning import option_counts, tuned_release, tuning_plan
 from dpmerge.artifacts import ModelDir
 from dpmerge.data import DatasetSplits
 from dpmerge.errors import InfeasibleTargetError, RecordError
@@ -78,6 +80,11 @@ LC_STRUCTURED = MergeMethod("lc-structured", Method.LC, "structured")
 AUTO = MergeMethod(AUTO_METHOD, AUTO_METHOD)
 """The provable default: RS, LC (generic) or the mixture, chosen from the records."""
 METHODS = (RS, LC_GENERIC, MIXTURE, AUTO, LC_STRUCTURED)
+AUTO_PRIVATE_METHOD = "auto-private"
+AUTO_PRIVATE = MergeMethod(AUTO_PRIVATE_METHOD, AUTO_PRIVATE_METHOD)
+"""Private tuning: among ``auto``'s release and a simplex grid of LC weights over the generic
+gate's subset, the one the exponential mechanism picks on validation counts
+(docs/design.md#private-tuning); its ε is the consulted candidates' bound."""
 COLUMNS = [
     "kind",
     "method",
@@ -223,15 +230,35 @@ class FrontierContext:
             weights=weights,
         )
 
+    def tuned_row(
+        self,
+        target: float,
+        auto: Calibration,
+        lc: Calibration,
+        epsilon: float,
+        draw: random.Random | None,
+    ) -> dict[str, Any]:
+        """The row of the privately tuned release (:data:`AUTO_PRIVATE`): the option
+        :func:`noisy_max` picks on validation counts (``draw`` seeds it in a study)."""
+        plan = tuning_plan(self.records, auto, lc)
+        validation = len(self.evaluator.data.validation)
+        counts = option_counts(plan, lambda w: self.evaluator.accuracy(w, "validation"), validation)
+        index = noisy_max(counts, epsilon, draw)
+        release = tuned_release(plan, index, self.records)
+        row = self.release_row(AUTO_PRIVATE.kind, target, release, draw)
+        return {**row, "options": len(plan.options), "chosen": plan.options[index].label}
+
     def rows_at(
         self,
         target: float,
         methods: Sequence[MergeMethod] = METHODS,
         draw: random.Random | None = None,
+        selection_epsilon: float = SELECTION_EPSILON,
     ) -> list[dict[str, Any]]:
         """One row per method feasible at ``target``. With ``draw`` (a seeded generator: a
         study's simulated release, not a secret draw), RS and mixture rows also hold the test
-        accuracy of one drawn release; ``auto`` repeats the row of the method it chose."""
+        accuracy of one drawn release; ``auto`` repeats the row of the method it chose;
+        ``auto-private`` selects at ``selection_epsilon`` on the validation rows."""
         calibrations: dict[tuple[str, str], Calibration | None] = {}
         rows: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -253,11 +280,16 @@ class FrontierContext:
 
         out = []
         for spec in methods:
-            if spec.method == AUTO_METHOD:
+            if spec.method in (AUTO_METHOD, AUTO_PRIVATE_METHOD):
                 offered = {m: calibrated(m, "generic") for m in AUTO_CHOICES}
                 if any(c is None for c in offered.values()):
                     continue
                 choice = choose_method(offered, self.records)  # type: ignore[arg-type]
+                if spec.method == AUTO_PRIVATE_METHOD:
+                    lc = offered[Method.LC]
+                    auto = choice.calibration
+                    out.append(self.tuned_row(target, auto, lc, selection_epsilon, draw))  # type: ignore[arg-type]
+                    continue
                 found = row(choice.method, "generic", str(choice.method))
             else:
                 found = row(spec.method, spec.gating_bound, spec.kind)
