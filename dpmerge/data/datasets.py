@@ -9,7 +9,7 @@
 | ``table``       | a Parquet or CSV table named by a spec file (:mod:`dpmerge.data.table`) |
 | ``image-folder`` | images in class sub-folders named by a spec file (:mod:`dpmerge.data.images`) |
 | ``npz``         | a NumPy ``.npz`` named by a spec file (:mod:`dpmerge.data.npz`)     |
-| ``hf-dataset``  | a saved Hugging Face dataset named by a spec file (:mod:`dpmerge.data.hf_dataset`) |
+| ``hf-dataset``  | a saved Hugging Face dataset (:mod:`dpmerge.data.hf_dataset`)       |
 
 Nothing is downloaded: a missing file raises :class:`~dpmerge.errors.DatasetError` naming the
 package or folder that provides it.
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dpmerge.data.readers import find_file, read_cifar_batch, read_idx
-from dpmerge.data.sources import FASHION_MNIST_PACKAGE, FASHION_MNIST_ROOT
-from dpmerge.data.splits import DatasetSplits, make_splits
 from dpmerge.data.hf_dataset import load_hf_dataset
 from dpmerge.data.images import load_images
 from dpmerge.data.npz import load_npz
+from dpmerge.data.readers import find_file, read_cifar_batch, read_idx
+from dpmerge.data.sources import FASHION_MNIST_PACKAGE, FASHION_MNIST_ROOT
+from dpmerge.data.splits import DatasetSplits, make_splits
 from dpmerge.data.table import load_table
 from dpmerge.errors import DatasetError
 from dpmerge.vocabulary import DatasetName, values
