@@ -15,6 +15,7 @@ from PIL import Image
 
 import dpmerge.cli
 from dpmerge.data import load_dataset
+from dpmerge.data.datasets import preprocessing
 from dpmerge.data.own import DEFAULT_FRACTIONS, DEFAULT_SPLIT_KEY, split_of, split_units
 from dpmerge.errors import DatasetError
 from dpmerge.state.serving import source_of
@@ -77,6 +78,7 @@ def test_each_source_splits_its_units_by_the_keyed_hash(tmp_path: Path, kind: st
     assert data.dataset_size == len(data.train) > 0
     assert data.input_shape == SHAPES[kind] and data.num_classes == 2
     assert data.fingerprint.startswith(f"{kind}-sha256:")
+    assert preprocessing(kind).startswith("float32 array (n, ")
     assert source_of(data.fingerprint) == source_of("table-sha256:00") == "own"
     assert load_dataset(kind, tmp_path / "spec.json").fingerprint == data.fingerprint
     keyed = json.loads((tmp_path / "spec.json").read_text()) | {"split_key": "another"}
