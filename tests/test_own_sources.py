@@ -30,14 +30,14 @@ def spec(folder: Path, **declared: object) -> Path:
     return path
 
 
-def images(folder: Path, per_class: int = UNITS // 2) -> Path:
+def images(folder: Path) -> Path:
     """Class ``dark`` images are darker than class ``bright`` ones; the spec's path."""
     rng = np.random.default_rng(3)
     for name, base in (("dark", 40), ("bright", 200)):
         (folder / "imgs" / name).mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
+        for i in range(UNITS // 2):
             pixels = (base + rng.integers(-30, 30, size=(6, 5))).astype(np.uint8)
-            Image.fromarray(pixels, mode="L").save(folder / "imgs" / name / f"{i:03}.png")
+            Image.fromarray(pixels).save(folder / "imgs" / name / f"{i:03}.png")
     return spec(folder, path="imgs", classes=["dark", "bright"], size=[6, 5], mode="L")
 
 
@@ -47,10 +47,9 @@ def arrays(rows: int = UNITS) -> dict[str, np.ndarray]:
     return {"x": x, "y": (x[:, 0, 0] > 0).astype(np.int64), "who": np.arange(rows) + 1000}
 
 
-def npz(folder: Path, data: dict[str, np.ndarray] | None = None, **declared: object) -> Path:
+def npz(folder: Path, data: dict[str, np.ndarray] | None = None) -> Path:
     np.savez(folder / "d.npz", **(arrays() if data is None else data))
-    keys = {"path": "d.npz", "features": "x", "label": "y", "classes": [0, 1], "unit": "who"}
-    return spec(folder, **(keys | declared))
+    return spec(folder, path="d.npz", features="x", label="y", classes=[0, 1], unit="who")
 
 
 def saved(folder: Path, columns: dict[str, list] | None = None) -> Path:
@@ -99,6 +98,19 @@ def test_units_are_files_and_array_ids(tmp_path: Path) -> None:
         if split_of(str(1000 + i), DEFAULT_SPLIT_KEY, DEFAULT_FRACTIONS) == SplitName.TRAIN
     ]
     assert np.array_equal(data.train.features.numpy(), arrays()["x"][picked])
+
+
+def test_an_image_folder_identity_covers_every_file_path_and_byte(tmp_path: Path) -> None:
+    path = images(tmp_path)
+    before = load_dataset("image-folder", path).fingerprint
+    image = tmp_path / "imgs" / "dark" / "004.png"
+    pixels = np.asarray(Image.open(image)).copy()
+    pixels[0, 0] ^= 1
+    Image.fromarray(pixels).save(image)
+    changed = load_dataset("image-folder", path).fingerprint
+    image.rename(image.with_name("104.png"))
+    renamed = load_dataset("image-folder", path).fingerprint
+    assert len({before, changed, renamed}) == 3
 
 
 def test_table_fingerprint_is_unchanged_by_the_shared_machinery(tmp_path: Path) -> None:
