@@ -176,6 +176,20 @@ def _bad_npz(folder: Path, change: str) -> str:
     return message
 
 
+def test_a_folder_that_is_not_one_saved_dataset_is_refused(tmp_path: Path) -> None:
+    path = saved(tmp_path)
+    for file in (tmp_path / "hf").iterdir():
+        file.unlink()
+    (tmp_path / "hf" / "notes.txt").write_text("not a dataset")
+    with pytest.raises(DatasetError, match=r"/hf: not a saved dataset \(Directory"):
+        load_dataset("hf-dataset", path)
+    parts = {"train": datasets.Dataset.from_dict({"a": [1.0], "b": [2.0], "y": [0]})}
+    datasets.DatasetDict(parts).save_to_disk(str(tmp_path / "dict"))
+    path.write_text(path.read_text().replace('"hf"', '"dict"'))
+    with pytest.raises(DatasetError, match=r"/dict: a DatasetDict \(train\); save one Dataset"):
+        load_dataset("hf-dataset", path)
+
+
 def _bad_saved(folder: Path, change: str) -> str:
     columns = {
         "user": [f"p{i}" for i in range(UNITS)],

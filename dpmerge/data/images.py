@@ -93,7 +93,7 @@ def _pixels(spec: ImageSpec, path: Path) -> np.ndarray:
             image.load()
             mode, width, height = image.mode, image.width, image.height
             pixels = np.asarray(image)
-    except (OSError, UnidentifiedImageError, ValueError) as error:
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as error:
         raise DatasetError(f"{path}: the image does not decode ({type(error).__name__})") from None
     if mode != spec.mode or (height, width) != spec.size:
         raise DatasetError(
