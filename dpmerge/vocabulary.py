@@ -220,11 +220,17 @@ class DatasetName(StrEnum):
     MNIST = "mnist"
     CIFAR10 = "cifar10"
     TABLE = "table"
-    """A Parquet or CSV table named by a spec file (docs/design.md#table-data)."""
+    """A Parquet or CSV table named by a spec file (docs/design.md#your-data)."""
+    IMAGE_FOLDER = "image-folder"
+    """A folder of images in class sub-folders named by a spec file (docs/design.md#your-data)."""
+    NPZ = "npz"
+    """A NumPy ``.npz`` of declared arrays named by a spec file (docs/design.md#your-data)."""
+    HF_DATASET = "hf-dataset"
+    """A Hugging Face dataset saved to disk, named by a spec file (docs/design.md#your-data)."""
 
 
 class SplitName(StrEnum):
-    """The parts a dataset is split into (docs/design.md#table-data)."""
+    """The parts a dataset is split into (docs/design.md#your-data)."""
 
     TRAIN = "train"
     VALIDATION = "validation"

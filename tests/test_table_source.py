@@ -1,4 +1,4 @@
-"""A Parquet or CSV table as a dataset (dpmerge.data.table; docs/design.md#table-data): keyed
+"""A Parquet or CSV table as a dataset (dpmerge.data.table; docs/design.md#your-data): keyed
 splits by unit, the identity the record names, and one line for each bad input."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 import dpmerge.cli
 from dpmerge.data import load_dataset
-from dpmerge.data.table import DEFAULT_FRACTIONS, DEFAULT_SPLIT_KEY, split_of
+from dpmerge.data.own import DEFAULT_FRACTIONS, DEFAULT_SPLIT_KEY, split_of
 from dpmerge.errors import DatasetError
 from dpmerge.vocabulary import SplitName
 

@@ -26,7 +26,8 @@ def _add_data_options(parser: argparse.ArgumentParser, *, required: bool) -> Non
         "--dataset", required=required, choices=values(DatasetName), help="dataset to evaluate on"
     )
     parser.add_argument(
-        "--data-root", help="folder holding the dataset files (table: its spec file)"
+        "--data-root",
+        help="folder holding the dataset files (a dataset of your own: its spec file)",
     )
     parser.add_argument("--limit", type=int, help="rows kept per file (as in training)")
     parser.add_argument("--batch-size", type=int, default=1024, help="evaluation batch size")

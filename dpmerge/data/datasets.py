@@ -7,6 +7,9 @@
 | ``mnist``       | IDX files in a folder you provide                                   |
 | ``cifar10``     | the python-pickle batches in a folder you provide                   |
 | ``table``       | a Parquet or CSV table named by a spec file (:mod:`dpmerge.data.table`) |
+| ``image-folder`` | images in class sub-folders named by a spec file (:mod:`dpmerge.data.images`) |
+| ``npz``         | a NumPy ``.npz`` named by a spec file (:mod:`dpmerge.data.npz`)     |
+| ``hf-dataset``  | a saved Hugging Face dataset (:mod:`dpmerge.data.hf_dataset`)       |
 
 Nothing is downloaded: a missing file raises :class:`~dpmerge.errors.DatasetError` naming the
 package or folder that provides it.
@@ -19,6 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dpmerge.data.hf_dataset import load_hf_dataset
+from dpmerge.data.images import load_images
+from dpmerge.data.npz import load_npz
 from dpmerge.data.readers import find_file, read_cifar_batch, read_idx
 from dpmerge.data.sources import FASHION_MNIST_PACKAGE, FASHION_MNIST_ROOT
 from dpmerge.data.splits import DatasetSplits, make_splits
@@ -107,13 +113,31 @@ _LOADERS: dict[DatasetName, tuple[Callable[[Path | None, int | None], RawArrays]
     DatasetName.CIFAR10: (_cifar10, 10, 255.0),
 }
 DATASET_NAMES = values(DatasetName)
+_OWN: dict[DatasetName, tuple[Callable[[Path, int | None], DatasetSplits], str]] = {
+    # name: (reader of the spec file, the model's input in words)
+    DatasetName.TABLE: (
+        load_table,
+        "float32 array (n, features): the declared feature columns as stored",
+    ),
+    DatasetName.IMAGE_FOLDER: (
+        load_images,
+        "float32 array (n, channels, height, width): the raw pixel values divided by 255, "
+        "at the declared size and mode",
+    ),
+    DatasetName.NPZ: (load_npz, "float32 array (n, ...): the declared features array as stored"),
+    DatasetName.HF_DATASET: (
+        load_hf_dataset,
+        "float32 array (n, features): the declared feature columns as stored",
+    ),
+}
+"""Datasets of your own (docs/design.md#your-data), each read from its spec file."""
 
 
 def preprocessing(name: str) -> str:
     """How raw images of dataset ``name`` become a model's input, in words (a served model's
     MLflow metadata and the README say it): channels first, pixels divided by the scale."""
-    if name == DatasetName.TABLE:
-        return "float32 array (n, features): the declared feature columns as stored"
+    if name in _OWN:
+        return _OWN[DatasetName(name)][1]
     if name not in _LOADERS:
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
     scale = _LOADERS[DatasetName(name)][2]
@@ -137,15 +161,16 @@ def load_dataset(
 
     ``limit`` keeps the first ``limit`` rows of the training file and of the test file before
     the validation split is carved; the fingerprint covers the rows actually trained on.
-    A ``table`` reads the spec file ``root`` and splits by its keyed hash (``seed`` and
-    ``validation_fraction`` do not apply: docs/design.md#table-data).
+    A dataset of your own (``table``, ``image-folder``, ``npz``, ``hf-dataset``) reads the spec
+    file ``root`` and splits by its keyed hash (``seed`` and ``validation_fraction`` do not
+    apply: docs/design.md#your-data).
     """
     if limit is not None and limit < 1:
         raise DatasetError(f"limit must be a positive number of rows, got {limit}")
-    if name == DatasetName.TABLE:
+    if name in _OWN:
         if root is None:
-            raise DatasetError("no spec file given for table: pass it as root")
-        return load_table(root, limit)
+            raise DatasetError(f"no spec file given for {name}: pass it as root")
+        return _OWN[DatasetName(name)][0](Path(root), limit)
     if name not in _LOADERS:
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
     reader, num_classes, scale = _LOADERS[name]

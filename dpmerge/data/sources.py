@@ -16,23 +16,30 @@ FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
 FOLDERLESS = frozenset({DatasetName.DIGITS})
 """Datasets bundled with a library (scikit-learn's digits): a folder does not apply."""
+OWN_DATA = frozenset(
+    {DatasetName.TABLE, DatasetName.IMAGE_FOLDER, DatasetName.NPZ, DatasetName.HF_DATASET}
+)
+"""Datasets of your own, each read through a spec file given as the data root; they share the
+ledger source :data:`OWN_SOURCE` (docs/design.md#your-data)."""
+OWN_SOURCE = "own"
+"""The one ledger source of every dataset of your own, whatever its kind."""
 DEFAULT_ROOTS = {DatasetName.FASHION_MNIST: FASHION_MNIST_ROOT}
 """Where a dataset is found when no folder is given (its Debian package)."""
 
 
 def check_source(name: str, root: str | Path | None) -> None:
     """Refuse (:class:`~dpmerge.errors.DatasetError`) an unknown dataset, a folder given to a
-    dataset that takes none, a dataset whose folder is absent and a table without its spec
-    file."""
+    dataset that takes none, a dataset whose folder is absent and a dataset of your own without
+    its spec file."""
     if name not in values(DatasetName):
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(values(DatasetName))}")
     dataset = DatasetName(name)
-    if dataset == DatasetName.TABLE:
+    if dataset in OWN_DATA:
         if root is None or not Path(root).is_file():
             given = "none was given" if root is None else f"{str(root)!r} is not a file"
             raise DatasetError(
-                f"table reads the spec file given as its data root (--data-root SPEC), but "
-                f"{given} (docs/design.md#table-data)"
+                f"{name} reads the spec file given as its data root (--data-root SPEC), but "
+                f"{given} (docs/design.md#your-data)"
             )
         return
     if dataset in FOLDERLESS:

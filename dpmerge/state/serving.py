@@ -64,11 +64,15 @@ def dataset_key(dataset: str) -> str:
 
 def source_of(dataset: str) -> str:
     """The data source a dataset identifier (or fingerprint) is a subset of: the dataset's name
-    (``digits-hmac:…`` → ``digits``). Every identifier of one name shares a ledger: two files of
-    one name would be charged together, which only raises the bound."""
+    (``digits-hmac:…`` → ``digits``), and one source ``own`` for every dataset of your own
+    (table, image folder, npz, saved Hugging Face dataset: docs/design.md#your-data). Every
+    identifier of one source shares a ledger: two files of one source would be charged
+    together, which only raises the bound."""
+    from dpmerge.data.sources import OWN_DATA, OWN_SOURCE
     from dpmerge.publication import dataset_name
 
-    return dataset_name(dataset)
+    name = dataset_name(dataset)
+    return OWN_SOURCE if name in OWN_DATA else name
 
 
 def alias_key(model: str, alias: str) -> str:

@@ -230,7 +230,7 @@ class RunOptions:
     """How a run is hosted: where its data comes from and the CPU threads torch may use."""
 
     data_root: str | None = parameter(
-        "folder holding the dataset files (table: its spec file)", None
+        "folder holding the dataset files (a dataset of your own: its spec file)", None
     )
     limit: int | None = parameter("use only the first rows of each file", None)
     torch_threads: int = parameter(
