@@ -17,6 +17,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from dpmerge.errors import InputError
+from dpmerge.formatting import did_you_mean
 from dpmerge.model_reference import parse_reference
 from dpmerge.vocabulary import DatasetName, Engine, GradSampleMode, ModelName, values
 
@@ -224,6 +225,11 @@ class TrainConfig:
                     f"not to the built-in {self.model!r}"
                 )
             return ModelName(self.model)
+        if ":" not in self.model:
+            raise TrainingConfigError(
+                f"unknown model {self.model!r}; known: {', '.join(values(ModelName))}, "
+                f"or module:callable (your factory){did_you_mean(self.model, values(ModelName))}"
+            )
         parse_reference(self.model)
         return self.model
 
