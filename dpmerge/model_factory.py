@@ -30,7 +30,8 @@ from dpmerge.model_reference import parse_reference
 
 _LINE = 300
 _imported: dict[str, str] = {}
-"""The source digest each factory module was last imported at (a changed one is reloaded)."""
+"""The source digest each factory module was last imported at: a changed source is imported
+anew, its submodules too."""
 
 Factory = Callable[[tuple[int, ...], int], nn.Module]
 
@@ -81,16 +82,22 @@ def source_digest(module: str) -> str:
 
 
 def _import(module: str, digest: str) -> ModuleType:
+    """Import the user's module without writing bytecode beside it (a ``.pyc`` written now could
+    stand for an edit made within the same second)."""
+    writes, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
+        if _imported.get(module, digest) != digest:  # stale: the module and its submodules
+            for name in [n for n in sys.modules if n == module or n.startswith(f"{module}.")]:
+                del sys.modules[name]
         loaded = importlib.import_module(module)
-        if _imported.setdefault(module, digest) != digest:
-            loaded = importlib.reload(loaded)
-            _imported[module] = digest
+        _imported[module] = digest
     except Exception as error:  # the user's module: whatever its import raises is refused
         raise ModelFactoryError(
             f"model factory module {module!r} failed to import: "
             f"{type(error).__name__}: {cut(str(error), _LINE)}"
         ) from None
+    finally:
+        sys.dont_write_bytecode = writes
     return loaded
 
 

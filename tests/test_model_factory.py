@@ -116,7 +116,7 @@ def test_a_factory_trains_merges_and_evaluates_through_itself(
 @pytest.mark.parametrize(
     ("model", "extra", "said"),
     [
-        ("not-a-model", (), "neither a built-in model nor module:callable"),
+        ("not-a-model", (), "unknown model 'not-a-model'; known: logreg, cnn, resnet18_gn, or"),
         ("a:b:c", (), "neither a built-in model nor module:callable"),
         ("no_such_module_9f3e:make", (), "not found on sys.path"),
         ("{module}:absent", (), "has no 'absent'"),
@@ -174,3 +174,26 @@ def test_registered_names_keep_factories_and_their_sources_apart() -> None:
     assert len(names) == 4
     assert any("factory-cccccccc-" in name for name in names)
     assert ModelSpec.from_dict(spec("mine:make", "a" * 64).to_dict()) == spec("mine:make", "a" * 64)
+
+
+def test_a_package_factory_is_digested_whole_and_an_edit_is_reimported(
+    tmp_path: Path,
+) -> None:
+    """A package's digest covers each of its ``.py`` files; an edited source in the same
+    process gives a new digest and is imported again (not the stale module)."""
+    from dpmerge.errors import ModelFactoryError
+    from dpmerge.model_factory import check_factory
+
+    package = tmp_path / f"user_pkg_{uuid.uuid4().hex[:8]}"
+    package.mkdir()
+    (package / "__init__.py").write_text("from .nets import make\n")
+    (package / "nets.py").write_text(FACTORIES)
+    first = check_factory(f"{package.name}:make", (1, 8, 8), 10, model_path=str(tmp_path))
+    assert first.path == str(tmp_path.resolve()) and not first.fixed
+    (package / "nets.py").write_text(FACTORIES.replace("classes + 1", "classes + 2"))
+    assert not list(package.rglob("*.pyc"))  # nothing written beside the user's code
+    second = check_factory(f"{package.name}:make", (1, 8, 8), 10, model_path=str(tmp_path))
+    assert second.sha256 != first.sha256 and second != first
+    (package / "__init__.py").write_text("from .nets import wrong_width as make\n")
+    with pytest.raises(ModelFactoryError, match=r"is shape \(2, 12\), expected \(2, 10\)"):
+        check_factory(f"{package.name}:make", (1, 8, 8), 10, model_path=str(tmp_path))
