@@ -149,7 +149,7 @@ def model_spec(
     ``module:callable``, its record once the factory passed every check
     (:func:`~dpmerge.model_factory.check_factory`)."""
     shape = tuple(data.input_shape)
-    if name in MODEL_NAMES:
+    if ":" not in name:  # a built-in name, or an unknown one refused by _architecture
         spec = ModelSpec(str(name), shape, data.num_classes)  # plain text on disk
         _architecture(spec)
         return spec
