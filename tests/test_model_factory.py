@@ -197,3 +197,19 @@ def test_a_package_factory_is_digested_whole_and_an_edit_is_reimported(
     (package / "__init__.py").write_text("from .nets import wrong_width as make\n")
     with pytest.raises(ModelFactoryError, match=r"is shape \(2, 12\), expected \(2, 10\)"):
         check_factory(f"{package.name}:make", (1, 8, 8), 10, model_path=str(tmp_path))
+
+
+def test_the_training_flow_passes_the_factory_and_its_path_to_workers() -> None:
+    """``train-candidates`` takes ``model_path`` and ``fix_model`` as parameters and hands them
+    to each ``train-candidate`` run (a worker imports the factory from that path)."""
+    import inspect
+
+    from flows.training import plan_candidates, train_candidates
+
+    assert {"model_path", "fix_model"} <= set(inspect.signature(train_candidates).parameters)
+    (spec,) = plan_candidates(
+        "digits", "mine:make", [1.0], None, model_path="/srv/user-code", fix_model=True
+    )
+    parameters = spec.parameters()
+    assert parameters["model"] == "mine:make" and parameters["model_path"] == "/srv/user-code"
+    assert parameters["fix_model"] is True and ":" not in spec.name
