@@ -1,7 +1,8 @@
 """The on-disk layout of a model directory: a trained candidate or a merged model.
 
 ``DIR/weights.safetensors``  tensors only (loaded without pickle)
-``DIR/model.json``           architecture: {"name", "input_shape", "num_classes"}
+``DIR/model.json``           architecture: {"name", "input_shape", "num_classes"}, and
+                             for a user's model its "factory" record
 ``DIR/record.json``          candidate: {"record": <MechanismRecord>, "privacy": <candidate bound>}
                              merge: {"merge": {"method", "weights", "candidates": [...]}}
 ``DIR/metrics.json``         evaluation results
@@ -20,7 +21,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -40,29 +41,74 @@ PRIVACY_FILE = "privacy.json"
 
 
 @dataclass(frozen=True)
+class FactoryRecord:
+    """The user's model factory a spec was built by (docs/design.md#your-model): its reference
+    ``module:callable``, the sha256 of its module's source, whether Opacus'
+    ``ModuleValidator.fix`` was applied, and the directory put first on ``sys.path`` to import
+    it (where it was found; not part of the identity)."""
+
+    reference: str
+    sha256: str
+    fixed: bool
+    path: str | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FactoryRecord:
+        reference, sha256, fixed, path = (
+            data["reference"],
+            data["sha256"],
+            data["fixed"],
+            data.get("path"),
+        )
+        if not (isinstance(reference, str) and isinstance(sha256, str) and isinstance(fixed, bool)):
+            raise TypeError("factory needs reference and sha256 as text, fixed as true or false")
+        if path is not None and not isinstance(path, str):
+            raise TypeError("factory path must be text")
+        return cls(reference, sha256, fixed, path)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """Which architecture a set of weights belongs to (a name in ``dpmerge.models``)."""
+    """Which architecture a set of weights belongs to: a name in ``dpmerge.models``, or a user's
+    factory ``module:callable`` with its :class:`FactoryRecord`."""
 
     name: str
     input_shape: tuple[int, ...]
     num_classes: int
+    factory: FactoryRecord | None = None
+
+    @property
+    def label(self) -> str:
+        """The model's part of registered-model names (docs/design.md#registry): the name, and
+        for a factory the first 8 hex digits of its source's sha256 before its reference."""
+        if self.factory is None:
+            return self.name
+        return f"factory-{self.factory.sha256[:8]}-{self.name}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "name": self.name,
             "input_shape": list(self.input_shape),
             "num_classes": self.num_classes,
         }
+        if self.factory is not None:
+            data["factory"] = self.factory.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
         try:
+            factory = data.get("factory")
             return cls(
                 str(data["name"]),
                 tuple(int(v) for v in data["input_shape"]),
                 int(data["num_classes"]),
+                None if factory is None else FactoryRecord.from_dict(factory),
             )
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise RecordError(f"{MODEL_FILE}: malformed model spec ({error})") from None
 
 

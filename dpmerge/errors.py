@@ -23,6 +23,18 @@ class RecordError(InputError):
     """A mechanism record or privacy label is missing a field or holds a wrong value."""
 
 
+class ModelFactoryError(InputError):
+    """A model factory ``module:callable`` (docs/design.md#your-model) that cannot be used: a
+    malformed reference, a module or attribute not found, a factory that raises or returns no
+    fitting ``torch.nn.Module``, a module Opacus refuses, or a source that changed since the
+    weights were trained."""
+
+
+class FactoryMismatchError(RecordError):
+    """Candidates built by different model factories, or by one factory's different sources
+    (its sha256), given to one merge (docs/design.md#your-model)."""
+
+
 class RefusalError(DPMergeError, ValueError):
     """The requested analysis is not valid for these candidates (docs/design.md#mechanism-record,
     docs/design.md#structured-bound)."""

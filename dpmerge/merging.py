@@ -55,7 +55,7 @@ from dpmerge.artifacts import (
     read_header,
     save_model_dir,
 )
-from dpmerge.errors import RecordError
+from dpmerge.errors import FactoryMismatchError, RecordError
 from dpmerge.models import check_weights_match
 from dpmerge.vocabulary import GatingBound, Method, choose
 
@@ -327,12 +327,26 @@ def _check_inputs(dirs: Sequence[ModelDir]) -> None:
         raise RecordError("the same candidate directory is given twice")
     ref = dirs[0]
     for other in dirs[1:]:
+        if other.spec.factory != ref.spec.factory:
+            raise FactoryMismatchError(
+                f"model factories differ: {other.path} is {_factory_text(other.spec)}, "
+                f"{ref.path} is {_factory_text(ref.spec)}; candidates of one merge share one "
+                "factory and source (docs/design.md#your-model)"
+            )
         if other.spec != ref.spec:
             raise RecordError(
                 f"architectures differ: {other.path} is {other.spec.to_dict()}, "
                 f"{ref.path} is {ref.spec.to_dict()}"
             )
     check_same_structure({str(d.path): d.tensors for d in dirs})
+
+
+def _factory_text(spec: ModelSpec) -> str:
+    factory = spec.factory
+    if factory is None:
+        return f"the built-in {spec.name}"
+    fixed = ", fixed" if factory.fixed else ""
+    return f"{factory.reference} (sha256 {factory.sha256[:12]}…{fixed})"
 
 
 def _prepare_audit(audit_path: Path, out_dir: Path) -> Path:

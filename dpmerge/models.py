@@ -9,6 +9,10 @@ rebuild the module a set of weights belongs to.
   candidate starts from the same point, as in the utility experiment).
 * ``cnn``: two 3×3 conv + GroupNorm + ReLU + max-pool blocks and a linear head (CPU scale).
 * ``resnet18_gn``: ResNet-18 with GroupNorm, CIFAR stem (3×3 conv, no max-pool) (GPU scale).
+
+A spec may instead name the user's own factory ``module:callable`` with its record
+(:mod:`dpmerge.model_factory`, docs/design.md#your-model): it is rebuilt through that factory,
+and refused if the factory's source changed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 from dpmerge.artifacts import ModelSpec
 from dpmerge.data import DatasetSplits
 from dpmerge.errors import RecordError
+from dpmerge.model_factory import build_factory_model, check_factory
 from dpmerge.vocabulary import ModelName, values
 
 
@@ -125,6 +130,9 @@ ZERO_INITIALISED = frozenset({ModelName.LOGREG})
 
 
 def _architecture(spec: ModelSpec) -> Callable[[tuple[int, ...], int], nn.Module]:
+    factory = spec.factory
+    if factory is not None:
+        return lambda shape, classes: build_factory_model(factory, shape, classes)
     if spec.name not in _ARCHITECTURES:
         raise RecordError(f"unknown model {spec.name!r}; known: {', '.join(MODEL_NAMES)}")
     if spec.name != ModelName.LOGREG and len(spec.input_shape) != 3:
@@ -134,11 +142,19 @@ def _architecture(spec: ModelSpec) -> Callable[[tuple[int, ...], int], nn.Module
     return _ARCHITECTURES[spec.name]
 
 
-def model_spec(name: str, data: DatasetSplits) -> ModelSpec:
-    """The spec of architecture ``name`` for ``data``'s input shape and classes."""
-    spec = ModelSpec(str(name), tuple(data.input_shape), data.num_classes)  # plain text on disk
-    _architecture(spec)
-    return spec
+def model_spec(
+    name: str, data: DatasetSplits, *, model_path: str | None = None, fix: bool = False
+) -> ModelSpec:
+    """The spec of architecture ``name`` for ``data``'s input shape and classes; for a factory
+    ``module:callable``, its record once the factory passed every check
+    (:func:`~dpmerge.model_factory.check_factory`)."""
+    shape = tuple(data.input_shape)
+    if ":" not in name:  # a built-in name, or an unknown one refused by _architecture
+        spec = ModelSpec(str(name), shape, data.num_classes)  # plain text on disk
+        _architecture(spec)
+        return spec
+    record = check_factory(name, shape, data.num_classes, model_path=model_path, fix=fix)
+    return ModelSpec(str(name), shape, data.num_classes, record)
 
 
 def build_model(spec: ModelSpec, *, seed: int = 0) -> nn.Module:

@@ -85,7 +85,7 @@ def training_parameters(
 
 
 def candidate_name(dataset: str, model: str, level: str) -> str:
-    return f"{dataset}-{model}-{level}-{secrets.token_hex(3)}"
+    return f"{dataset}-{model.replace(':', '-')}-{level}-{secrets.token_hex(3)}"
 
 
 def plan_candidates(

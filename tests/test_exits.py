@@ -32,6 +32,8 @@ EXPECTED = {
     "DPMergeError": ExitCode.REFUSED,
     "InputError": ExitCode.REFUSED,
     "RecordError": ExitCode.REFUSED,
+    "ModelFactoryError": ExitCode.REFUSED,
+    "FactoryMismatchError": ExitCode.REFUSED,
     "RefusalError": ExitCode.REFUSED,
     "UnsupportedError": ExitCode.REFUSED,
     "IntegrityError": ExitCode.REFUSED,

@@ -593,12 +593,17 @@ def test_cli_options_are_the_declared_parameters(
     for parameter in declared:
         assert options[parameter.name].help.endswith(parameter.help)
         assert options[parameter.name].choices == parameter.choices
-    assert options["model"].choices == ("logreg", "cnn", "resnet18_gn")
+    assert options["model"].choices is None  # a built-in name or module:callable
     assert "--lr" in options["learning_rate"].option_strings
     assert "--no-progress" in options["progress"].option_strings
-    # a word outside a vocabulary is refused by the parser, before anything is read or written
+    # a word outside a vocabulary is refused before anything is read or written
     out = tmp_path / "new"
     with pytest.raises(SystemExit) as exit_info:
-        dpmerge.cli.main(["train", "--dataset", "digits", "--model", "mlp", "--out", str(out)])
+        dpmerge.cli.main(["train", "--dataset", "mnst", "--model", "cnn", "--out", str(out)])
     assert exit_info.value.code == dpmerge.cli.EXIT_BAD_INPUT
-    assert "invalid choice: 'mlp'" in capsys.readouterr().err and not out.exists()
+    assert "invalid choice: 'mnst'" in capsys.readouterr().err and not out.exists()
+    code = dpmerge.cli.main(["train", "--dataset", "digits", "--model", "cnm", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == dpmerge.cli.EXIT_BAD_INPUT and err.count("\n") == 1 and not out.exists()
+    assert "unknown model 'cnm'; known: logreg, cnn, resnet18_gn, or module:callable" in err
+    assert "did you mean 'cnn'?" in err

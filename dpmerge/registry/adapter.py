@@ -181,7 +181,7 @@ class Registry(RegistryQueries):
             )
         keys = self.keys
         public = public_record(record, keys)
-        name = name or candidate_model_name(public.dataset, loaded.spec.name)
+        name = name or candidate_model_name(public.dataset, loaded.spec.label)
         content_hash = candidate_content_hash(loaded.path)
         tags = tag_values(
             {
@@ -261,7 +261,7 @@ class Registry(RegistryQueries):
         if isinstance(policy, BaseModel):
             policy = policy.model_dump(mode="json")
         merged = MergedDir.read(model_dir, policy, self.keys)
-        dataset, model = merged.dataset, merged.loaded.spec.name
+        dataset, model = merged.dataset, merged.loaded.spec.label
         parent_model = parent_model or candidate_model_name(dataset, model)
         versions = self._parent_versions(parent_model, [str(p) for p in parents], merged.names)
         name = name or merged_model_name(dataset, model)

@@ -17,6 +17,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from dpmerge.errors import InputError
+from dpmerge.formatting import did_you_mean
+from dpmerge.model_reference import parse_reference
 from dpmerge.vocabulary import DatasetName, Engine, GradSampleMode, ModelName, values
 
 if TYPE_CHECKING:  # torch loads on first use: `dpmerge train --help` builds on this module
@@ -41,6 +43,10 @@ sampler; ``layers`` was not faster, docs/results.md §6.2). ``resnet18_gn``: ``h
 DEFAULT_LEARNING_RATE = {ModelName.LOGREG: 2.0, ModelName.CNN: 1.0, ModelName.RESNET18_GN: 0.5}
 """Plain-SGD step sizes at C = 1, B = 256, chosen in docs/training.md ("Logreg learning rate",
 "CNN learning rate"); resnet18_gn is not tuned here."""
+FACTORY_LEARNING_RATE = 1.0
+"""The step size of a user's model (docs/design.md#your-model), untuned: give ``--lr``."""
+FACTORY_GRAD_SAMPLE_MODE = GradSampleMode.HOOKS
+"""Opacus' per-layer hooks: the mode whose supported layers ``ModuleValidator`` checks."""
 DEVICE_KINDS = ("cpu", "cuda", "auto")
 
 
@@ -137,7 +143,10 @@ class TrainConfig:
     """
 
     dataset: DatasetName = parameter("dataset to train on")
-    model: ModelName = parameter("architecture")
+    model: str = parameter(
+        f"architecture: {', '.join(values(ModelName))}, or module:callable, your factory "
+        "(input_shape, classes) -> torch.nn.Module"
+    )
     noise_multiplier: float | None = parameter("noise multiplier σ (or give a target ε)", None)
     target_epsilon: float | None = parameter(
         "calibrate σ to this PLD ε at delta, for the q and steps that run", None
@@ -166,9 +175,16 @@ class TrainConfig:
     max_steps: int | None = parameter("stop after this many steps", None)
     progress: bool = parameter("progress bar on stderr", False)
     name: str | None = parameter("candidate name in the record", None)
+    model_path: str | None = parameter(
+        "directory of your model's code, put first on sys.path to import module:callable", None
+    )
+    fix_model: bool = parameter(
+        "apply Opacus' ModuleValidator.fix to your model (recorded in model.json)", False
+    )
 
     def __post_init__(self) -> None:
         _check_declared(self)
+        object.__setattr__(self, "model", self._model_choice())
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise TrainingConfigError("give exactly one of noise_multiplier and target_epsilon")
         _require_positive(
@@ -189,7 +205,7 @@ class TrainConfig:
         if self.mode == LINEAR_EXACT and self.model not in LINEAR_EXACT_MODELS:
             raise TrainingConfigError(
                 f"grad_sample_mode {LINEAR_EXACT.value!r} runs only "
-                f"{', '.join(LINEAR_EXACT_MODELS)}, not {self.model.value!r}; "
+                f"{', '.join(LINEAR_EXACT_MODELS)}, not {str(self.model)!r}; "
                 f"use an Opacus mode ({', '.join(OPACUS_MODES)})"
             )
         if self.device.split(":")[0] not in DEVICE_KINDS:
@@ -197,13 +213,48 @@ class TrainConfig:
                 f"device must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}"
             )
 
+    def _model_choice(self) -> ModelName | str:
+        """A built-in :class:`ModelName`, or a factory reference (docs/design.md#your-model);
+        the factory's options are refused with a built-in model."""
+        if self.model in values(ModelName):
+            given = [
+                f for f, v in (("model_path", self.model_path), ("fix_model", self.fix_model)) if v
+            ]
+            if given:
+                raise TrainingConfigError(
+                    f"{', '.join(given)} applies only to a model factory (module:callable), "
+                    f"not to the built-in {self.model!r}"
+                )
+            return ModelName(self.model)
+        if ":" not in self.model:
+            raise TrainingConfigError(
+                f"unknown model {self.model!r}; known: {', '.join(values(ModelName))}, "
+                f"or module:callable (your factory){did_you_mean(self.model, values(ModelName))}"
+            )
+        parse_reference(self.model)
+        return self.model
+
+    @property
+    def factory(self) -> bool:
+        """Whether the model is the user's factory rather than a built-in."""
+        return not isinstance(self.model, ModelName)
+
+    @property
+    def model_label(self) -> str:
+        """The model as a part of a candidate's name (a factory's ``:`` made a ``-``)."""
+        return str(self.model).replace(":", "-")
+
     @property
     def lr(self) -> float:
-        return self.learning_rate or DEFAULT_LEARNING_RATE[self.model]
+        if self.learning_rate:
+            return self.learning_rate
+        return FACTORY_LEARNING_RATE if self.factory else DEFAULT_LEARNING_RATE[self.model]
 
     @property
     def mode(self) -> GradSampleMode:
-        return self.grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE[self.model]
+        if self.grad_sample_mode:
+            return self.grad_sample_mode
+        return FACTORY_GRAD_SAMPLE_MODE if self.factory else DEFAULT_GRAD_SAMPLE_MODE[self.model]
 
     @property
     def engine(self) -> Engine:

@@ -70,7 +70,7 @@ def train_candidate(config: TrainConfig, data: DatasetSplits) -> TrainResult:
         )
     check_delta_against(config.delta, data.dataset_size)  # δ ≥ 1/n is refused before training
     device = config.torch_device()
-    spec = model_spec(config.model, data)
+    spec = model_spec(config.model, data, model_path=config.model_path, fix=config.fix_model)
     plan = plan_mechanism(config, data.dataset_size)
     if config.init_checkpoint is not None:
         model, init_id = load_pretrained(spec, config.init_checkpoint)
@@ -123,7 +123,7 @@ def train_candidate(config: TrainConfig, data: DatasetSplits) -> TrainResult:
         progress.end_epoch()  # the partial epoch of an early stop (not in the checkpoint)
 
     history = tuple(EpochMetrics(**entry) for entry in state.history)
-    name = config.name or f"{data.name}-{config.model}-{state.run_id[:8]}"
+    name = config.name or f"{data.name}-{spec.label}-{state.run_id[:8]}"
     ran = engine.ran()
     record = mechanism_record(name, ran, plan, state, data, init_id)
     final = history[-1]
@@ -177,7 +177,7 @@ def train_kept(
         target_epsilon=None,
         checkpoint_path=str(resume),
     )
-    name = config.name or f"{data.name}-{config.model}"
+    name = config.name or f"{data.name}-{config.model_label}"
     for epoch in kept:
         stage = replace(run, max_steps=epoch * plan.steps_per_epoch, name=kept_name(name, epoch))
         yield train_candidate(stage, data)
