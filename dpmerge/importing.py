@@ -38,10 +38,11 @@ from dpmerge.accounting.records import UNKNOWN_BATCH_LINEAGE, Candidate, Mechani
 from dpmerge.artifacts import ModelSpec, read_header, save_model_dir
 from dpmerge.data import DatasetSplits
 from dpmerge.documents import describe_validation_error, load_json
-from dpmerge.errors import RecordError
+from dpmerge.errors import AccessError, RecordError
 from dpmerge.keys import WorkflowKey
 from dpmerge.models import check_weights_match
 from dpmerge.vocabulary import KeyPurpose, ProfileKind, WeightsFormat
+from dpmerge.workspace import Workspace
 
 OPACUS_PREFIX = "_module."
 """Opacus' ``GradSampleModule`` prefixes the wrapped module's parameter names with this."""
@@ -233,6 +234,18 @@ def attestation_message(record: Candidate, digest: str) -> str:
     """What the attestation signs: the record (canonical JSON) and the weights' digest."""
     body = {"record": record.model_dump(mode="json", exclude_none=True), "weights": digest}
     return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+
+def importer_key(workspace: Workspace) -> WorkflowKey:
+    """The workflow key, which only the workflow identity holds: an import is refused in an
+    environment without it (an operator's or a consumer's shell)."""
+    key = workspace.workflow_key()
+    if key is None:
+        raise AccessError(
+            "only the workflow identity imports candidates: this environment has no workflow "
+            "key (set $DPMERGE_SECRET_KEY_FILE as the workflow's environment does)"
+        )
+    return key
 
 
 def import_candidate(

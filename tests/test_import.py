@@ -379,3 +379,16 @@ def test_the_cli_imports_and_lists(tmp_path, capsys, spec) -> None:
     assert ended.value.code == 2
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
     assert not (tmp_path / "bogus").exists()
+
+
+def test_only_the_workflow_identity_imports() -> None:
+    """An environment without the workflow key (an operator's or consumer's shell) is refused."""
+    from types import SimpleNamespace
+
+    from dpmerge.errors import AccessError
+    from dpmerge.importing import importer_key
+
+    with pytest.raises(AccessError, match="only the workflow identity imports"):
+        importer_key(SimpleNamespace(workflow_key=lambda: None))
+    key = WorkflowKey.generate()
+    assert importer_key(SimpleNamespace(workflow_key=lambda: key)) is key

@@ -65,10 +65,11 @@ def _import(args: argparse.Namespace) -> int:
     from dpmerge.accounting.candidate import candidate_bound
     from dpmerge.accounting.delta import check_delta_against
     from dpmerge.data import load_dataset
-    from dpmerge.importing import import_candidate
-    from dpmerge.keys import WorkflowKey
+    from dpmerge.importing import import_candidate, importer_key
     from dpmerge.models import model_spec
+    from dpmerge.workspace import Workspace
 
+    key = importer_key(Workspace.from_env())
     data = load_dataset(args.dataset, args.data_root, limit=args.limit)
     delta_check = check_delta_against(args.delta, data.dataset_size)
     result = import_candidate(
@@ -78,7 +79,7 @@ def _import(args: argparse.Namespace) -> int:
         data=data,
         name=args.name,
         attested_by=args.attested_by,
-        key=WorkflowKey.from_env(),
+        key=key,
         out_dir=args.out,
         delta=args.delta,
     )
