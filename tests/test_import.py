@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from scipy import optimize
 
 from dpmerge.accounting.account import account
+from dpmerge.accounting.ledger import cumulative_bound, release_for
 from dpmerge.accounting.records import MechanismRecord, PrivacyLabel
 from dpmerge.cli import main
 from dpmerge.data import load_dataset
@@ -347,7 +348,11 @@ def test_imports_never_take_the_structured_bound_and_two_imported_labels_refuse_
     second = first.model_copy(update={"name": "p2"})
     with pytest.raises(RefusalError, match="'p1', 'p2' may share batches and noise"):
         account([first, second], "lc", [0.5, 0.5], DELTA)
-    assert account([first, second], "rs", [0.5, 0.5], DELTA).gating.epsilon > 0
+    report = account([first, second], "rs", [0.5, 0.5], DELTA)
+    assert report.gating.epsilon > 0
+    release = release_for("r1", [first, second], report)
+    with pytest.raises(RefusalError, match="source's release ledger"):
+        cumulative_bound([release], DELTA)  # the ledger holds at most one imported label
 
 
 def test_the_cards_say_in_bold_who_attested() -> None:
@@ -392,3 +397,12 @@ def test_only_the_workflow_identity_imports() -> None:
         importer_key(SimpleNamespace(workflow_key=lambda: None))
     key = WorkflowKey.generate()
     assert importer_key(SimpleNamespace(workflow_key=lambda: key)) is key
+
+
+def test_the_ledger_counts_an_import_under_its_dataset_identity() -> None:
+    own = make_record("own", 1.5, dataset="d")
+    ext = make_record("ext", 2.0, dataset="d").model_copy(update={"attested_by": "Acme"})
+    release = release_for("r", [own, ext], account([own, ext], "rs", [0.5, 0.5], DELTA))
+    assert release.dataset == "d" and {c.name for c in release.candidates} == {"own", "ext"}
+    joint = account([own, ext], "lc", [0.5, 0.5], DELTA).generic
+    assert cumulative_bound([release], DELTA).epsilon == pytest.approx(joint.epsilon)

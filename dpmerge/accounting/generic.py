@@ -188,8 +188,8 @@ def release_units(candidates: Sequence[Candidate]) -> tuple[ReleaseUnit, ...]:
     if len(imported) > 1:
         raise RefusalError(
             f"imported profile-only candidates {', '.join(map(repr, imported))} may share "
-            "batches and noise (unknown lineage): no composition bounds their joint release; "
-            "use RS or one of them"
+            "batches and noise (unknown lineage): no composition bounds their joint release "
+            "(an LC merge, a mixture's merge, or their source's release ledger); use one of them"
         )
     labels = [
         ReleaseUnit(UnitKind.LABEL, (c.name,), label=c)
