@@ -160,6 +160,8 @@ def opacus_phase(checkpoint: Mapping[str, Any], where: str) -> tuple[float, floa
         sigma, rate, steps = entry
         if isinstance(steps, bool) or not isinstance(steps, int):
             raise RecordError(f"{where}: an accountant history step count is not an integer")
+        if any(isinstance(v, bool) or not isinstance(v, int | float) for v in (sigma, rate)):
+            raise RecordError(f"{where}: an accountant history σ or q is not a number")
         key = (float(sigma), float(rate))
         phases[key] = phases.get(key, 0) + steps
     if len(phases) > 1:
