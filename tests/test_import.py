@@ -375,6 +375,7 @@ def test_the_cli_imports_and_lists(tmp_path, capsys, spec) -> None:
     assert main([*args, "--out", str(tmp_path / "ext"), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["profile"] == "record" and shown["weights_format"] == "state_dict"
+    assert shown["weights_sha256"] == weights_digest(read_candidate_dir(tmp_path / "ext").weights)
     assert main(["candidates", "list", str(tmp_path / "ext")]) == 0
     listed = json.loads(capsys.readouterr().out)["candidates"]
     assert listed[0]["attested_by"] == "Acme" and listed[0]["noise_multiplier"] == 1.5

@@ -92,6 +92,7 @@ def _import(args: argparse.Namespace) -> int:
                 "profile": result.profile.value,
                 "attested_by": args.attested_by,
                 "key_id": result.key_id,
+                "weights_sha256": result.weights_sha256,
                 "privacy": bound.to_dict(),
             }
         )
