@@ -227,9 +227,11 @@ ASSUMPTIONS = (
 
 
 def assumption_lines(report: Mapping[str, Any]) -> list[str]:
-    """What the guarantee rests on (:data:`ASSUMPTIONS`) and which bound gates promotion
-    (docs/design.md#operator-trust)."""
+    """What the guarantee rests on (imported candidates' attestations in bold, then
+    :data:`ASSUMPTIONS`) and which bound gates promotion (docs/design.md#operator-trust,
+    docs/design.md#imported-candidates)."""
     return [
+        *(f"**{line}**" for line in report.get("attestations", ())),
         *ASSUMPTIONS,
         f"Promotion is gated by the {report['bound']} bound's ε "
         f"({str(report.get('accountant')).upper()}) at δ = {num(report.get('delta'))}, within "

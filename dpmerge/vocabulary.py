@@ -320,6 +320,33 @@ class KeyPurpose(StrEnum):
     STATE_DOCUMENT = "state-document/v1"
     """HMAC over a release-state document a gate trusts (the ledger, owners, serving
     pointers): a change made outside the workflow fails closed (docs/design.md#release-state)."""
+    IMPORT_ATTESTATION = "import-attestation/v1"
+    """HMAC over an imported candidate's attestation (record, weights digest, attester), made
+    at import by the workflow identity (docs/design.md#imported-candidates)."""
+
+
+class ProfileKind(StrEnum):
+    """The privacy profile an imported candidate arrives with
+    (docs/design.md#imported-candidates)."""
+
+    RECORD = "record"
+    """A DP-SGD mechanism record (σ, q, steps, clip, sampling, neighbouring, …)."""
+    OPACUS = "opacus"
+    """Read from the history of an Opacus ``PrivacyEngine`` accountant in the checkpoint."""
+    RDP = "rdp"
+    """An RDP curve: orders α → ε_α."""
+    EPSILON_DELTA = "epsilon_delta"
+    """An ε(δ) curve: pairs (ε, δ) the mechanism satisfies."""
+
+
+class WeightsFormat(StrEnum):
+    """The weight files ``dpmerge candidates import`` reads (docs/design.md#imported-candidates)."""
+
+    SAFETENSORS = "safetensors"
+    STATE_DICT = "state_dict"
+    """A torch state dict saved with ``torch.save`` (read with ``weights_only=True``)."""
+    OPACUS = "opacus"
+    """A ``PrivacyEngine.save_checkpoint`` file: its ``module_state_dict``."""
 
 
 class StackDatabase(StrEnum):

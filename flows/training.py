@@ -31,6 +31,7 @@ from dpmerge.accounting.delta import check_delta_against
 from dpmerge.formatting import epsilon_text, number_text
 from dpmerge.locate import Located
 from dpmerge.training import RunOptions, TrainConfig, TrainingConfigError, declared_parameters
+from tasks import imports as import_steps
 from tasks import training as steps
 
 TRAIN_FLOW = "train-candidates"
@@ -145,6 +146,7 @@ def train_candidates(
     prime_merge_caches: bool = True,
     frontier_report: bool = True,
     keep_last_epochs: int = 1,
+    imports: list[dict[str, str]] | None = None,
     **parameters: Any,
 ) -> dict[str, Any]:
     """Train and register one run per noise level (or target ε), each kept as one candidate
@@ -154,7 +156,10 @@ def train_candidates(
     ``prime_merge_caches``, this host's merge caches are filled (candidates, evaluation split,
     PLDs) so the first policy event is as quick as later ones, and with ``frontier_report``
     the ``pareto-report`` flow logs the frontier at the candidates' δ. Every other parameter is
-    a training parameter that all candidates share. Returns the registry, each candidate's
+    a training parameter that all candidates share. ``imports`` lists DP models trained
+    elsewhere (``{"name", "weights", "profile", "attested_by"}`` each,
+    docs/design.md#imported-candidates), imported for the same dataset and model and registered
+    beside the trained ones. Returns the registry, each candidate's
     registration and privacy, and the frontier report (``None`` if it was not run or failed)."""
     dataset, model = parameters.pop("dataset"), parameters.pop("model")
     specs = plan_candidates(
@@ -164,6 +169,7 @@ def train_candidates(
         target_epsilons,
         **{**parameters, steps.KEEP: keep_last_epochs},
     )
+    imported = [import_steps.ImportSpec.from_entry(entry) for entry in imports or []]
     logger = get_run_logger()
     workspace = pm.Workspace.from_env()
     workspace.use_caches()
@@ -185,12 +191,44 @@ def train_candidates(
             result = [future.result() for future in registered]
         finally:
             pm.remove_tree(scratch)
+    if imported:
+        result += _imports(workspace, imported, str(dataset), str(model), specs[0], logger)
     if prime_merge_caches:
         steps.prime_caches(workspace, str(dataset), str(model))
     located, delta = workspace.located(), specs[0].config.delta
     _log_summary(logger, located, result, delta)
     frontier = _frontier(logger, str(dataset), str(model), delta) if frontier_report else None
     return {"registry": located.to_dict(), "candidates": result, "frontier": frontier}
+
+
+def _imports(
+    workspace: pm.Workspace,
+    imported: list[import_steps.ImportSpec],
+    dataset: str,
+    model: str,
+    spec: steps.CandidateSpec,
+    logger: Any,
+) -> list[dict[str, Any]]:
+    """Import and register each entry of ``imports`` (docs/design.md#imported-candidates)."""
+    logger.info("importing %d candidates trained elsewhere", len(imported))
+    scratch = workspace.scratch()
+    try:
+        paths = [
+            import_steps.import_one(
+                entry,
+                workspace,
+                dataset=dataset,
+                model=model,
+                data_root=spec.options.data_root,
+                limit=spec.options.limit,
+                out_root=str(scratch),
+                delta=spec.config.delta,
+            )
+            for entry in imported
+        ]
+        return [steps.register(workspace, path) for path in paths]
+    finally:
+        pm.remove_tree(scratch)
 
 
 def _log_summary(logger: Any, located: Located, result: list[dict[str, Any]], delta: float) -> None:

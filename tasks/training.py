@@ -90,7 +90,9 @@ KEEP = "keep_last_epochs"
 
 
 @lru_cache(maxsize=4)
-def _data(name: str, root: str | None, limit: int | None) -> DatasetSplits:
+def data_splits(name: str, root: str | None, limit: int | None) -> DatasetSplits:
+    """The dataset as training and imports load it (dpmerge's split, so merges find the same
+    validation rows), cached per process."""
     from dpmerge.data import load_dataset
 
     root = root or os.environ.get(pm.DATA_ROOT_ENV) or None
@@ -109,7 +111,7 @@ def train(spec: CandidateSpec, out_root: str) -> list[str]:
     final weights, or with ``spec.keep_last_epochs`` its last epochs'); returns the paths."""
     config, options = spec.config, spec.options
     torch.set_num_threads(options.torch_threads)
-    data = _data(config.dataset, options.data_root, options.limit)
+    data = data_splits(config.dataset, options.data_root, options.limit)
     if spec.kept_epochs:
         resume = Path(out_root) / f".{spec.name}-training-state.pt"
         results = train_kept(config, data, spec.kept_epochs, resume)

@@ -220,7 +220,7 @@ def test_evaluate_refuses_a_validation_split_that_may_overlap_training(tmp_path,
 
 
 def test_candidates_prints_the_file_account_reads(tmp_path, candidates, capsys) -> None:
-    code, stdout, _ = run(capsys, "candidates", *candidates)
+    code, stdout, _ = run(capsys, "candidates", "list", *candidates)
     assert code == 0
     path = tmp_path / "candidates.json"
     path.write_text(stdout)
@@ -236,7 +236,7 @@ def test_candidates_prints_the_file_account_reads(tmp_path, candidates, capsys) 
         "--out", merged, "--json",
     )  # fmt: skip
     assert json.loads(stdout)["privacy"]["epsilon"] == accounted
-    code, _, stderr = run(capsys, "candidates", candidates[0], merged)
+    code, _, stderr = run(capsys, "candidates", "list", candidates[0], merged)
     assert code == 2 and "a merged model, not a candidate" in stderr
 
 

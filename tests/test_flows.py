@@ -166,6 +166,7 @@ def test_training_flows_take_the_declared_training_parameters() -> None:
     shared = {p.name for p in declared} - {"name", "noise_multiplier", "target_epsilon"}
     own = {"noise_multipliers", "target_epsilons", "deployment"}
     switches = {"deployment_timeout_s", "prime_merge_caches", "frontier_report", "keep_last_epochs"}
+    switches |= {"imports"}
     assert set(fan_out.properties) == shared | own | switches
     assert fan_out.properties["dataset"]["default"] == "fashion-mnist" and not fan_out.required
     # a deployment run gets exactly the parameters the one-candidate flow validates
@@ -260,6 +261,39 @@ def test_train_candidates_registers_each_level(env, trained) -> None:
         plan_candidates("digits", "logreg", [1.0], [2.0])
     specs = plan_candidates("digits", "logreg", None, [1.0, 2.0], epochs=2)
     assert [s.config.target_epsilon for s in specs] == [1.0, 2.0] and specs[0].config.epochs == 2
+
+
+def test_train_candidates_imports_and_registers_a_model_trained_elsewhere(env, tmp_path) -> None:
+    """An ``imports`` entry becomes a registered candidate whose verified record names its
+    attester (docs/design.md#imported-candidates); a malformed entry fails before training."""
+    from dpmerge.data import load_dataset
+    from dpmerge.errors import InputError
+    from dpmerge.models import build_model, model_spec
+    from flows.training import train_candidates
+
+    spec = model_spec("logreg", load_dataset("digits"))
+    torch.save(build_model(spec, seed=3).state_dict(), tmp_path / "w.pt")
+    profile = {
+        "profile": "record", "noise_multiplier": 2.0, "sample_rate": 0.05, "steps": 60,
+        "clip_norm": 1.0, "learning_rate": 0.5, "expected_batch_size": 64.0,
+        "optimizer": "sgd", "sampling": "poisson", "neighbouring": "add_or_remove_one",
+    }  # fmt: skip
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    entry = {
+        "name": "elsewhere", "weights": str(tmp_path / "w.pt"),
+        "profile": str(tmp_path / "profile.json"), "attested_by": "Acme DP team",
+    }  # fmt: skip
+    kwargs = {"dataset": "digits", "model": "logreg", "noise_multipliers": [2.5], "epochs": 1}
+    kwargs |= {"prime_merge_caches": False, "frontier_report": False}
+    with pytest.raises(InputError, match="imports entry 'attested_by'"):
+        train_candidates(**kwargs, imports=[{**entry, "attested_by": ""}])
+    result = train_candidates(**kwargs, imports=[entry])
+    imported = next(c for c in result["candidates"] if c["name"] == "elsewhere")
+    assert imported["noise_multiplier"] == 2.0
+    loaded = _registry(env).load_candidates(
+        imported["registered_model"], [imported["version"]], dest=tmp_path / "dl"
+    )
+    assert loaded[0].published.attested_by == "Acme DP team"
 
 
 def _store(env: dict[str, Any], policy: Policy) -> stored_policies.PolicyVersion:

@@ -10,7 +10,7 @@ from dpmerge.accounting import pld as pld_mod
 from dpmerge.accounting.bounds import PairBound, PrivacyReport
 from dpmerge.accounting.delta import check_delta
 from dpmerge.accounting.generic import generic_bound
-from dpmerge.accounting.records import Candidate, require_same_dataset
+from dpmerge.accounting.records import Candidate, attestation_lines, require_same_dataset
 from dpmerge.accounting.rs import rs_bound
 from dpmerge.accounting.structured import check_ordering, structured_bound
 from dpmerge.accounting.weights import initialisation_conflict, simplex_weights
@@ -73,13 +73,14 @@ def account(
     what = "RS probabilities" if method == Method.RS else "LC weights"
     weights = simplex_weights(weights, len(candidates), what=what)
     names = tuple(c.name for c in candidates)
+    used = [c for c, w in zip(candidates, weights, strict=True) if w > 0]
+    attested = attestation_lines(used)
     if method == Method.RS:
         gating = rs_bound(candidates, weights, delta, discretisation)
-        return PrivacyReport(Method.RS, names, weights, delta, gating)
+        return PrivacyReport(Method.RS, names, weights, delta, gating, attestations=attested)
     generic = generic_bound(candidates, weights, delta, discretisation)
     structured = structured_bound(candidates, weights, delta, discretisation)
     check_ordering(generic, structured)
-    used = [c for c, w in zip(candidates, weights, strict=True) if w > 0]
     conflict = initialisation_conflict(used)
     notes: tuple[str, ...] = () if conflict is None else (f"warning: {conflict}",)
     if gating_bound == GatingBound.STRUCTURED:
@@ -87,4 +88,14 @@ def account(
         notes += gate_notes
     else:
         gating = generic
-    return PrivacyReport(Method.LC, names, weights, delta, gating, generic, structured, notes=notes)
+    return PrivacyReport(
+        Method.LC,
+        names,
+        weights,
+        delta,
+        gating,
+        generic,
+        structured,
+        notes=notes,
+        attestations=attested,
+    )

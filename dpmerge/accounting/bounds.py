@@ -207,6 +207,9 @@ class PrivacyReport:
     structured: PairBound | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
     rungs: tuple[MixtureRung, ...] = ()
+    attestations: tuple[str, ...] = ()
+    """What imported candidates rest on, shown in bold on both cards
+    (``records.attestation_lines``, docs/design.md#imported-candidates)."""
 
     @property
     def epsilon(self) -> float:
@@ -238,6 +241,7 @@ class PrivacyReport:
             "assumptions": list(self.gating.assumptions),
             "reason": self.gating.reason,
             "notes": list(self.notes),
+            "attestations": list(self.attestations),
             "bounds": {"gating": self.gating.to_dict()},
         }
         if mixture:

@@ -18,7 +18,11 @@ between mechanisms with independent randomness, so the used candidates are first
 * a noise lineage shared by different runs (a reused noise stream) is refused: noises can
   cancel in a linear combination, and composition assumes fresh randomness. So is a shared
   noise lineage without a ``run_id`` that identifies the records as checkpoints of one run;
-* a label-only candidate is one unit, its randomness assumed independent of the others'.
+* a label-only candidate is one unit, its randomness assumed independent of the others'; two
+  or more *imported* label-only candidates are refused together, since their batches and noise
+  are unknown and no composition bounds them (docs/design.md#imported-candidates);
+* imported runs whose batches are unknown share the batch lineage ``unknown:<dataset>``, so
+  they form one shared-batch unit (the conservative reading).
 
 Units are composed in one pessimistic PLD accounting and their RDP curves are summed. The same
 units bound the release ledger (docs/design.md#release-ledger).
@@ -38,7 +42,12 @@ from dpmerge.accounting import pld as pld_mod
 from dpmerge.accounting import profiles
 from dpmerge.accounting import rdp as rdp_mod
 from dpmerge.accounting.bounds import PairBound, bound_from_curves
-from dpmerge.accounting.records import Candidate, MechanismRecord, PrivacyLabel
+from dpmerge.accounting.records import (
+    UNKNOWN_BATCH_LINEAGE,
+    Candidate,
+    MechanismRecord,
+    PrivacyLabel,
+)
 from dpmerge.errors import RefusalError, UnsupportedError
 from dpmerge.vocabulary import BoundKind, UnitKind
 
@@ -73,6 +82,9 @@ class ReleaseUnit:
     """Names of every candidate the unit covers (collapsed checkpoints included)."""
     segments: tuple[Segment, ...] = ()
     label: PrivacyLabel | None = None
+    unknown_batches: bool = False
+    """Imported runs whose batches are unknown, taken as shared
+    (docs/design.md#imported-candidates)."""
 
     def dp_event(self) -> dp_event.DpEvent:
         """The dp_accounting event of a DP-SGD unit (the composition of its segments)."""
@@ -86,8 +98,9 @@ class ReleaseUnit:
             return f"label-only candidate {names}: taken as given, randomness assumed independent"
         if self.kind == UnitKind.SHARED_BATCHES:
             sigmas = ", ".join(f"{s.noise_multiplier:.4g}×{s.steps}" for s in self.segments)
+            drew = "may have drawn (imported, batches unknown)" if self.unknown_batches else "drew"
             return (
-                f"{names} drew the same Poisson batches: one release unit, a subsampled "
+                f"{names} {drew} the same Poisson batches: one release unit, a subsampled "
                 f"Gaussian per step with σ_eff = (Σσ_i⁻²)^(−1/2) (σ_eff×steps: {sigmas})"
             )
         return f"checkpoints {names} of one run: covered by the longest (one release unit)"
@@ -129,6 +142,11 @@ def _shared_batch_segments(runs: Sequence[MechanismRecord]) -> tuple[Segment, ..
     rates = {r.sample_rate for r in runs}
     if len(rates) != 1:
         names = ", ".join(repr(r.name) for r in runs)
+        if runs[0].batch_lineage.startswith(UNKNOWN_BATCH_LINEAGE):
+            raise RefusalError(
+                f"imported candidates {names} have unknown batches and different sample rates: "
+                "no bound covers their joint release; use RS or one of them"
+            )
         raise RefusalError(
             f"candidates {names} share batch lineage {runs[0].batch_lineage!r} but record "
             "different sample rates: their batches cannot be identical"
@@ -156,7 +174,7 @@ def release_units(candidates: Sequence[Candidate]) -> tuple[ReleaseUnit, ...]:
     for run, names in _collapse_runs(records):
         groups.setdefault(run.batch_lineage, []).append((run, names))
     units = []
-    for group in groups.values():
+    for lineage, group in groups.items():
         names = tuple(sorted(n for _, covered in group for n in covered))
         if len(group) == 1:
             run = group[0][0]
@@ -164,7 +182,15 @@ def release_units(candidates: Sequence[Candidate]) -> tuple[ReleaseUnit, ...]:
             units.append(ReleaseUnit(UnitKind.RUN, names, (segment,)))
         else:
             segments = _shared_batch_segments([run for run, _ in group])
-            units.append(ReleaseUnit(UnitKind.SHARED_BATCHES, names, segments))
+            unknown = lineage.startswith(UNKNOWN_BATCH_LINEAGE)
+            units.append(ReleaseUnit(UnitKind.SHARED_BATCHES, names, segments, None, unknown))
+    imported = sorted(c.name for c in candidates if isinstance(c, PrivacyLabel) and c.attested_by)
+    if len(imported) > 1:
+        raise RefusalError(
+            f"imported profile-only candidates {', '.join(map(repr, imported))} may share "
+            "batches and noise (unknown lineage): no composition bounds their joint release "
+            "(an LC merge, a mixture's merge, or their source's release ledger); use one of them"
+        )
     labels = [
         ReleaseUnit(UnitKind.LABEL, (c.name,), label=c)
         for c in candidates

@@ -42,7 +42,7 @@ from dpmerge.accounting.generic_search import (
     tune_within,
     utility_kind,
 )
-from dpmerge.accounting.records import Candidate
+from dpmerge.accounting.records import Candidate, attestation_lines
 from dpmerge.accounting.rs import mixture_bound
 from dpmerge.accounting.rs_calibration import best_two_point_mixture
 from dpmerge.accounting.weights import initialisation_conflict, simplex_weights
@@ -103,6 +103,9 @@ def mixture_report(
         rungs=tuple(
             MixtureRung(p, weights, units_bound(units, delta, discretisation))
             for p, weights, units in parts
+        ),
+        attestations=attestation_lines(
+            c for c in candidates if any(c.name in u.members for *_, units in parts for u in units)
         ),
     )
 

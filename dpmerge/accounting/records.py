@@ -51,6 +51,10 @@ MAX_NOISE_MULTIPLIER = 1e3
 MAX_STEPS = 10**9
 MAX_LABEL_EPSILON = 100.0
 """A label's PLD spans ±ε on the 1e-4 grid; beyond 100 the guarantee is void anyway."""
+UNKNOWN_BATCH_LINEAGE = "unknown:"
+"""Prefix of the batch lineage of an imported run whose batches are unknown, followed by the
+dataset fingerprint: such runs of one dataset share it, so they form one release unit
+(docs/design.md#imported-candidates)."""
 
 
 class _Frozen(BaseModel):
@@ -99,6 +103,9 @@ class MechanismRecord(_Frozen):
     dataset_size: StrictInt | None = Field(default=None, gt=0)
     initialisation: StrictStr | None = None
     run_id: StrictStr | None = Field(default=None, min_length=1)
+    attested_by: StrictStr | None = Field(default=None, min_length=1, max_length=256)
+    """Set on imported candidates only: who attested this record
+    (docs/design.md#imported-candidates)."""
 
     _neighbouring = field_validator("neighbouring", mode="before")(_only_add_or_remove)
 
@@ -168,6 +175,9 @@ class PrivacyLabel(_Frozen):
     rdp_orders: tuple[StrictFloat, ...] | None = Field(default=None, max_length=4096)
     rdp_epsilons: tuple[StrictFloat, ...] | None = Field(default=None, max_length=4096)
     neighbouring: Neighbouring = Neighbouring.ADD_OR_REMOVE_ONE
+    attested_by: StrictStr | None = Field(default=None, min_length=1, max_length=256)
+    """Set on imported candidates only: who attested this label
+    (docs/design.md#imported-candidates)."""
 
     _neighbouring = field_validator("neighbouring", mode="before")(_only_add_or_remove)
 
@@ -200,7 +210,7 @@ class PrivacyLabel(_Frozen):
 
 Candidate = MechanismRecord | PrivacyLabel
 
-_RECORD_FIELDS = tuple(f for f in MechanismRecord.model_fields if f != "kind")
+_RECORD_FIELDS = tuple(f for f in MechanismRecord.model_fields if f not in ("kind", "attested_by"))
 
 
 def candidate_from_dict(data: Mapping[str, Any]) -> Candidate:
@@ -262,3 +272,20 @@ def require_same_dataset(candidates: Sequence[Candidate]) -> str:
             "not analysed"
         )
     return datasets[0]
+
+
+def attestation_lines(candidates: Iterable[Candidate]) -> tuple[str, ...]:
+    """What the cards say in bold of imported candidates (docs/design.md#imported-candidates):
+    each attester, and that unknown batches made such runs one release unit."""
+    used = list(candidates)
+    attesters = sorted({c.attested_by for c in used if c.attested_by is not None})
+    lines = [f"record attested by {a}, not produced by dpmerge's training" for a in attesters]
+    if any(
+        isinstance(c, MechanismRecord) and c.batch_lineage.startswith(UNKNOWN_BATCH_LINEAGE)
+        for c in used
+    ):
+        lines.append(
+            "imported DP-SGD candidates of unknown batches are taken as one release unit per "
+            "dataset (as if they drew the same batches)"
+        )
+    return tuple(lines)

@@ -56,6 +56,11 @@ def structured_refusal(candidates: Sequence[Candidate], weights: Sequence[float]
     for c in used:
         if not isinstance(c, MechanismRecord):
             return f"candidate {c.name!r} has only a privacy label: its training is unknown"
+        if c.attested_by is not None:
+            return (
+                f"candidate {c.name!r} is imported (record attested by {c.attested_by}): the "
+                "structured bound needs training dpmerge ran (docs/design.md#imported-candidates)"
+            )
         if c.optimizer != Optimizer.SGD:
             return (
                 f"candidate {c.name!r} was trained with {c.optimizer.value!r}: the structured "

@@ -39,8 +39,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge": ("dpmerge.cli.model_options", "merge candidate directories (RS, LC or mixture)"),
     "evaluate": ("dpmerge.cli.model_options", "evaluate a model directory on a split"),
     "candidates": (
-        "dpmerge.cli.model_options",
-        "print the candidates file of candidate directories",
+        "dpmerge.cli.candidates",
+        "list candidate directories as a candidates file, or import a DP model",
     ),
     "registry": ("dpmerge.cli.registry", "the MLflow model registry"),
     "ledger": (

@@ -1,4 +1,4 @@
-"""The options of ``dpmerge merge``, ``dpmerge evaluate`` and ``dpmerge candidates``
+"""The options of ``dpmerge merge`` and ``dpmerge evaluate``
 (:mod:`dpmerge.cli.models` does the work).
 
 The options are declared and checked here without torch: a misspelt option, a dataset whose
@@ -98,12 +98,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     score.add_argument("--json", action="store_true", help="print JSON instead of a summary")
     _add_data_options(score, required=True)
     score.set_defaults(handler=_run("_evaluate"))
-
-    listing = subparsers.add_parser(
-        "candidates", help="print the candidates file of candidate directories"
-    )
-    listing.add_argument("dirs", nargs="+", metavar="DIR")
-    listing.set_defaults(handler=_run("_candidates"))
 
 
 def _check_data(args: argparse.Namespace) -> None:

@@ -1,9 +1,9 @@
-"""``dpmerge merge``, ``dpmerge evaluate`` and ``dpmerge candidates``: model directories.
+"""``dpmerge merge`` and ``dpmerge evaluate``: model directories.
 
 ``merge`` releases an RS, LC or mixture merge of candidate directories, with given weights or
 calibrated to a target ε (docs/design.md); ``evaluate`` scores a model directory on a dataset
-split; ``candidates`` turns candidate directories into the candidates file ``dpmerge account``
-reads. Calibration reads the records only; validation accuracy tunes LC weights within a subset
+split (``dpmerge candidates list`` writes the candidates file ``dpmerge account`` reads).
+Calibration reads the records only; validation accuracy tunes LC weights within a subset
 only with ``--tune-weights``. The drawn index (RS, mixture) is never printed: it goes only to
 ``--audit-file`` (mode 0600).
 
@@ -22,7 +22,6 @@ import torch
 
 from dpmerge.accounting.calibration import Calibration, calibrate
 from dpmerge.accounting.delta import delta_check_for
-from dpmerge.accounting.records import candidates_from_dicts, candidates_to_document
 from dpmerge.artifacts import ModelDir, ModelSpec, load_model_dir
 from dpmerge.cli.common import fmt, print_json
 from dpmerge.data import DatasetSplits, Split, load_dataset
@@ -214,12 +213,4 @@ def _evaluate(args: argparse.Namespace) -> int:
             f"{model.path}: accuracy {fmt(scores['accuracy'])}, loss {fmt(scores['loss'])} "
             f"on {data.name}/{args.split} (n = {scores['n']})"
         )
-    return 0
-
-
-def _candidates(args: argparse.Namespace) -> int:
-    candidates = [read_candidate_dir(p).record for p in args.dirs]
-    document = candidates_to_document(candidates)
-    candidates_from_dicts(document["candidates"])  # names must be unique, as the reader demands
-    print_json(document)
     return 0
