@@ -1,7 +1,8 @@
 """The on-disk layout of a model directory: a trained candidate or a merged model.
 
 ``DIR/weights.safetensors``  tensors only (loaded without pickle)
-``DIR/model.json``           architecture: {"name", "input_shape", "num_classes"}
+``DIR/model.json``           architecture: {"name", "input_shape", "num_classes"}, and for a
+                             fine-tuned transformer its "fine_tune" (base digest, trained subset)
 ``DIR/record.json``          candidate: {"record": <MechanismRecord>, "privacy": <candidate bound>}
                              merge: {"merge": {"method", "weights", "candidates": [...]}}
 ``DIR/metrics.json``         evaluation results
@@ -31,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.errors import RecordError
+from dpmerge.fine_tuning import FineTune
 
 WEIGHTS_FILE = "weights.safetensors"
 MODEL_FILE = "model.json"
@@ -41,17 +43,21 @@ PRIVACY_FILE = "privacy.json"
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Which architecture a set of weights belongs to (a name in ``dpmerge.models``)."""
+    """Which architecture a set of weights belongs to (a name in ``dpmerge.models``); a
+    fine-tuned transformer also names its base and trained subset (docs/design.md#fine-tuning)."""
 
     name: str
     input_shape: tuple[int, ...]
     num_classes: int
+    fine_tune: FineTune | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        fine_tune = {} if self.fine_tune is None else {"fine_tune": self.fine_tune.to_dict()}
         return {
             "name": self.name,
             "input_shape": list(self.input_shape),
             "num_classes": self.num_classes,
+            **fine_tune,
         }
 
     @classmethod
@@ -61,6 +67,7 @@ class ModelSpec:
                 str(data["name"]),
                 tuple(int(v) for v in data["input_shape"]),
                 int(data["num_classes"]),
+                FineTune.from_dict(data["fine_tune"]) if "fine_tune" in data else None,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise RecordError(f"{MODEL_FILE}: malformed model spec ({error})") from None

@@ -23,6 +23,17 @@ class RecordError(InputError):
     """A mechanism record or privacy label is missing a field or holds a wrong value."""
 
 
+class BaseModelError(InputError):
+    """A fine-tuning base that cannot be used as declared: its directory missing or not a
+    transformers model, its files not those of the recorded digest, LoRA targets or trained
+    layers naming no module, its labels not the data's classes (docs/design.md#fine-tuning)."""
+
+
+class DifferentBasesError(RecordError):
+    """Candidates fine-tuned from different base models (their digests differ): their trained
+    parameters do not merge (docs/design.md#fine-tuning)."""
+
+
 class RefusalError(DPMergeError, ValueError):
     """The requested analysis is not valid for these candidates (docs/design.md#mechanism-record,
     docs/design.md#structured-bound)."""

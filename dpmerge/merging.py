@@ -55,7 +55,7 @@ from dpmerge.artifacts import (
     read_header,
     save_model_dir,
 )
-from dpmerge.errors import RecordError
+from dpmerge.errors import DifferentBasesError, RecordError
 from dpmerge.models import check_weights_match
 from dpmerge.vocabulary import GatingBound, Method, choose
 
@@ -327,6 +327,12 @@ def _check_inputs(dirs: Sequence[ModelDir]) -> None:
         raise RecordError("the same candidate directory is given twice")
     ref = dirs[0]
     for other in dirs[1:]:
+        bases = [d.spec.fine_tune.base_digest if d.spec.fine_tune else None for d in (ref, other)]
+        if bases[0] != bases[1]:
+            raise DifferentBasesError(
+                f"different base models: {other.path} is fine-tuned from {bases[1]}, "
+                f"{ref.path} from {bases[0]} (docs/design.md#fine-tuning)"
+            )
         if other.spec != ref.spec:
             raise RecordError(
                 f"architectures differ: {other.path} is {other.spec.to_dict()}, "

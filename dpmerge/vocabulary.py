@@ -201,6 +201,8 @@ class DatasetName(StrEnum):
     CIFAR10 = "cifar10"
     TABLE = "table"
     """A Parquet or CSV table named by a spec file (docs/design.md#table-data)."""
+    TOKENS = "tokens"
+    """Token sequences in an ``.npz`` file, for a transformer (docs/design.md#fine-tuning)."""
 
 
 class SplitName(StrEnum):
@@ -217,6 +219,9 @@ class ModelName(StrEnum):
     LOGREG = "logreg"
     CNN = "cnn"
     RESNET18_GN = "resnet18_gn"
+    TRANSFORMERS = "transformers"
+    """A transformers model from a local directory, DP fine-tuned on a declared parameter
+    subset (docs/design.md#fine-tuning)."""
 
 
 class GradSampleMode(StrEnum):

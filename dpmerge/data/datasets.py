@@ -7,6 +7,7 @@
 | ``mnist``       | IDX files in a folder you provide                                   |
 | ``cifar10``     | the python-pickle batches in a folder you provide                   |
 | ``table``       | a Parquet or CSV table named by a spec file (:mod:`dpmerge.data.table`) |
+| ``tokens``      | token sequences in an ``.npz`` file (:mod:`dpmerge.data.tokens`)     |
 
 Nothing is downloaded: a missing file raises :class:`~dpmerge.errors.DatasetError` naming the
 package or folder that provides it.
@@ -23,6 +24,7 @@ from dpmerge.data.readers import find_file, read_cifar_batch, read_idx
 from dpmerge.data.sources import FASHION_MNIST_PACKAGE, FASHION_MNIST_ROOT
 from dpmerge.data.splits import DatasetSplits, make_splits
 from dpmerge.data.table import load_table
+from dpmerge.data.tokens import load_tokens
 from dpmerge.errors import DatasetError
 from dpmerge.vocabulary import DatasetName, values
 
@@ -114,6 +116,8 @@ def preprocessing(name: str) -> str:
     MLflow metadata and the README say it): channels first, pixels divided by the scale."""
     if name == DatasetName.TABLE:
         return "float32 array (n, features): the declared feature columns as stored"
+    if name == DatasetName.TOKENS:
+        return "int64 array (n, 2, length): token ids stacked over their attention mask"
     if name not in _LOADERS:
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
     scale = _LOADERS[DatasetName(name)][2]
@@ -146,6 +150,10 @@ def load_dataset(
         if root is None:
             raise DatasetError("no spec file given for table: pass it as root")
         return load_table(root, limit)
+    if name == DatasetName.TOKENS:
+        if root is None:
+            raise DatasetError("no .npz file given for tokens: pass it as root")
+        return load_tokens(root, limit)
     if name not in _LOADERS:
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
     reader, num_classes, scale = _LOADERS[name]

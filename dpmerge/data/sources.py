@@ -16,6 +16,8 @@ FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
 FOLDERLESS = frozenset({DatasetName.DIGITS})
 """Datasets bundled with a library (scikit-learn's digits): a folder does not apply."""
+FILE_SOURCES = {DatasetName.TABLE: "spec file", DatasetName.TOKENS: ".npz file"}
+"""Datasets read from one file named as their data root, and what that file is."""
 DEFAULT_ROOTS = {DatasetName.FASHION_MNIST: FASHION_MNIST_ROOT}
 """Where a dataset is found when no folder is given (its Debian package)."""
 
@@ -27,12 +29,12 @@ def check_source(name: str, root: str | Path | None) -> None:
     if name not in values(DatasetName):
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(values(DatasetName))}")
     dataset = DatasetName(name)
-    if dataset == DatasetName.TABLE:
+    if dataset in FILE_SOURCES:
         if root is None or not Path(root).is_file():
             given = "none was given" if root is None else f"{str(root)!r} is not a file"
             raise DatasetError(
-                f"table reads the spec file given as its data root (--data-root SPEC), but "
-                f"{given} (docs/design.md#table-data)"
+                f"{name} reads the {FILE_SOURCES[dataset]} given as its data root "
+                f"(--data-root FILE), but {given} (docs/design.md#table-data)"
             )
         return
     if dataset in FOLDERLESS:
