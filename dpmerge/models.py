@@ -133,6 +133,8 @@ def _fine_tuned(spec: ModelSpec) -> bool:
     """Whether ``spec`` is a fine-tuned transformer, checked: it names its base, its input rows
     are (2, L) token ids over an attention mask."""
     if spec.name != ModelName.TRANSFORMERS:
+        if spec.fine_tune is not None:
+            raise RecordError(f"model {spec.name!r} is not fine-tuned, but names a fine_tune")
         return False
     if spec.fine_tune is None:
         raise RecordError(f"model {spec.name!r} needs its base model (--model-dir)")

@@ -5,6 +5,7 @@ parameters only, the merge evaluated; and each bad input refused in one line."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+from opacus.validators import ModuleValidator
 from transformers import AutoModelForSequenceClassification, BertConfig
 
 import dpmerge.cli
@@ -107,7 +109,7 @@ def test_token_file_splits_by_unit_and_checks_its_arrays(place: Path, data: Data
 
 
 def test_two_lora_candidates_merge_over_their_adapters(
-    place: Path, data: DatasetSplits, tmp_path: Path
+    place: Path, data: DatasetSplits, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     dirs = []
     for seed in (1, 2):
@@ -122,6 +124,7 @@ def test_two_lora_candidates_merge_over_their_adapters(
     first, second = (load_model_dir(d) for d in dirs)
     assert first.spec.fine_tune.base_digest == base_digest(place / "base")
     assert set(first.tensors) == set(result.model.trained)
+    assert ModuleValidator.validate(result.model, strict=True) == []
     assert all("lora_" in k or "modules_to_save" in k for k in first.tensors)
     merged = merge_model_dirs(
         dirs,
@@ -138,6 +141,9 @@ def test_two_lora_candidates_merge_over_their_adapters(
     scores = evaluate((released.spec, released.weights), data.test)
     assert scores["n"] == len(data.test) and scores["accuracy"] > 0.9
     assert merged.metrics["accuracy"] == scores["accuracy"]
+    evaluated = [*("evaluate", str(merged.path), "--dataset", "tokens"), "--json"]
+    assert dpmerge.cli.main([*evaluated, "--data-root", str(place / "tokens.npz")]) == 0
+    assert json.loads(capsys.readouterr().out)["accuracy"] == scores["accuracy"]
 
 
 def test_named_layers_train_only_those_layers(
