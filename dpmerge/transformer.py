@@ -26,6 +26,7 @@ from transformers.utils import logging as transformers_logging
 from dpmerge.artifacts import ModelSpec
 from dpmerge.errors import BaseModelError, RecordError
 from dpmerge.fine_tuning import FineTune, base_digest
+from dpmerge.formatting import cut
 
 transformers_logging.disable_progress_bar()  # a command's stderr is its one line, not a bar
 
@@ -75,9 +76,9 @@ def _base(fine_tune: FineTune, num_classes: int) -> nn.Module:
     try:
         model = AutoModelForSequenceClassification.from_pretrained(fine_tune.base_dir)
     except (OSError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise BaseModelError(
-            f"{fine_tune.base_dir} is not a transformers sequence classifier ({first})"
+            f"{fine_tune.base_dir} is not a transformers sequence classifier "
+            f"({cut(str(error), 200)})"
         ) from None
     if model.config.num_labels != num_classes:
         raise BaseModelError(
@@ -87,12 +88,12 @@ def _base(fine_tune: FineTune, num_classes: int) -> nn.Module:
     return model
 
 
-def _unmatched(model: nn.Module, wanted: tuple[str, ...], what: str) -> None:
-    """Refuse a name that matches no module (as a name's last components, peft's rule)."""
+def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
+    """Refuse a LoRA target that matches no module (as a name's last components, peft's rule)."""
     modules = [name for name, _ in model.named_modules()]
-    for item in wanted:
-        if not any(name == item or name.endswith("." + item) for name in modules):
-            raise BaseModelError(f"{what} {item!r} names no module of the base model")
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in modules):
+            raise BaseModelError(f"LoRA target {target!r} names no module of the base model")
 
 
 def build_fine_tuned(spec: ModelSpec) -> FineTuned:
@@ -103,7 +104,7 @@ def build_fine_tuned(spec: ModelSpec) -> FineTuned:
         raise RecordError(f"model {spec.name!r} needs its fine_tune (base and trained subset)")
     model = _base(fine_tune, spec.num_classes)
     if fine_tune.lora:
-        _unmatched(model, fine_tune.lora_targets, "LoRA target")
+        _check_targets(model, fine_tune.lora_targets)
         config = LoraConfig(
             task_type=TaskType.SEQ_CLS,
             r=fine_tune.lora_rank,

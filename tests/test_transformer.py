@@ -51,6 +51,8 @@ def save_base(directory: Path, seed: int) -> Path:
 def place(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("transformer")
     save_base(root / "base", 0)
+    (root / "not-a-model").mkdir()
+    (root / "not-a-model" / "notes.txt").write_text("no config.json here")
     rng = np.random.default_rng(0)
     ids = rng.integers(1, VOCAB, size=(ROWS, LENGTH))
     mask = np.ones_like(ids)
@@ -185,7 +187,8 @@ def test_a_changed_or_different_base_is_refused(
 @pytest.mark.parametrize(
     ("settings", "error", "message"),
     [
-        ({"model_dir": "/absent/base"}, BaseModelError, "base model directory not found"),
+        ({"model_dir": "absent"}, BaseModelError, "base model directory not found"),
+        ({"model_dir": "not-a-model"}, BaseModelError, "is not a transformers sequence class"),
         ({"lora_targets": "query,nowhere"}, BaseModelError, "'nowhere' names no module"),
         (LAYERS | {"train_layers": "dropout"}, BaseModelError, "'dropout' names no module with"),
         (LAYERS | {"train_layers": "embeddings"}, BaseModelError, "position_embeddings' takes an"),
@@ -197,6 +200,8 @@ def test_a_changed_or_different_base_is_refused(
 def test_bad_fine_tune_inputs_are_one_line(
     place: Path, data: DatasetSplits, settings: dict, error: type, message: str
 ) -> None:
+    if settings.get("model_dir"):  # a folder of the module's place
+        settings = settings | {"model_dir": str(place / settings["model_dir"])}
     with pytest.raises(error, match=message) as raised:
         train_candidate(config(place, **settings), data)
     assert "\n" not in str(raised.value)
