@@ -94,8 +94,10 @@ def declared_fine_tune(
     lora_targets: str | None,
     train_layers: str | None,
 ) -> FineTune:
-    """The fine-tune a run declares, the base's digest read off its directory now."""
+    """The fine-tune a run declares, the base's digest read off its directory now (recorded
+    by its absolute path, wherever the command ran)."""
     digest = base_digest(model_dir)
+    model_dir = str(Path(model_dir).resolve())
     if lora_rank is not None:
         return FineTune(
             model_dir,
