@@ -568,7 +568,7 @@ def test_cli_options_are_the_declared_parameters(
     for parameter in declared:
         assert options[parameter.name].help.endswith(parameter.help)
         assert options[parameter.name].choices == parameter.choices
-    assert options["model"].choices == ("logreg", "cnn", "resnet18_gn")
+    assert options["model"].choices == ("logreg", "cnn", "resnet18_gn", "transformers")
     assert "--lr" in options["learning_rate"].option_strings
     assert "--no-progress" in options["progress"].option_strings
     # a word outside a vocabulary is refused by the parser, before anything is read or written
