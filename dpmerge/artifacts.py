@@ -1,8 +1,9 @@
 """The on-disk layout of a model directory: a trained candidate or a merged model.
 
 ``DIR/weights.safetensors``  tensors only (loaded without pickle)
-``DIR/model.json``           architecture: {"name", "input_shape", "num_classes"}, and
-                             for a user's model its "factory" record
+``DIR/model.json``           architecture: {"name", "input_shape", "num_classes"}, for a
+                             user's model its "factory" record, and for a fine-tuned
+                             transformer its "fine_tune" (base digest, trained subset)
 ``DIR/record.json``          candidate: {"record": <MechanismRecord>, "privacy": <candidate bound>}
                              merge: {"merge": {"method", "weights", "candidates": [...]}}
 ``DIR/metrics.json``         evaluation results
@@ -32,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.errors import RecordError
+from dpmerge.fine_tuning import FineTune
 
 WEIGHTS_FILE = "weights.safetensors"
 MODEL_FILE = "model.json"
@@ -73,12 +75,14 @@ class FactoryRecord:
 @dataclass(frozen=True)
 class ModelSpec:
     """Which architecture a set of weights belongs to: a name in ``dpmerge.models``, or a user's
-    factory ``module:callable`` with its :class:`FactoryRecord`."""
+    factory ``module:callable`` with its :class:`FactoryRecord`; a fine-tuned transformer also
+    names its base and trained subset (docs/design.md#fine-tuning)."""
 
     name: str
     input_shape: tuple[int, ...]
     num_classes: int
     factory: FactoryRecord | None = None
+    fine_tune: FineTune | None = None
 
     @property
     def label(self) -> str:
@@ -89,10 +93,12 @@ class ModelSpec:
         return f"factory-{self.factory.sha256[:8]}-{self.name}"
 
     def to_dict(self) -> dict[str, Any]:
+        fine_tune = {} if self.fine_tune is None else {"fine_tune": self.fine_tune.to_dict()}
         data: dict[str, Any] = {
             "name": self.name,
             "input_shape": list(self.input_shape),
             "num_classes": self.num_classes,
+            **fine_tune,
         }
         if self.factory is not None:
             data["factory"] = self.factory.to_dict()
@@ -107,6 +113,7 @@ class ModelSpec:
                 tuple(int(v) for v in data["input_shape"]),
                 int(data["num_classes"]),
                 None if factory is None else FactoryRecord.from_dict(factory),
+                FineTune.from_dict(data["fine_tune"]) if "fine_tune" in data else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise RecordError(f"{MODEL_FILE}: malformed model spec ({error})") from None

@@ -35,6 +35,17 @@ class FactoryMismatchError(RecordError):
     (its sha256), given to one merge (docs/design.md#your-model)."""
 
 
+class BaseModelError(InputError):
+    """A fine-tuning base that cannot be used as declared: its directory missing or not a
+    transformers model, its files not those of the recorded digest, LoRA targets or trained
+    layers naming no module, its labels not the data's classes (docs/design.md#fine-tuning)."""
+
+
+class DifferentBasesError(RecordError):
+    """Candidates fine-tuned from different base models (their digests differ): their trained
+    parameters do not merge (docs/design.md#fine-tuning)."""
+
+
 class RefusalError(DPMergeError, ValueError):
     """The requested analysis is not valid for these candidates (docs/design.md#mechanism-record,
     docs/design.md#structured-bound)."""

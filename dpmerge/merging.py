@@ -55,7 +55,7 @@ from dpmerge.artifacts import (
     read_header,
     save_model_dir,
 )
-from dpmerge.errors import FactoryMismatchError, RecordError
+from dpmerge.errors import DifferentBasesError, FactoryMismatchError, RecordError
 from dpmerge.models import check_weights_match
 from dpmerge.vocabulary import GatingBound, Method, choose
 
@@ -332,6 +332,12 @@ def _check_inputs(dirs: Sequence[ModelDir]) -> None:
                 f"model factories differ: {other.path} is {_factory_text(other.spec)}, "
                 f"{ref.path} is {_factory_text(ref.spec)}; candidates of one merge share one "
                 "factory and source (docs/design.md#your-model)"
+            )
+        bases = [d.spec.fine_tune.base_digest if d.spec.fine_tune else None for d in (ref, other)]
+        if bases[0] != bases[1]:
+            raise DifferentBasesError(
+                f"different base models: {other.path} is fine-tuned from {bases[1]}, "
+                f"{ref.path} from {bases[0]} (docs/design.md#fine-tuning)"
             )
         if other.spec != ref.spec:
             raise RecordError(

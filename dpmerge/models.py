@@ -10,6 +10,11 @@ rebuild the module a set of weights belongs to.
 * ``cnn``: two 3×3 conv + GroupNorm + ReLU + max-pool blocks and a linear head (CPU scale).
 * ``resnet18_gn``: ResNet-18 with GroupNorm, CIFAR stem (3×3 conv, no max-pool) (GPU scale).
 
+* ``transformers``: a transformers sequence classifier from a local directory, its base frozen
+  and named by digest, DP-SGD training LoRA adapters or named layers
+  (:mod:`dpmerge.transformer`, docs/design.md#fine-tuning); its weights are the trained
+  parameters only.
+
 A spec may instead name the user's own factory ``module:callable`` with its record
 (:mod:`dpmerge.model_factory`, docs/design.md#your-model): it is rebuilt through that factory,
 and refused if the factory's source changed.
@@ -30,6 +35,7 @@ from torch import nn
 from dpmerge.artifacts import ModelSpec
 from dpmerge.data import DatasetSplits
 from dpmerge.errors import RecordError
+from dpmerge.fine_tuning import FineTune
 from dpmerge.model_factory import build_factory_model, check_factory
 from dpmerge.vocabulary import ModelName, values
 
@@ -129,6 +135,22 @@ MODEL_NAMES = values(ModelName)
 ZERO_INITIALISED = frozenset({ModelName.LOGREG})
 
 
+def _fine_tuned(spec: ModelSpec) -> bool:
+    """Whether ``spec`` is a fine-tuned transformer, checked: it names its base, its input rows
+    are (2, L) token ids over an attention mask."""
+    if spec.name != ModelName.TRANSFORMERS:
+        if spec.fine_tune is not None:
+            raise RecordError(f"model {spec.name!r} is not fine-tuned, but names a fine_tune")
+        return False
+    if spec.fine_tune is None:
+        raise RecordError(f"model {spec.name!r} needs its base model (--model-dir)")
+    if len(spec.input_shape) != 2 or spec.input_shape[0] != 2:
+        raise RecordError(
+            f"model {spec.name!r} needs token inputs (2, length), got shape {spec.input_shape}"
+        )
+    return True
+
+
 def _architecture(spec: ModelSpec) -> Callable[[tuple[int, ...], int], nn.Module]:
     factory = spec.factory
     if factory is not None:
@@ -143,15 +165,22 @@ def _architecture(spec: ModelSpec) -> Callable[[tuple[int, ...], int], nn.Module
 
 
 def model_spec(
-    name: str, data: DatasetSplits, *, model_path: str | None = None, fix: bool = False
+    name: str,
+    data: DatasetSplits,
+    *,
+    model_path: str | None = None,
+    fix: bool = False,
+    fine_tune: FineTune | None = None,
 ) -> ModelSpec:
     """The spec of architecture ``name`` for ``data``'s input shape and classes; for a factory
     ``module:callable``, its record once the factory passed every check
-    (:func:`~dpmerge.model_factory.check_factory`)."""
+    (:func:`~dpmerge.model_factory.check_factory`); a transformer, fine-tuned as ``fine_tune``
+    declares (docs/design.md#fine-tuning)."""
     shape = tuple(data.input_shape)
     if ":" not in name:  # a built-in name, or an unknown one refused by _architecture
-        spec = ModelSpec(str(name), shape, data.num_classes)  # plain text on disk
-        _architecture(spec)
+        spec = ModelSpec(str(name), shape, data.num_classes, fine_tune=fine_tune)
+        if not _fine_tuned(spec):
+            _architecture(spec)
         return spec
     record = check_factory(name, shape, data.num_classes, model_path=model_path, fix=fix)
     return ModelSpec(str(name), shape, data.num_classes, record)
@@ -160,11 +189,17 @@ def model_spec(
 def build_model(spec: ModelSpec, *, seed: int = 0) -> nn.Module:
     """Build ``spec``'s module with a deterministic initialisation from ``seed``.
 
-    The global RNG is left untouched. ``logreg`` is zero-initialised whatever the seed.
+    The global RNG is left untouched. ``logreg`` is zero-initialised whatever the seed; a
+    transformer is its base reloaded by digest, the seed initialising its LoRA adapters.
     """
-    architecture = _architecture(spec)
+    fine_tuned = _fine_tuned(spec)
+    architecture = None if fine_tuned else _architecture(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if architecture is None:
+            from dpmerge.transformer import build_fine_tuned
+
+            return build_fine_tuned(spec)
         model = architecture(spec.input_shape, spec.num_classes)
     if spec.name in ZERO_INITIALISED:
         model.reset_parameters()
@@ -172,17 +207,23 @@ def build_model(spec: ModelSpec, *, seed: int = 0) -> nn.Module:
 
 
 def initialisation_id(spec: ModelSpec, seed: int) -> str:
-    """The record's ``initialisation`` for a seeded build (``"zeros"`` when the seed is unused)."""
+    """The record's ``initialisation`` for a seeded build (``"zeros"`` when the seed is unused;
+    a transformer: its base's digest, and the seed of its LoRA adapters)."""
+    if _fine_tuned(spec):
+        assert spec.fine_tune is not None  # checked by _fine_tuned
+        seeded = f"/seed-{seed}" if spec.fine_tune.lora else ""
+        return f"base-{spec.fine_tune.base_digest}{seeded}"
     return "zeros" if spec.name in ZERO_INITIALISED else f"seed-{seed}"
 
 
 def check_weights_match(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Raise :class:`RecordError` unless ``state_dict`` has exactly ``spec``'s keys and shapes."""
-    with torch.device("meta"):
-        expected = {
-            k: tuple(v.shape)
-            for k, v in _architecture(spec)(spec.input_shape, spec.num_classes).state_dict().items()
-        }
+    if _fine_tuned(spec):  # the trained parameters of the base reloaded by digest
+        expected = {k: tuple(v.shape) for k, v in build_model(spec).state_dict().items()}
+    else:
+        with torch.device("meta"):
+            module = _architecture(spec)(spec.input_shape, spec.num_classes)
+        expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state_dict.items()}
     problems = []
     missing = sorted(expected.keys() - got.keys())

@@ -227,6 +227,8 @@ class DatasetName(StrEnum):
     """A NumPy ``.npz`` of declared arrays named by a spec file (docs/design.md#your-data)."""
     HF_DATASET = "hf-dataset"
     """A Hugging Face dataset saved to disk, named by a spec file (docs/design.md#your-data)."""
+    TOKENS = "tokens"
+    """Token sequences in an ``.npz`` file, for a transformer (docs/design.md#fine-tuning)."""
 
 
 class SplitName(StrEnum):
@@ -243,6 +245,9 @@ class ModelName(StrEnum):
     LOGREG = "logreg"
     CNN = "cnn"
     RESNET18_GN = "resnet18_gn"
+    TRANSFORMERS = "transformers"
+    """A transformers model from a local directory, DP fine-tuned on a declared parameter
+    subset (docs/design.md#fine-tuning)."""
 
 
 class GradSampleMode(StrEnum):

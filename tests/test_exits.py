@@ -38,6 +38,8 @@ EXPECTED = {
     "UnsupportedError": ExitCode.REFUSED,
     "IntegrityError": ExitCode.REFUSED,
     "DatasetError": ExitCode.REFUSED,
+    "BaseModelError": ExitCode.REFUSED,
+    "DifferentBasesError": ExitCode.REFUSED,
     "AccessError": ExitCode.REFUSED,
     "TrainingConfigError": ExitCode.REFUSED,
     "NoCandidatesError": ExitCode.REFUSED,

@@ -10,6 +10,7 @@
 | ``image-folder`` | images in class sub-folders named by a spec file (:mod:`dpmerge.data.images`) |
 | ``npz``         | a NumPy ``.npz`` named by a spec file (:mod:`dpmerge.data.npz`)     |
 | ``hf-dataset``  | a saved Hugging Face dataset (:mod:`dpmerge.data.hf_dataset`)       |
+| ``tokens``      | token sequences in an ``.npz`` file (:mod:`dpmerge.data.tokens`)     |
 
 Nothing is downloaded: a missing file raises :class:`~dpmerge.errors.DatasetError` naming the
 package or folder that provides it.
@@ -29,6 +30,7 @@ from dpmerge.data.readers import find_file, read_cifar_batch, read_idx
 from dpmerge.data.sources import FASHION_MNIST_PACKAGE, FASHION_MNIST_ROOT
 from dpmerge.data.splits import DatasetSplits, make_splits
 from dpmerge.data.table import load_table
+from dpmerge.data.tokens import load_tokens
 from dpmerge.errors import DatasetError
 from dpmerge.vocabulary import DatasetName, values
 
@@ -129,8 +131,13 @@ _OWN: dict[DatasetName, tuple[Callable[[Path, int | None], DatasetSplits], str]]
         load_hf_dataset,
         "float32 array (n, features): the declared feature columns as stored",
     ),
+    DatasetName.TOKENS: (
+        load_tokens,
+        "int64 array (n, 2, length): token ids stacked over their attention mask",
+    ),
 }
-"""Datasets of your own (docs/design.md#your-data), each read from its spec file."""
+"""Datasets of your own (docs/design.md#your-data), each read from its spec file (``tokens``:
+from its ``.npz`` file, docs/design.md#fine-tuning)."""
 
 
 def preprocessing(name: str) -> str:
@@ -169,7 +176,7 @@ def load_dataset(
         raise DatasetError(f"limit must be a positive number of rows, got {limit}")
     if name in _OWN:
         if root is None:
-            raise DatasetError(f"no spec file given for {name}: pass it as root")
+            raise DatasetError(f"no file given for {name}: pass it as root")
         return _OWN[DatasetName(name)][0](Path(root), limit)
     if name not in _LOADERS:
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")

@@ -16,11 +16,15 @@ FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
 FOLDERLESS = frozenset({DatasetName.DIGITS})
 """Datasets bundled with a library (scikit-learn's digits): a folder does not apply."""
-OWN_DATA = frozenset(
-    {DatasetName.TABLE, DatasetName.IMAGE_FOLDER, DatasetName.NPZ, DatasetName.HF_DATASET}
-)
-"""Datasets of your own, each read through a spec file given as the data root; they share the
-ledger source :data:`OWN_SOURCE` (docs/design.md#your-data)."""
+OWN_DATA = {
+    DatasetName.TABLE: "spec file",
+    DatasetName.IMAGE_FOLDER: "spec file",
+    DatasetName.NPZ: "spec file",
+    DatasetName.HF_DATASET: "spec file",
+    DatasetName.TOKENS: ".npz file",
+}
+"""Datasets of your own, each read through the one file given as the data root (and what that
+file is); they share the ledger source :data:`OWN_SOURCE` (docs/design.md#your-data)."""
 OWN_SOURCE = "own"
 """The one ledger source of every dataset of your own, whatever its kind."""
 DEFAULT_ROOTS = {DatasetName.FASHION_MNIST: FASHION_MNIST_ROOT}
@@ -38,8 +42,8 @@ def check_source(name: str, root: str | Path | None) -> None:
         if root is None or not Path(root).is_file():
             given = "none was given" if root is None else f"{str(root)!r} is not a file"
             raise DatasetError(
-                f"{name} reads the spec file given as its data root (--data-root SPEC), but "
-                f"{given} (docs/design.md#your-data)"
+                f"{name} reads the {OWN_DATA[dataset]} given as its data root "
+                f"(--data-root FILE), but {given} (docs/design.md#your-data)"
             )
         return
     if dataset in FOLDERLESS:

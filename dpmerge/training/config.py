@@ -33,20 +33,29 @@ DEFAULT_GRAD_SAMPLE_MODE = {
     ModelName.LOGREG: LINEAR_EXACT,
     ModelName.CNN: GradSampleMode.VMAP,
     ModelName.RESNET18_GN: GradSampleMode.HOOKS,
+    ModelName.TRANSFORMERS: GradSampleMode.HOOKS,
 }
 """Fastest exact mode per model, measured with every mode in one run (``bench_training.py``;
 docs/training.md, "Throughput"; docs/results.md §6). ``cnn``: ``vmap`` (one batched backward
 pass, no parameter ``.grad`` beside the per-example gradients; 0.78 of non-private against
 0.54 for ``hooks`` and 0.51 for ``ghost``, whose conv and GroupNorm layers have no ghost norm
 sampler; ``layers`` was not faster, docs/results.md §6.2). ``resnet18_gn``: ``hooks``
-(docs/training.md, "Throughput")."""
-DEFAULT_LEARNING_RATE = {ModelName.LOGREG: 2.0, ModelName.CNN: 1.0, ModelName.RESNET18_GN: 0.5}
+(docs/training.md, "Throughput"). ``transformers``: ``hooks``, which supports LoRA's linear
+layers (docs/design.md#fine-tuning; not benchmarked)."""
+DEFAULT_LEARNING_RATE = {
+    ModelName.LOGREG: 2.0,
+    ModelName.CNN: 1.0,
+    ModelName.RESNET18_GN: 0.5,
+    ModelName.TRANSFORMERS: 0.5,
+}
 """Plain-SGD step sizes at C = 1, B = 256, chosen in docs/training.md ("Logreg learning rate",
-"CNN learning rate"); resnet18_gn is not tuned here."""
+"CNN learning rate"); resnet18_gn and transformers are not tuned here."""
 FACTORY_LEARNING_RATE = 1.0
 """The step size of a user's model (docs/design.md#your-model), untuned: give ``--lr``."""
 FACTORY_GRAD_SAMPLE_MODE = GradSampleMode.HOOKS
 """Opacus' per-layer hooks: the mode whose supported layers ``ModuleValidator`` checks."""
+FINE_TUNE_OPTIONS = ("model_dir", "lora_rank", "lora_alpha", "lora_targets", "train_layers")
+"""The options of a fine-tuned transformer (docs/design.md#fine-tuning)."""
 DEVICE_KINDS = ("cpu", "cuda", "auto")
 
 
@@ -164,6 +173,15 @@ class TrainConfig:
     )
     batch_seed: int | None = parameter("shared Poisson batch stream (default: independent)", None)
     init_checkpoint: str | None = parameter("public safetensors weights to start from", None)
+    model_dir: str | None = parameter("transformers: the base model's local directory", None)
+    lora_rank: int | None = parameter("transformers: train LoRA adapters of this rank", None)
+    lora_alpha: float | None = parameter("transformers: LoRA scaling α (default: the rank)", None)
+    lora_targets: str | None = parameter(
+        "transformers: comma-separated module names the LoRA adapters adapt", None
+    )
+    train_layers: str | None = parameter(
+        "transformers: comma-separated module names trained instead of LoRA adapters", None
+    )
     device: str = parameter("cpu, cuda[:N], or auto (CUDA when present)", "cpu")
     grad_sample_mode: GradSampleMode | None = parameter(
         "linear-exact (logreg only) or an Opacus mode (default: per model)", None
@@ -198,8 +216,11 @@ class TrainConfig:
                 "clip_norm",
                 "checkpoint_every",
                 "max_steps",
+                "lora_rank",
+                "lora_alpha",
             ),
         )
+        self._check_fine_tune()
         if not 0 < self.delta < 1:
             raise TrainingConfigError(f"delta must be in (0, 1), got {self.delta}")
         if self.mode == LINEAR_EXACT and self.model not in LINEAR_EXACT_MODELS:
@@ -243,6 +264,31 @@ class TrainConfig:
     def model_label(self) -> str:
         """The model as a part of a candidate's name (a factory's ``:`` made a ``-``)."""
         return str(self.model).replace(":", "-")
+
+    def _check_fine_tune(self) -> None:
+        """A transformer names its base and exactly one trained subset; no other model takes
+        these options (docs/design.md#fine-tuning)."""
+        given = [name for name in FINE_TUNE_OPTIONS if getattr(self, name) is not None]
+        if self.model != ModelName.TRANSFORMERS:
+            if given:
+                raise TrainingConfigError(
+                    f"{given[0]} applies only to model {ModelName.TRANSFORMERS.value!r}"
+                )
+            return
+        if self.model_dir is None:
+            raise TrainingConfigError("model 'transformers' needs model_dir, its base's directory")
+        if self.init_checkpoint is not None:
+            raise TrainingConfigError(
+                "model 'transformers' starts from its base (model_dir), not an init_checkpoint"
+            )
+        lora = [name for name in given if name.startswith("lora_")]
+        if lora and self.train_layers is not None:
+            raise TrainingConfigError("give LoRA options or train_layers, not both")
+        if self.train_layers is None and (self.lora_rank is None or self.lora_targets is None):
+            raise TrainingConfigError(
+                "model 'transformers' trains LoRA adapters (lora_rank and lora_targets) or "
+                "named layers (train_layers)"
+            )
 
     @property
     def lr(self) -> float:

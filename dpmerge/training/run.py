@@ -16,6 +16,7 @@ from dpmerge.accounting.delta import check_delta_against
 from dpmerge.accounting.records import MechanismRecord
 from dpmerge.artifacts import ModelSpec, save_model_dir
 from dpmerge.data import DatasetSplits
+from dpmerge.fine_tuning import FineTune, declared_fine_tune
 from dpmerge.models import build_model, initialisation_id, load_pretrained, model_spec
 from dpmerge.training.checkpoint import (
     RunState,
@@ -70,7 +71,13 @@ def train_candidate(config: TrainConfig, data: DatasetSplits) -> TrainResult:
         )
     check_delta_against(config.delta, data.dataset_size)  # δ ≥ 1/n is refused before training
     device = config.torch_device()
-    spec = model_spec(config.model, data, model_path=config.model_path, fix=config.fix_model)
+    spec = model_spec(
+        config.model,
+        data,
+        model_path=config.model_path,
+        fix=config.fix_model,
+        fine_tune=_fine_tune(config),
+    )
     plan = plan_mechanism(config, data.dataset_size)
     if config.init_checkpoint is not None:
         model, init_id = load_pretrained(spec, config.init_checkpoint)
@@ -137,6 +144,19 @@ def train_candidate(config: TrainConfig, data: DatasetSplits) -> TrainResult:
         "test_loss": final.test_loss,
     }
     return TrainResult(engine.module(), spec, record, metrics, ran.history, history, state.seconds)
+
+
+def _fine_tune(config: TrainConfig) -> FineTune | None:
+    """The declared fine-tune of a transformer, its base's digest read now."""
+    if config.model_dir is None:
+        return None
+    return declared_fine_tune(
+        config.model_dir,
+        lora_rank=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_targets=config.lora_targets,
+        train_layers=config.train_layers,
+    )
 
 
 def train_candidates(configs: Sequence[TrainConfig], data: DatasetSplits) -> list[TrainResult]:
