@@ -116,7 +116,11 @@ def test_a_factory_trains_merges_and_evaluates_through_itself(
 @pytest.mark.parametrize(
     ("model", "extra", "said"),
     [
-        ("not-a-model", (), "unknown model 'not-a-model'; known: logreg, cnn, resnet18_gn, or"),
+        (
+            "not-a-model",
+            (),
+            "unknown model 'not-a-model'; known: logreg, cnn, resnet18_gn, transformers, or",
+        ),
         ("a:b:c", (), "neither a built-in model nor module:callable"),
         ("no_such_module_9f3e:make", (), "not found on sys.path"),
         ("{module}:absent", (), "has no 'absent'"),

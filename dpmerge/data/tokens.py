@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpmerge.data.own import DEFAULT_FRACTIONS, DEFAULT_SPLIT_KEY, split_of
 from dpmerge.data.splits import DatasetSplits, Split
-from dpmerge.data.table import DEFAULT_FRACTIONS, DEFAULT_SPLIT_KEY, split_of
 from dpmerge.errors import DatasetError
 from dpmerge.vocabulary import DatasetName, SplitName
 
@@ -81,7 +81,7 @@ def _checked(
         if len(set(units)) < n:
             raise DatasetError(
                 f"{path}: unit_ids repeat a unit; a unit of several rows is refused (DP-SGD "
-                "here protects one row, docs/design.md#table-data)"
+                "here protects one row, docs/design.md#your-data)"
             )
     classes = int(labels.max()) + 1
     if "num_classes" in arrays:
