@@ -790,3 +790,12 @@ def test_private_tuning_releases_a_card_whose_validation_rows_are_protected(
     assert shown["validation_rows"] == {"epsilon": statement.validation, "delta": 0.0}
     again = pm.apply_policy(_store(workspace, policy), workspace).outcome
     assert again.version == outcome.version and again.reused
+    # a ledger rolled back and rebuilt from the internal records still charges the selection
+    # and counts at least every candidate it consulted (here: every candidate of the merge)
+    assert read_release(workspace.state(), entry.release_id)["selection"]["epsilon"] == 0.5
+    (workspace.home / "state" / state_serving.dataset_key(entry.dataset)).unlink()
+    assert entry.release_id in pm.rebuild_ledger(workspace)
+    (rebuilt,) = [e for e in _ledger(workspace, outcome).ledger if e.release_id == entry.release_id]
+    assert rebuilt.selection == entry.selection
+    assert set(entry.names) <= set(rebuilt.names)
+    assert _ledger(workspace, outcome).statement(DELTA).validation >= 0.5

@@ -21,6 +21,7 @@ from typing import Any
 
 from dpmerge.accounting.ledger import release_for, release_of
 from dpmerge.accounting.private_accuracy import PrivateAccuracy
+from dpmerge.accounting.private_selection import Selection
 from dpmerge.accounting.records import candidate_from_dict
 from dpmerge.errors import IntegrityError
 from dpmerge.formatting import epsilon_text
@@ -221,7 +222,10 @@ def rebuild_ledger(workspace: Workspace) -> list[str]:
             unknown.append(f"{stored.name} v{stored.version}")
             continue
         records = [candidate_from_dict(c["record"]) for c in record["merge"]["candidates"]]
-        used = set(record["used_candidates"])
+        selection = Selection.from_dict(record["selection"]) if "selection" in record else None
+        # a private selection consulted candidates beyond those it used; which ones the record
+        # does not say, so every candidate of the merge is counted (the safe side)
+        used = {r.name for r in records} if selection else set(record["used_candidates"])
         release = release_of(
             facts.content_hash, record["method"], records, [float(r.name in used) for r in records]
         )
@@ -234,6 +238,7 @@ def rebuild_ledger(workspace: Workspace) -> list[str]:
             delta=facts.delta,
             policy=stored.tags.get("dp.policy", ""),
             policy_version=0,
+            selection=selection,
         )
         state_serving.count(store, entry, None)
         added.append(facts.content_hash)

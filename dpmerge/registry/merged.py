@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dpmerge.accounting.delta import delta_check_for
+from dpmerge.accounting.private_selection import Selection
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.artifacts import ModelDir, load_model_dir
 from dpmerge.keys import WorkflowKey
@@ -235,9 +236,12 @@ class MergedRelease:
         return [self.versions[n] for n in self.merged.names]
 
     def internal(self) -> dict[str, Any]:
-        """The release's internal record (see the module docstring)."""
+        """The release's internal record (see the module docstring); a privately tuned release
+        also keeps its selection, so a rebuilt ledger charges it (docs/design.md#private-tuning)."""
         merged = self.merged
+        selection = Selection.from_metrics(merged.public_metrics)
         return {
+            **({"selection": selection.to_dict()} if selection is not None else {}),
             "release": self.content_hash,
             "model": self.name,
             "dataset": merged.dataset,
