@@ -605,5 +605,8 @@ def test_cli_options_are_the_declared_parameters(
     code = dpmerge.cli.main(["train", "--dataset", "digits", "--model", "cnm", "--out", str(out)])
     err = capsys.readouterr().err
     assert code == dpmerge.cli.EXIT_BAD_INPUT and err.count("\n") == 1 and not out.exists()
-    assert "unknown model 'cnm'; known: logreg, cnn, resnet18_gn, or module:callable" in err
+    assert (
+        "unknown model 'cnm'; known: logreg, cnn, resnet18_gn, transformers, or module:callable"
+        in err
+    )
     assert "did you mean 'cnn'?" in err
