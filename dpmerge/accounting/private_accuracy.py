@@ -27,7 +27,12 @@ METRIC = "test_accuracy"
 PRIVACY_KEYS = ("test_accuracy_epsilon", "test_accuracy_delta", "test_accuracy_mechanism")
 
 
-def _positive_finite(value: Any, what: str) -> float:
+TEST_ROWS = "the number of test rows"
+
+
+def positive_finite(value: Any, what: str) -> float:
+    """``value`` as a float: strict (a boolean is not a number), finite and positive
+    (:class:`RecordError` naming ``what`` otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise RecordError(f"{what} must be a finite number, got {value!r}")
     if value <= 0:
@@ -35,9 +40,10 @@ def _positive_finite(value: Any, what: str) -> float:
     return float(value)
 
 
-def _row_count(value: Any) -> int:
+def positive_int(value: Any, what: str) -> int:
+    """``value`` as a strict positive integer (:class:`RecordError` naming ``what`` otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RecordError(f"the number of test rows must be a positive integer, got {value!r}")
+        raise RecordError(f"{what} must be a positive integer, got {value!r}")
     return value
 
 
@@ -73,8 +79,8 @@ class Evaluation:
         if isinstance(data["delta"], bool) or data["delta"] != 0:
             raise RecordError(f"an evaluation's δ is 0 (pure ε), got {data['delta']!r}")
         return cls(
-            epsilon=_positive_finite(data["epsilon"], "the evaluation ε"),
-            n=_row_count(data["n"]),
+            epsilon=positive_finite(data["epsilon"], "the evaluation ε"),
+            n=positive_int(data["n"], TEST_ROWS),
             mechanism=EvaluationMechanism(data["mechanism"]),
         )
 
@@ -123,8 +129,8 @@ class PrivateAccuracy:
             raise RecordError(f"{METRIC} must be a number, got {value!r}")
         return cls(
             value=float(value),
-            epsilon=_positive_finite(metrics["test_accuracy_epsilon"], "test_accuracy_epsilon"),
-            n=_row_count(metrics["test_n"]),
+            epsilon=positive_finite(metrics["test_accuracy_epsilon"], "test_accuracy_epsilon"),
+            n=positive_int(metrics["test_n"], TEST_ROWS),
             mechanism=EvaluationMechanism(metrics["test_accuracy_mechanism"]),
             delta=float(metrics["test_accuracy_delta"]),
         )
@@ -140,8 +146,8 @@ def laplace_noise(scale: float) -> float:
 def private_accuracy(accuracy: float, n: int, epsilon: float) -> PrivateAccuracy:
     """A fresh ε-DP estimate of ``accuracy`` measured on ``n`` test rows (a new noise draw:
     callers keep it once per release, :func:`dpmerge.policy_merge.draws.stored_accuracy`)."""
-    epsilon = _positive_finite(epsilon, "the evaluation ε")
-    n = _row_count(n)
+    epsilon = positive_finite(epsilon, "the evaluation ε")
+    n = positive_int(n, TEST_ROWS)
     if isinstance(accuracy, bool) or not isinstance(accuracy, int | float):
         raise RecordError(f"an accuracy must be a number, got {accuracy!r}")
     if not 0 <= accuracy <= 1:

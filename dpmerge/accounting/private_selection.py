@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dpmerge.accounting.private_accuracy import positive_finite, positive_int
 from dpmerge.errors import RecordError
 from dpmerge.vocabulary import SelectionMechanism
 
@@ -30,20 +31,6 @@ SELECTION_EPSILON = 1.0
 METRIC_KEYS = ("epsilon", "delta", "mechanism", "n", "options")
 SENSITIVITY = 1.0
 """Δ of a count of correct validation predictions (see the module docstring)."""
-
-
-def _positive_finite(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RecordError(f"{what} must be a finite number, got {value!r}")
-    if value <= 0:
-        raise RecordError(f"{what} must be positive, got {value!r}")
-    return float(value)
-
-
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RecordError(f"{what} must be a positive integer, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -91,15 +78,15 @@ class Selection:
         if isinstance(data["delta"], bool) or data["delta"] != 0:
             raise RecordError(f"a selection's δ is 0 (pure ε), got {data['delta']!r}")
         return cls(
-            epsilon=_positive_finite(data["epsilon"], "the selection ε"),
-            n=_positive_int(data["n"], "the number of validation rows"),
-            options=_positive_int(data["options"], "the number of options"),
+            epsilon=positive_finite(data["epsilon"], "the selection ε"),
+            n=positive_int(data["n"], "the number of validation rows"),
+            options=positive_int(data["options"], "the number of options"),
             mechanism=SelectionMechanism(data["mechanism"]),
         )
 
 
 def _checked(counts: Sequence[float], epsilon: float) -> tuple[list[float], float]:
-    epsilon = _positive_finite(epsilon, "the selection ε")
+    epsilon = positive_finite(epsilon, "the selection ε")
     values = []
     for count in counts:
         if isinstance(count, bool) or not isinstance(count, int | float) or count < 0:
