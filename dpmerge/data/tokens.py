@@ -5,7 +5,7 @@ The file holds ``input_ids`` (integers, [N, L]), ``labels`` (integers in 0..K−
 optionally ``attention_mask`` (0 or 1, [N, L]; all ones when absent), ``unit_ids`` ([N], one
 privacy unit per row) and ``num_classes`` (a scalar K; the largest label + 1 when absent). Rows
 go to train / validation / test by the keyed hash of their unit id that tables use
-(:func:`~dpmerge.data.table.split_of`, its default key and fractions), the row index standing in
+(:func:`~dpmerge.data.own.split_of`, its default key and fractions), the row index standing in
 for a missing unit id. A row is one model input: ``input_ids`` and ``attention_mask`` stacked
 as an int64 (2, L) tensor, which :class:`~dpmerge.transformer.FineTuned` unpacks. Every bad
 input is refused in one line naming the file and the array.
@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpmerge.data.own import DEFAULT_FRACTIONS, DEFAULT_SPLIT_KEY, split_of
-from dpmerge.data.splits import DatasetSplits, Split
+from dpmerge.data.own import DEFAULT_FRACTIONS, DEFAULT_SPLIT_KEY, OwnSpec, assemble
+from dpmerge.data.splits import DatasetSplits
 from dpmerge.errors import DatasetError
-from dpmerge.vocabulary import DatasetName, SplitName
+from dpmerge.vocabulary import DatasetName
 
 ARRAYS = frozenset({"input_ids", "labels", "attention_mask", "unit_ids", "num_classes"})
 
@@ -97,26 +97,19 @@ def _checked(
 
 
 def load_tokens(path: str | Path, limit: int | None = None) -> DatasetSplits:
-    """The token file at ``path`` (its first ``limit`` rows) in keyed splits; its fingerprint
-    hashes the file's bytes, the split key's id and the limit."""
+    """The token file at ``path`` (its first ``limit`` rows) in keyed splits by the default
+    key and fractions, fingerprinted by :func:`~dpmerge.data.own.assemble` over the file's
+    bytes (the file is its own spec)."""
     path = Path(path)
     inputs, labels, units, classes = _checked(path, _read(path), limit)
-    splits = np.array([split_of(u, DEFAULT_SPLIT_KEY, DEFAULT_FRACTIONS) for u in units])
-    parts = {}
-    for name in SplitName:
-        rows = np.flatnonzero(splits == name)
-        parts[name.value] = Split(torch.from_numpy(inputs[rows]), torch.from_numpy(labels[rows]))
-    if not len(parts[SplitName.TRAIN.value]):
-        raise DatasetError(f"{path}: the keyed split left no training rows")
+    spec = OwnSpec(path, path, tuple(range(classes)), None, DEFAULT_SPLIT_KEY, DEFAULT_FRACTIONS)
     content = hashlib.sha256(path.read_bytes()).hexdigest()
-    key = hashlib.sha256(b"dpmerge-split-key\0" + DEFAULT_SPLIT_KEY.encode()).hexdigest()[:16]
-    identity = f"content={content};split-key={key};limit={limit}"
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:32]
-    return DatasetSplits(
-        name=DatasetName.TOKENS.value,
-        **parts,
-        num_classes=classes,
-        input_shape=tuple(inputs.shape[1:]),
-        fingerprint=f"{DatasetName.TOKENS.value}-sha256:{digest}",
-        root=str(path),
+    return assemble(
+        DatasetName.TOKENS,
+        spec,
+        torch.from_numpy(inputs),
+        torch.from_numpy(labels),
+        units,
+        content,
+        limit,
     )
