@@ -17,7 +17,11 @@ worker host's own interpreter and installed package (docs/workflow.md#worker-hos
   a child that takes the run's environment and file descriptors, refreshes Prefect's settings and
   runs the engine's ``__main__``. The server runs no torch operation, opens no client connection
   and starts no thread, so forking it is safe. When a client goes away (the worker cancelled or
-  killed the run), its child gets SIGTERM.
+  killed the run), its child gets SIGTERM, and SIGKILL if it still runs :data:`TERM_GRACE_S`
+  later (Prefect's SIGTERM handler raises an exception wherever the child is; raised inside an
+  interpreter callback it is only printed, and the child ran on, blocked). A child that ends by a
+  signal cannot report its run, so a short-lived fork of the server marks the run ``Crashed``
+  unless it is final already: a killed run never stays ``Running``.
 
 Safety: the socket lives in a 0700 directory ``run/`` under ``$DPMERGE_HOME`` (default
 ``.dpmerge/`` of the checkout this module is in, or ``~/.dpmerge`` where the package is installed)
@@ -45,6 +49,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +73,8 @@ PRELOAD = (
     "torch.fx.experimental.symbolic_shapes",
 )
 IDLE_EXIT_S = 1800.0
+TERM_GRACE_S = 20.0
+"""Seconds a run's child has to stop after SIGTERM before it is killed."""
 MAX_RUNS_ENV = "DPMERGE_WARM_MAX_RUNS"
 MAX_RUNS = 4
 """Runs started at once; later ones wait in the server (their clients wait too). A burst of 50
@@ -211,12 +218,12 @@ def serve(path: Path) -> int:
     if listener is None:
         return 0  # another server holds the path
     limit = int(os.environ.get(MAX_RUNS_ENV) or MAX_RUNS)
-    children: dict[int, socket.socket | None] = {}  # pid -> its client (None: gone)
+    children: dict[int, _Child] = {}
     waiting: list[tuple[socket.socket, dict, list[int]]] = []  # runs beyond the limit, in order
     last_activity = time.monotonic()
     try:
         while children or waiting or time.monotonic() - last_activity < IDLE_EXIT_S:
-            clients = [c for c in children.values() if c is not None]
+            clients = [c.client for c in children.values() if c.client is not None]
             watched = [listener, *clients, *(c for c, _, _ in waiting)]
             readable, _, _ = select.select(watched, [], [], 0.5)
             for sock in readable:
@@ -230,10 +237,12 @@ def serve(path: Path) -> int:
                     last_activity = time.monotonic()
                 elif not sock.recv(MAX_MESSAGE):  # a client hung up: stop or drop its run
                     _hung_up(sock, children, waiting)
-            _reap(children)
+            _reap(children, listener)
+            _kill_stragglers(children)
             while waiting and len(children) < limit:
                 connection, request, fds = waiting.pop(0)
-                children[_fork(connection, request, fds, listener)] = connection
+                pid = _fork(connection, request, fds, listener)
+                children[pid] = _Child(connection, dict(request["env"]))
     finally:
         listener.close()
         path.unlink(missing_ok=True)
@@ -246,16 +255,27 @@ def _close(connection: socket.socket, fds: list[int]) -> None:
     connection.close()
 
 
+@dataclass
+class _Child:
+    """A forked run: its client (``None`` once gone), the run's environment and, once it was
+    sent SIGTERM, when it is killed unless it has stopped (:data:`TERM_GRACE_S`)."""
+
+    client: socket.socket | None
+    env: dict[str, str]
+    kill_at: float | None = None
+
+
 def _hung_up(
     sock: socket.socket,
-    children: dict[int, socket.socket | None],
+    children: dict[int, _Child],
     waiting: list[tuple[socket.socket, dict, list[int]]],
 ) -> None:
     """The worker cancelled or killed a run's client: SIGTERM its child, or drop it unstarted."""
-    for pid, connection in list(children.items()):
-        if connection is sock:
-            os.kill(pid, signal.SIGTERM)
-            children[pid] = None  # reaped later; nobody to tell
+    for pid, child in children.items():
+        if child.client is sock:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile: reaped later
+                os.kill(pid, signal.SIGTERM)
+            child.client, child.kill_at = None, time.monotonic() + TERM_GRACE_S
     for entry in [w for w in waiting if w[0] is sock]:
         waiting.remove(entry)
         _close(entry[0], entry[2])
@@ -276,21 +296,65 @@ def _bind(path: Path) -> socket.socket | None:
     return listener
 
 
-def _reap(children: dict[int, socket.socket | None]) -> None:
-    """Tell each finished child's client its exit code."""
-    while children:
+def _kill_stragglers(children: dict[int, _Child]) -> None:
+    """SIGKILL each child still running :data:`TERM_GRACE_S` after its SIGTERM."""
+    now = time.monotonic()
+    for pid, child in children.items():
+        if child.kill_at is not None and now >= child.kill_at:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            child.kill_at = None
+
+
+def _reap(children: dict[int, _Child], listener: socket.socket) -> None:
+    """Tell each finished child's client its exit code; a child ended by a signal has its run
+    marked ``Crashed`` (:func:`_report_crash`). Reporters are reaped here too."""
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        connection = children.pop(pid, None)
-        if connection is None:
+        child = children.pop(pid, None)
+        if child is None:  # a reporter
             continue
-        with contextlib.suppress(OSError):  # the client may be gone
-            _send(connection, {"exit": os.waitstatus_to_exitcode(status)})
-        connection.close()
+        if os.WIFSIGNALED(status):
+            _report_crash(child.env, os.WTERMSIG(status), listener)
+        if child.client is not None:
+            with contextlib.suppress(OSError):  # the client may be gone
+                _send(child.client, {"exit": os.waitstatus_to_exitcode(status)})
+            child.client.close()
+
+
+def _report_crash(env: dict[str, str], signum: int, listener: socket.socket) -> None:
+    """In a fork of the server (which holds no client and starts no thread): mark the run of
+    ``env`` ``Crashed`` unless it is final already (its child was killed by ``signum`` and
+    could not report it)."""
+    if os.fork():
+        return
+    code = 1
+    try:
+        listener.close()
+        os.environ.clear()
+        os.environ.update(env)
+        from prefect.client.orchestration import get_client
+        from prefect.context import refresh_global_settings_context
+        from prefect.states import Crashed
+
+        refresh_global_settings_context()
+        run_id = env["PREFECT__FLOW_RUN_ID"]
+        with get_client(sync_client=True) as client:
+            if not client.read_flow_run(run_id).state.is_final():
+                message = f"the run's process ended by signal {signal.Signals(signum).name}"
+                client.set_flow_run_state(run_id, Crashed(message=message))
+        code = 0
+    except BaseException:  # the server's log is where this process writes
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 def _fork(connection: socket.socket, request: dict, fds: list[int], listener: socket.socket) -> int:

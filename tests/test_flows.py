@@ -851,3 +851,40 @@ def test_the_warm_server_answers_under_a_socket_path_too_long_for_af_unix(
         assert warm._bind(path) is None  # a second server sees the first one answer
     finally:
         listener.close()
+
+
+def test_a_run_child_that_outlives_its_sigterm_is_killed_and_its_run_reported() -> None:
+    """A run's client went away: its child gets SIGTERM; a child that does not stop (Prefect's
+    handler raised inside an interpreter callback only prints the exception) is killed after
+    the grace period, and a child ended by a signal has its run reported ``Crashed``
+    (here the report is recorded instead of sent)."""
+    code = (
+        "import os, signal, socket, time, flows.warm as w\n"
+        "calls = []\n"
+        "w._report_crash = lambda env, signum, listener: calls.append((env, signum))\n"
+        "w.TERM_GRACE_S = 0.5\n"
+        "ready, told = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "    os.write(told, b'.')\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "os.read(ready, 1)\n"
+        "ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+        "children = {pid: w._Child(ours, {'PREFECT__FLOW_RUN_ID': 'r'})}\n"
+        "started = time.monotonic()\n"
+        "w._hung_up(ours, children, [])\n"
+        "while children and time.monotonic() - started < 30:\n"
+        "    w._reap(children, theirs)\n"
+        "    w._kill_stragglers(children)\n"
+        "    time.sleep(0.05)\n"
+        "print(calls, len(children), round(time.monotonic() - started, 1))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    calls, left, seconds = done.stdout.strip().rsplit(" ", 2)
+    assert calls == "[({'PREFECT__FLOW_RUN_ID': 'r'}, 9)]" and left == "0", done.stdout
+    assert 0.5 <= float(seconds) < 30
