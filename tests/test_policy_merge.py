@@ -36,7 +36,7 @@ from dpmerge.policy_merge.evaluation_data import _limits_for
 from dpmerge.registry import Registry, RegistryError
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion, set_policy
-from dpmerge.state.releases import read_release
+from dpmerge.state.releases import keep_selection, read_release
 
 DELTA = 1e-5
 SIGMAS = (1.0, 1.6, 3.0)
@@ -774,8 +774,9 @@ def test_private_tuning_releases_a_card_whose_validation_rows_are_protected(
     assert "not protected" not in public.description.split("## Which rows")[1].split("##")[0]
     state = _ledger(workspace, outcome)
     (entry,) = [e for e in state.ledger if e.policy == "private"]
-    assert entry.selection is not None and entry.selection.epsilon == 0.5
-    assert f"n_validation = {entry.selection.n}" in result.card
+    (selection,) = entry.selections
+    assert selection.epsilon == 0.5 and selection.key.startswith("selection-")
+    assert f"n_validation = {selection.n}" in result.card
     assert len(list(workspace.private_dir("audit").glob("selection-*"))) == 1
     used = [n for n, w in zip(outcome.candidates, outcome.weights or (), strict=True) if w > 0]
     assert set(used) <= set(entry.names)  # the consulted candidates are all counted
@@ -791,11 +792,22 @@ def test_private_tuning_releases_a_card_whose_validation_rows_are_protected(
     again = pm.apply_policy(_store(workspace, policy), workspace).outcome
     assert again.version == outcome.version and again.reused
     # a ledger rolled back and rebuilt from the internal records still charges the selection
-    # and counts at least every candidate it consulted (here: every candidate of the merge)
-    assert read_release(workspace.state(), entry.release_id)["selection"]["epsilon"] == 0.5
+    # (and a second one kept for the same release: another policy's selection that chose the
+    # same merge), counts every candidate they consulted and the test rows' estimate
+    (kept,) = read_release(workspace.state(), entry.release_id)["selections"]
+    assert kept == {"selection": selection.to_dict(), "consulted": sorted(entry.names)}
+    other = dataclasses.replace(selection, epsilon=0.25, key="selection-" + "f" * 40)
+    keep_selection(workspace.state(), entry.release_id, other, entry.names[:1])
+    before = _ledger(workspace, outcome).statement(DELTA)
+    assert pm.rebuild_ledger(workspace) == [entry.release_id]  # the second selection added
+    assert pm.rebuild_ledger(workspace) == []  # nothing more to add
     (workspace.home / "state" / state_serving.dataset_key(entry.dataset)).unlink()
     assert entry.release_id in pm.rebuild_ledger(workspace)
-    (rebuilt,) = [e for e in _ledger(workspace, outcome).ledger if e.release_id == entry.release_id]
-    assert rebuilt.selection == entry.selection
-    assert set(entry.names) <= set(rebuilt.names)
-    assert _ledger(workspace, outcome).statement(DELTA).validation >= 0.5
+    state = _ledger(workspace, outcome)
+    (rebuilt,) = [e for e in state.ledger if e.release_id == entry.release_id]
+    assert rebuilt.selections == (selection, other)
+    assert rebuilt.evaluation == entry.evaluation is not None
+    assert set(rebuilt.names) == set(entry.names)
+    after = state.statement(DELTA)
+    assert after.validation == before.validation + 0.25
+    assert after.test.epsilon == before.test.epsilon is not None

@@ -110,7 +110,7 @@ def _entry(name: str, selection: Selection | None) -> CountedRelease:
         policy="p",
         policy_version=1,
         evaluation=Evaluation(1.0, 360),
-        selection=selection,
+        selections=(selection,) if selection is not None else (),
     )
 
 
@@ -125,10 +125,10 @@ def test_the_ledger_counts_the_validation_rows_and_dp_accounting_agrees(tmp_path
         serving.count(store, _entry(name, selection), None)
     serving.count(store, _entry("c", None), None)
     state = serving.read_state(store, "digits-hmac:" + "a" * 32)
-    assert [e.selection for e in state.ledger] == [
-        Selection(0.5, 144, 6),
-        Selection(1.0, 144, 16),
-        None,
+    assert [e.selections for e in state.ledger] == [
+        (Selection(0.5, 144, 6),),
+        (Selection(1.0, 144, 16),),
+        (),
     ]
     statement = state.statement(DELTA)
     assert statement.validation == 1.5
@@ -205,7 +205,7 @@ def test_a_rerun_reuses_the_kept_selection(tmp_path: Path) -> None:
     labels = ["auto (mixture)", "lc (inverse-variance)", "lc 0.5,0.5"]
     key = selection_key({"options": labels, "target": [2.0, DELTA]})
     first = stored_selection(workspace, key, labels, [0, 0, 10_000], 1000, 1.0)
-    assert first == (2, Selection(1.0, 1000, 3))
+    assert first == (2, Selection(1.0, 1000, 3, key=key))
     again = stored_selection(workspace, key, labels, [10_000, 0, 0], 1000, 5.0)
     assert again == first
     path = workspace.private_dir("audit") / f"{key}.json"
@@ -215,3 +215,25 @@ def test_a_rerun_reuses_the_kept_selection(tmp_path: Path) -> None:
     path.write_text(json.dumps(record))
     with pytest.raises(IntegrityError, match="altered"):
         stored_selection(workspace, key, labels, [0, 0, 10_000], 1000, 1.0)
+
+
+def test_two_selections_that_choose_one_release_are_both_charged(tmp_path: Path) -> None:
+    """Two private selections (two draw keys) can choose the same merge, so one release hash:
+    each spent its ε on the validation rows, so the ledger entry keeps both and the
+    validation rows' ε is their sum; the same selection counted again (a rerun reusing its
+    draw) changes nothing; an entry written before entries held several still reads."""
+    store = StateStore(LocalBackend(tmp_path / "state"), WorkflowKey.generate())
+    first = Selection(0.5, 144, 6, key="selection-" + "1" * 40)
+    second = Selection(0.75, 144, 9, key="selection-" + "2" * 40)
+    for selection in (first, second, first):
+        serving.count(store, _entry("a", selection), None)
+    state = serving.read_state(store, "digits-hmac:" + "a" * 32)
+    (entry,) = state.ledger
+    assert entry.selections == (first, second)
+    assert state.statement(DELTA).validation == 1.25
+    legacy = {**_entry("b", None).to_dict(), "selection": Selection(1.0, 144, 16).to_dict()}
+    assert CountedRelease.from_dict(legacy).selections == (Selection(1.0, 144, 16),)
+    with pytest.raises(RecordError, match="key is selection-"):
+        Selection.from_dict({**first.to_dict(), "key": "../../etc"})
+    with pytest.raises(ValueError, match="at most 100"):
+        CountedRelease.from_dict({**_entry("c", None).to_dict(), "selections": [{}] * 101})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from dpmerge.vocabulary import SelectionMechanism
 SELECTION_EPSILON = 1.0
 """The default ε of the selection, spent on the validation rows once per release."""
 METRIC_KEYS = ("epsilon", "delta", "mechanism", "n", "options")
+KEY_PATTERN = re.compile(r"(selection-[0-9a-f]{40})?")
+"""A selection's draw key (:func:`dpmerge.policy_merge.draws.selection_key`), or "" (none kept)."""
 SENSITIVITY = 1.0
 """Δ of a count of correct validation predictions (see the module docstring)."""
 
@@ -36,26 +39,32 @@ SENSITIVITY = 1.0
 @dataclass(frozen=True)
 class Selection:
     """What a private selection spent on the validation rows, as the release ledger records
-    it: ε-DP with δ = 0 by ``mechanism`` on ``n`` validation rows among ``options`` merges."""
+    it: ε-DP with δ = 0 by ``mechanism`` on ``n`` validation rows among ``options`` merges.
+    ``key`` is the selection's draw key (docs/design.md#private-tuning): two selections that
+    end in the same release are two charges, told apart by it ("" in records kept before
+    keys were)."""
 
     epsilon: float
     n: int
     options: int
     mechanism: SelectionMechanism = SelectionMechanism.EXPONENTIAL
     delta: float = 0.0
+    key: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "epsilon": self.epsilon,
             "delta": self.delta,
             "mechanism": self.mechanism.value,
             "n": self.n,
             "options": self.options,
         }
+        return data | ({"key": self.key} if self.key else {})
 
     def metrics(self) -> dict[str, Any]:
         """The release's metrics that state the selection (the cards' validation row)."""
-        return {f"selection_{key}": value for key, value in self.to_dict().items()}
+        data = self.to_dict()
+        return {f"selection_{key}": data[key] for key in METRIC_KEYS}
 
     @classmethod
     def from_metrics(cls, metrics: Mapping[str, Any]) -> Selection | None:
@@ -67,21 +76,29 @@ class Selection:
 
     @classmethod
     def from_dict(cls, data: Any) -> Selection:
-        """Strict: exactly these five fields, ε finite and positive, δ = 0, a known mechanism,
-        positive counts (:class:`RecordError` otherwise)."""
-        if not isinstance(data, Mapping) or set(data) != set(METRIC_KEYS):
+        """Strict: exactly these five fields and an optional ``key``, ε finite and positive,
+        δ = 0, a known mechanism, positive counts (:class:`RecordError` otherwise)."""
+        if not isinstance(data, Mapping) or not set(METRIC_KEYS) <= set(data) <= {
+            *METRIC_KEYS,
+            "key",
+        }:
             raise RecordError(
-                f"a selection record holds epsilon, delta, mechanism, n and options, got {data!r}"
+                "a selection record holds epsilon, delta, mechanism, n, options and optionally "
+                f"key, got {data!r:.200}"
             )
         if data["mechanism"] not in set(SelectionMechanism):
-            raise RecordError(f"unknown selection mechanism {data['mechanism']!r}")
+            raise RecordError(f"unknown selection mechanism {data['mechanism']!r:.80}")
         if isinstance(data["delta"], bool) or data["delta"] != 0:
-            raise RecordError(f"a selection's δ is 0 (pure ε), got {data['delta']!r}")
+            raise RecordError(f"a selection's δ is 0 (pure ε), got {data['delta']!r:.80}")
+        key = data.get("key", "")
+        if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
+            raise RecordError(f"a selection's key is selection-<40 hex digits>, got {key!r:.80}")
         return cls(
             epsilon=positive_finite(data["epsilon"], "the selection ε"),
             n=positive_int(data["n"], "the number of validation rows"),
             options=positive_int(data["options"], "the number of options"),
             mechanism=SelectionMechanism(data["mechanism"]),
+            key=key,
         )
 
 

@@ -61,6 +61,7 @@ from dpmerge.policy_merge.tuning import select_privately
 from dpmerge.registry import RegisteredCandidate
 from dpmerge.state import CountedRelease, SupersededError
 from dpmerge.state.policies import PolicyVersion
+from dpmerge.state.releases import keep_selection
 from dpmerge.vocabulary import Method
 from dpmerge.workspace import Workspace, remove_tree
 
@@ -196,6 +197,10 @@ class _Run:
         planned = steps.plan_release(self.workspace, request, entry, self.policy)
         if planned.refused:  # known before merging: nothing is merged, drawn or registered
             return self.unmet(pool, Status.NOT_PROMOTED, planned.refused, facts)
+        if plan.selection is not None:  # kept for `ledger rebuild` before the ledger counts it
+            keep_selection(
+                self.workspace.state(), request.content_hash, plan.selection, plan.consulted
+            )
         registered = planned.existing
         if registered is None:
             merged = steps.merge(self.workspace, request, candidates, plan, data, self.workdir)

@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -191,6 +192,7 @@ def _selection(record: dict[str, Any], key: str, labels: Sequence[str]) -> tuple
         or record.get("key") != key
         or record.get("options") != list(labels)
         or selection is None
+        or selection.key not in ("", key)
         or not isinstance(index, int)
         or isinstance(index, bool)
         or not 0 <= index < len(labels)
@@ -199,7 +201,7 @@ def _selection(record: dict[str, Any], key: str, labels: Sequence[str]) -> tuple
             f"the stored selection {key!r} does not match its options; the audit record was "
             "altered (restore it from the audit bucket's versions)"
         )
-    return index, selection
+    return index, replace(selection, key=key)  # draws kept before the key was recorded
 
 
 def stored_selection(
@@ -221,7 +223,7 @@ def stored_selection(
             "key": key,
             "options": list(labels),
             "drawn_index": index,
-            "selection": Selection(epsilon, n, len(labels)).to_dict(),
+            "selection": Selection(epsilon, n, len(labels), key=key).to_dict(),
             "drawn_at": datetime.now(UTC).isoformat(),
         }
 

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dpmerge.accounting.ledger import release_for, release_of
-from dpmerge.accounting.private_accuracy import PrivateAccuracy
+from dpmerge.accounting.private_accuracy import Evaluation, PrivateAccuracy
 from dpmerge.accounting.private_selection import Selection
 from dpmerge.accounting.records import candidate_from_dict
-from dpmerge.errors import IntegrityError
+from dpmerge.errors import IntegrityError, RecordError
 from dpmerge.formatting import epsilon_text
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.calibration import PolicyPlan
@@ -33,6 +33,7 @@ from dpmerge.state import CountedRelease, DatasetState
 from dpmerge.state import serving as state_serving
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.releases import read_release
+from dpmerge.state.serving import MAX_SELECTIONS
 from dpmerge.state.store import stamp
 from dpmerge.vocabulary import Composition
 from dpmerge.workspace import Workspace
@@ -74,7 +75,7 @@ def ledger_entry(
         delta=plan.calibration.delta,
         policy=version.name,
         policy_version=version.version,
-        selection=plan.selection,
+        selections=(plan.selection,) if plan.selection is not None else (),
     )
 
 
@@ -201,9 +202,10 @@ def count_release(workspace: Workspace, entry: CountedRelease, cap: float | None
 
 
 def rebuild_ledger(workspace: Workspace) -> list[str]:
-    """Add back every signed merged version the ledger lacks (the repair for a ledger that was
-    rolled back or replaced), its candidates read from the release's signed internal record
-    (:mod:`dpmerge.state.releases`); returns the release ids added. Needs the workflow's key.
+    """Add back every signed merged version the ledger lacks, and to a counted one the private
+    selections and estimate it lacks (the repair for a ledger that was rolled back or
+    replaced), read from the release's signed internal record (:mod:`dpmerge.state.releases`);
+    returns the release ids added or completed. Needs the workflow's key.
     A signed release without an internal record is not guessed at: :class:`LedgerIntegrityError`
     names it."""
     registry = workspace.registry()
@@ -215,17 +217,16 @@ def rebuild_ledger(workspace: Workspace) -> list[str]:
         except ReleaseSignatureError:
             continue
         state = state_serving.read_state(store, facts.dataset)
-        if state.entry(facts.content_hash) is not None:
-            continue
+        before = state.entry(facts.content_hash)
         record = read_release(store, facts.content_hash)
         if record is None:
             unknown.append(f"{stored.name} v{stored.version}")
             continue
         records = [candidate_from_dict(c["record"]) for c in record["merge"]["candidates"]]
-        selection = Selection.from_dict(record["selection"]) if "selection" in record else None
-        # a private selection consulted candidates beyond those it used; which ones the record
-        # does not say, so every candidate of the merge is counted (the safe side)
-        used = {r.name for r in records} if selection else set(record["used_candidates"])
+        selections, consulted = _kept_selections(record, [r.name for r in records])
+        evaluation = record.get("evaluation")
+        # a private selection consulted candidates beyond those the release uses
+        used = set(record["used_candidates"]) | consulted
         release = release_of(
             facts.content_hash, record["method"], records, [float(r.name in used) for r in records]
         )
@@ -238,10 +239,12 @@ def rebuild_ledger(workspace: Workspace) -> list[str]:
             delta=facts.delta,
             policy=stored.tags.get("dp.policy", ""),
             policy_version=0,
-            selection=selection,
+            evaluation=None if evaluation is None else Evaluation.from_dict(evaluation),
+            selections=selections,
         )
-        state_serving.count(store, entry, None)
-        added.append(facts.content_hash)
+        if before is None or before.joined(entry) != before:
+            state_serving.count(store, entry, None)
+            added.append(facts.content_hash)
     if unknown:
         raise LedgerIntegrityError(
             f"{len(unknown)} signed release(s) have no internal record in the state store "
@@ -250,3 +253,28 @@ def rebuild_ledger(workspace: Workspace) -> list[str]:
             f"{len(added)} other release(s)"
         )
     return added
+
+
+def _kept_selections(
+    record: Mapping[str, Any], merged: Sequence[str]
+) -> tuple[tuple[Selection, ...], set[str]]:
+    """The private selections a release's internal record keeps and the candidates they
+    consulted: ``selections`` (one per selection that chose the release, with what it
+    consulted, :func:`dpmerge.state.releases.keep_selection`), and the one ``selection`` of
+    records kept before a release could hold several (without a key or what it consulted:
+    charged beside any kept later, every candidate of the ``merged`` ones counted — the safe
+    side)."""
+    kept = record.get("selections", [])
+    if not isinstance(kept, list) or len(kept) > MAX_SELECTIONS:
+        raise RecordError(f"a release record keeps at most {MAX_SELECTIONS} selections in a list")
+    selections, consulted = [], set()
+    if "selection" in record:
+        selections.append(Selection.from_dict(record["selection"]))
+        consulted |= set(merged)
+    for item in kept:
+        names = item.get("consulted") if isinstance(item, dict) else None
+        if not isinstance(names, list) or not all(n in merged for n in names):
+            raise RecordError("a kept selection names what it consulted, among the merge's")
+        selections.append(Selection.from_dict(item.get("selection")))
+        consulted |= set(names)
+    return tuple(selections), consulted

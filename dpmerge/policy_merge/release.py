@@ -68,7 +68,10 @@ def merge_request(
     """The release identity :meth:`Registry.register_merged` will hash (the same fields)."""
     report = plan.calibration.report.to_dict()
     parents = tuple(c.version for c in candidates)
-    content_hash = release_hash(parent_model=pool.registered_model, parents=parents, report=report)
+    selection = None if plan.selection is None else plan.selection.metrics()
+    content_hash = release_hash(
+        parent_model=pool.registered_model, parents=parents, report=report, selection=selection
+    )
     return MergeRequest(pool, parents, policy_document(policy), content_hash)
 
 

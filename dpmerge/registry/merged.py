@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dpmerge.accounting.delta import delta_check_for
+from dpmerge.accounting.private_accuracy import PrivateAccuracy
 from dpmerge.accounting.private_selection import Selection
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.artifacts import ModelDir, load_model_dir
@@ -96,8 +97,12 @@ class MergedDir:
 
     def request_hash(self, parent_model: str, versions: Mapping[str, str]) -> str:
         """The release's identity; ``versions``: candidate name -> parent version."""
+        selection = Selection.from_metrics(self.loaded.metrics)
         return release_hash(
-            parent_model=parent_model, parents=[versions[n] for n in self.names], report=self.report
+            parent_model=parent_model,
+            parents=[versions[n] for n in self.names],
+            report=self.report,
+            selection=None if selection is None else selection.metrics(),
         )
 
     @property
@@ -236,12 +241,14 @@ class MergedRelease:
         return [self.versions[n] for n in self.merged.names]
 
     def internal(self) -> dict[str, Any]:
-        """The release's internal record (see the module docstring); a privately tuned release
-        also keeps its selection, so a rebuilt ledger charges it (docs/design.md#private-tuning)."""
+        """The release's internal record (see the module docstring), with what its published
+        accuracy estimate spent on the test rows, so a rebuilt ledger charges it
+        (docs/design.md#release-ledger; private selections are kept beside it by
+        :func:`dpmerge.state.releases.keep_selection`)."""
         merged = self.merged
-        selection = Selection.from_metrics(merged.public_metrics)
+        estimate = PrivateAccuracy.from_metrics(merged.public_metrics)
         return {
-            **({"selection": selection.to_dict()} if selection is not None else {}),
+            **({"evaluation": estimate.evaluation.to_dict()} if estimate is not None else {}),
             "release": self.content_hash,
             "model": self.name,
             "dataset": merged.dataset,

@@ -70,12 +70,21 @@ def candidate_content_hash(path: str | Path) -> str:
     return _dir_hash(Path(path), (WEIGHTS_FILE, MODEL_FILE, RECORD_FILE))
 
 
-def release_hash(*, parent_model: str, parents: Sequence[str], report: Mapping[str, Any]) -> str:
+def release_hash(
+    *,
+    parent_model: str,
+    parents: Sequence[str],
+    report: Mapping[str, Any],
+    selection: Mapping[str, Any] | None = None,
+) -> str:
     """Identity of a release: the candidates (``parents``, in the order of the privacy
     ``report``'s candidates), its method, weights (a mixture: its rungs' odds and weights), δ
-    and gating bound. Independent of the merged weights (for RS and the mixture it carries
-    nothing about the draw) and of the policy and target that asked for it (the same merge is
-    one release, whoever asks)."""
+    and gating bound, and for a release a private selection chose, that selection as its card
+    states it (``selection``: ε, δ, mechanism, rows, options; the same merge published
+    untuned is another release, whose card says the validation rows were not used).
+    Independent of the merged weights (for RS and the mixture it carries nothing about the
+    draw) and of the policy and target that asked for it (the same merge is one release,
+    whoever asks)."""
     identity: dict[str, Any] = {
         "schema": "dpmerge.release/1",
         "parent_model": parent_model,
@@ -90,4 +99,6 @@ def release_hash(*, parent_model: str, parents: Sequence[str], report: Mapping[s
             {"probability": float(r["probability"]), "weights": [float(w) for w in r["weights"]]}
             for r in report["rungs"]
         ]
+    if selection is not None:
+        identity["selection"] = dict(selection)
     return hashlib.sha256(canonical(identity)).hexdigest()

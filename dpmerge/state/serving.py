@@ -25,7 +25,7 @@ fails closed (:class:`~dpmerge.state.store.StateIntegrityError`, naming the repa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,8 @@ if TYPE_CHECKING:  # the accountants are imported only where a bound is computed
 SCHEMA = "dpmerge.dataset-state/1"
 HISTORY = 50
 """Earlier states kept per alias (the newest ones)."""
+MAX_SELECTIONS = 100
+"""The most private selections one ledger entry holds (a bigger one is a damaged document)."""
 
 
 class AliasOwnershipError(InputError):
@@ -96,9 +98,10 @@ class CountedRelease:
     """A ledger entry: a release — its candidates with non-zero weight, as published (keyed
     dataset identifier and lineages; every number the accountants use) — who asked for it,
     where each candidate is registered, and what its published accuracy estimate spent on the
-    test rows (``evaluation``; ``None`` in entries counted before the ledger recorded it, or
-    rebuilt: no published DP estimate recorded, docs/design.md#release-ledger), and what a private
-    selection spent on the validation rows (``selection``; ``None`` where none was made)."""
+    test rows (``evaluation``; ``None`` in entries counted before the ledger recorded it:
+    no published DP estimate recorded, docs/design.md#release-ledger), and what each private
+    selection that ended in this release spent on the validation rows (``selections``; empty
+    where none was made; two policies' selections can choose the same merge, and each spent)."""
 
     release_id: str
     dataset: str
@@ -110,7 +113,7 @@ class CountedRelease:
     policy_version: int
     counted_at: str = ""
     evaluation: Evaluation | None = None
-    selection: Selection | None = None
+    selections: tuple[Selection, ...] = ()
 
     @classmethod
     def of(
@@ -122,7 +125,7 @@ class CountedRelease:
         policy: str,
         policy_version: int,
         evaluation: Evaluation | None = None,
-        selection: Selection | None = None,
+        selections: Sequence[Selection] = (),
     ) -> CountedRelease:
         data = release.to_dict()
         return cls(
@@ -135,7 +138,28 @@ class CountedRelease:
             policy=policy,
             policy_version=policy_version,
             evaluation=evaluation,
-            selection=selection,
+            selections=tuple(selections),
+        )
+
+    def joined(self, other: CountedRelease) -> CountedRelease:
+        """This entry (the release counted before) with what ``other`` — the same release
+        asked for again — adds: candidates it consulted that this one did not, its selections
+        not counted yet (told apart by draw key) and an evaluation where this one has none."""
+        names = set(self.names)
+        known = {s.key for s in self.selections if s.key}
+        return replace(
+            self,
+            candidates=(*self.candidates, *(c for c in other.candidates if c["name"] not in names)),
+            versions={**other.versions, **self.versions},
+            evaluation=self.evaluation or other.evaluation,
+            selections=(
+                *self.selections,
+                *(
+                    s
+                    for s in other.selections
+                    if (s.key not in known if s.key else s not in self.selections)
+                ),
+            ),
         )
 
     def release(self) -> Release:
@@ -171,9 +195,9 @@ class CountedRelease:
         data.pop("evaluation")  # absent, not null, where none is recorded (as entries before)
         if self.evaluation is not None:
             data["evaluation"] = self.evaluation.to_dict()
-        data.pop("selection")  # absent where no private selection was made
-        if self.selection is not None:
-            data["selection"] = self.selection.to_dict()
+        data.pop("selections")  # absent where no private selection was made
+        if self.selections:
+            data["selections"] = [s.to_dict() for s in self.selections]
         return data
 
     @classmethod
@@ -192,8 +216,19 @@ class CountedRelease:
             policy_version=int(data["policy_version"]),
             counted_at=str(data.get("counted_at", "")),
             evaluation=Evaluation.from_dict(data["evaluation"]) if "evaluation" in data else None,
-            selection=Selection.from_dict(data["selection"]) if "selection" in data else None,
+            selections=_selections(data),
         )
+
+
+def _selections(data: Mapping[str, Any]) -> tuple[Selection, ...]:
+    """An entry's selections: ``selections`` (at most :data:`MAX_SELECTIONS`), or the one
+    ``selection`` of entries counted before a release could hold several."""
+    if "selection" in data:
+        return (Selection.from_dict(data["selection"]),)
+    found = data.get("selections", [])
+    if not isinstance(found, list) or len(found) > MAX_SELECTIONS:
+        raise ValueError(f"selections must be a list of at most {MAX_SELECTIONS} records")
+    return tuple(Selection.from_dict(s) for s in found)
 
 
 @dataclass(frozen=True)
@@ -302,10 +337,15 @@ class DatasetState:
         return cumulative_bound([e.release() for e in self._with(extra)], delta)
 
     def _with(self, extra: CountedRelease | None) -> list[CountedRelease]:
-        """The source ledger's entries, with ``extra`` when it is not counted yet."""
+        """The source ledger's entries with ``extra`` counted: added, or joined to the entry of
+        its release (:meth:`CountedRelease.joined`)."""
         entries = list(self.ledger)
-        if extra is not None and all(e.release_id != extra.release_id for e in entries):
-            entries.append(extra)
+        if extra is None:
+            return entries
+        at = next((i for i, e in enumerate(entries) if e.release_id == extra.release_id), None)
+        if at is None:
+            return [*entries, extra]
+        entries[at] = entries[at].joined(extra)
         return entries
 
     def statement(self, delta: float, extra: CountedRelease | None = None) -> LedgerStatement:
@@ -327,7 +367,7 @@ class DatasetState:
             c.dataset for e in entries for c in e.release().candidates
         }
         one_split = len(datasets) <= 1
-        validation = sum_up([e.selection.epsilon for e in entries if e.selection is not None])
+        validation = sum_up([s.epsilon for e in entries for s in e.selections])
         person = person_bound(training, test, one_split, validation)
         return LedgerStatement(training, test, person, validation)
 
@@ -344,10 +384,13 @@ class DatasetState:
                 f"{epsilon_text(bound.epsilon)} (δ = {entry.delta:g}, {bound.accountant}), above "
                 f"the cap {cap:g}"
             )
-        if self.entry(entry.release_id) is not None:
+        before = self.entry(entry.release_id)
+        if before is None:
+            return replace(self, releases=(*self.releases, replace(entry, counted_at=stamp())))
+        joined = before.joined(entry)
+        if joined == before:
             return self
-        counted = replace(entry, counted_at=stamp())
-        return replace(self, releases=(*self.releases, counted))
+        return replace(self, releases=tuple(joined if r is before else r for r in self.releases))
 
 
 def check_records(state: DatasetState, entry: CountedRelease) -> None:
