@@ -22,3 +22,17 @@ def parse_reference(text: str) -> tuple[str, str]:
             "(e.g. mymodels:make_net)"
         )
     return match[1], match[2]
+
+
+def misplaced_factory_options(model: str, model_path: str | None, fix_model: bool) -> str | None:
+    """Why the factory's options cannot go with ``model`` (``None``: they can): they apply only
+    to a factory, not to a built-in model."""
+    if ":" in model:
+        return None
+    given = [f for f, v in (("model_path", model_path), ("fix_model", fix_model)) if v]
+    if not given:
+        return None
+    return (
+        f"{', '.join(given)} applies only to a model factory (module:callable), not to the "
+        f"built-in {model!r}"
+    )

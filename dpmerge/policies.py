@@ -82,6 +82,14 @@ class Policy(BaseModel):
     model: StrictStr = Field(
         min_length=1, max_length=256, description="model family of the candidates (e.g. logreg)"
     )
+    data_root: StrictStr | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="where the merge reads the candidates' held-out rows: a dataset's folder, or "
+        "your data's spec or file as in training (default: $DPMERGE_DATA_ROOT, else the "
+        "dataset's own place); the rows read must have the candidates' fingerprint",
+    )
     method: PolicyMethod = Field(
         default=PolicyMethod.AUTO,
         description="merge method (auto: RS, LC or the mixture, chosen per target from the "

@@ -37,9 +37,11 @@ def pareto_report(
     targets: list[float] | None = None,
     delta: float = 1e-5,
     structured: bool = False,
+    data_root: str | None = None,
 ) -> dict[str, Any]:
     """Frontier at ``targets`` (default: 6 points from the most private candidate's ε to twice
-    the least private's) for RS and generic LC (and structured LC with ``structured``)."""
+    the least private's) for RS and generic LC (and structured LC with ``structured``), on the
+    held-out rows read from ``data_root`` (as in training)."""
     workspace = pm.Workspace.from_env()
     workspace.use_caches()
     workdir = workspace.scratch()
@@ -48,7 +50,7 @@ def pareto_report(
         candidates = policy_steps.load_candidates(workspace, pool, str(workdir))
         first = candidates[0].model_dir.record
         data = policy_steps.load_evaluation_data(  # by the internal fingerprint
-            workspace, first.dataset, getattr(first, "dataset_size", None)
+            workspace, first.dataset, getattr(first, "dataset_size", None), data_root
         )
         if not targets:
             epsilons = [candidate_bound(c.model_dir.record, delta).epsilon for c in candidates]

@@ -194,10 +194,14 @@ def train_candidates(
     if imported:
         result += _imports(workspace, imported, str(dataset), str(model), specs[0], logger)
     if prime_merge_caches:
-        steps.prime_caches(workspace, str(dataset), str(model))
+        steps.prime_caches(workspace, str(dataset), str(model), specs[0].options.data_root)
     located, delta = workspace.located(), specs[0].config.delta
     _log_summary(logger, located, result, delta)
-    frontier = _frontier(logger, str(dataset), str(model), delta) if frontier_report else None
+    frontier = (
+        _frontier(logger, str(dataset), str(model), delta, specs[0].options.data_root)
+        if frontier_report
+        else None
+    )
     return {"registry": located.to_dict(), "candidates": result, "frontier": frontier}
 
 
@@ -223,6 +227,8 @@ def _imports(
                 limit=spec.options.limit,
                 out_root=str(scratch),
                 delta=spec.config.delta,
+                model_path=spec.config.model_path,
+                fix_model=spec.config.fix_model,
             )
             for entry in imported
         ]
@@ -257,12 +263,16 @@ def _log_summary(logger: Any, located: Located, result: list[dict[str, Any]], de
         logger.warning(warning)
 
 
-def _frontier(logger: Any, dataset: str, model: str, delta: float) -> dict[str, Any] | None:
+def _frontier(
+    logger: Any, dataset: str, model: str, delta: float, data_root: str | None
+) -> dict[str, Any] | None:
     """The ``pareto-report`` flow for the candidates just registered; its result, or ``None``
     (logged) if it failed: the candidates stay registered either way."""
     from flows.report import pareto_report
 
-    state = pareto_report(dataset=dataset, model=model, delta=delta, return_state=True)
+    state = pareto_report(
+        dataset=dataset, model=model, delta=delta, data_root=data_root, return_state=True
+    )
     if not state.is_completed():
         logger.warning(
             "the frontier report failed (%s); run the pareto-report deployment to retry",

@@ -51,13 +51,16 @@ def import_one(
     limit: int | None,
     out_root: str,
     delta: float,
+    model_path: str | None = None,
+    fix_model: bool = False,
 ) -> str:
-    """Check and write one import as a candidate directory; returns its path."""
+    """Check and write one import as a candidate directory (a factory ``model`` found under
+    ``model_path``, as in training); returns its path."""
     data = data_splits(dataset, data_root, limit)
     result = import_candidate(
         spec.weights,
         spec.profile,
-        spec=model_spec(model, data),
+        spec=model_spec(model, data, model_path=model_path, fix=fix_model),
         data=data,
         name=spec.name,
         attested_by=spec.attested_by,

@@ -96,9 +96,11 @@ def load_candidates(
 
 @task(name="load-evaluation-data", **LOCAL)
 def load_evaluation_data(
-    workspace: pm.Workspace, fingerprint: str, train_rows: int | None
+    workspace: pm.Workspace, fingerprint: str, train_rows: int | None, root: str | None = None
 ) -> pm.EvaluationData:
-    data = pm.load_evaluation_data(fingerprint, train_rows, cache_dir=workspace.cache_dir)
+    data = pm.load_evaluation_data(
+        fingerprint, train_rows, root=root, cache_dir=workspace.cache_dir
+    )
     get_run_logger().info(
         "data %s: %d validation and %d test rows",
         data.name,

@@ -168,10 +168,12 @@ def register(workspace: pm.Workspace, path: str) -> dict[str, Any]:
 
 
 @task(name="prime-merge-caches", **REMOTE)
-def prime_caches(workspace: pm.Workspace, dataset: str, model: str) -> None:
+def prime_caches(
+    workspace: pm.Workspace, dataset: str, model: str, data_root: str | None = None
+) -> None:
     """Candidates, evaluation split and PLDs cached for the next policy merge on this host."""
     start = time.perf_counter()
-    pool = pm.prime_caches(workspace, dataset, model)
+    pool = pm.prime_caches(workspace, dataset, model, data_root)
     get_run_logger().info(
         "merge caches primed for %d candidates of %s in %.1f s",
         len(pool.versions),

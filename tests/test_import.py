@@ -380,11 +380,52 @@ def test_the_cli_imports_and_lists(tmp_path, capsys, spec) -> None:
     listed = json.loads(capsys.readouterr().out)["candidates"]
     assert listed[0]["attested_by"] == "Acme" and listed[0]["noise_multiplier"] == 1.5
     args[args.index("logreg")] = "bogus"
-    with pytest.raises(SystemExit) as ended:
-        main([*args, "--out", str(tmp_path / "bogus")])
-    assert ended.value.code == 2
-    assert "invalid choice: 'bogus'" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "bogus")]) == 2
+    assert "'bogus' is neither a built-in model nor module:callable" in capsys.readouterr().err
     assert not (tmp_path / "bogus").exists()
+
+
+FACTORY = """from torch import nn
+def mlp(input_shape, classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, classes))
+"""
+
+
+def test_the_cli_imports_a_model_of_your_factory(tmp_path, capsys, data) -> None:
+    """``--model module:callable --model-path DIR``: the weights are checked against the
+    factory's module and the candidate records the factory's source digest, as a trained one
+    does; the factory's options with a built-in model, and a transformer, are refused in one
+    line, nothing written."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "ownnets.py").write_text(FACTORY)
+    code = str(tmp_path / "code")
+    spec = model_spec("ownnets:mlp", data, model_path=code)
+    torch.save(_state_dict(spec), tmp_path / "w.pt")
+    profile = _profile(tmp_path, RECORD_PROFILE)
+    args = [
+        "candidates", "import", str(tmp_path / "w.pt"), "--profile", str(profile),
+        "--dataset", "digits", "--name", "ext", "--attested-by", "Acme",
+    ]  # fmt: skip
+    model = ["--model", "ownnets:mlp", "--model-path", code]
+    assert main([*args, *model, "--out", str(tmp_path / "ext")]) == 0, capsys.readouterr().err
+    imported = read_candidate_dir(tmp_path / "ext")
+    assert imported.spec.factory is not None and imported.spec.factory == spec.factory
+    assert imported.record.attested_by == "Acme"
+    wrong = _state_dict(model_spec("logreg", data))
+    torch.save(wrong, tmp_path / "logreg.pt")
+    capsys.readouterr()
+    bad = [*args[:2], str(tmp_path / "logreg.pt"), *args[3:]]
+    assert main([*bad, *model, "--out", str(tmp_path / "wrong")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "wrong").exists()
+    for refused, message in (
+        (["--model", "logreg", "--model-path", code], "model_path applies only to a model"),
+        (["--model", "logreg", "--fix-model"], "fix_model applies only to a model factory"),
+        (["--model", "transformers"], "not a fine-tuned transformer"),
+    ):
+        assert main([*args, *refused, "--out", str(tmp_path / "no")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "no").exists()
 
 
 def test_only_the_workflow_identity_imports() -> None:

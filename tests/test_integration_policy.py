@@ -20,9 +20,11 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +34,7 @@ import boto3
 import numpy as np
 import pytest
 import requests
+import torch
 from mlflow import MlflowClient
 from servers import (
     BIN,
@@ -41,11 +44,13 @@ from servers import (
     one_line,
     policy_stack,
     prefect_client,
+    wait_run,
 )
 
 import devstack
 from devstack.processes import descendants
 from devstack.supervisor import Supervisor
+from devstack.worker_user import supervised_user
 from dpmerge import policy_merge as pm
 from dpmerge.data import load_dataset
 from dpmerge.policies import Policy, policy_from_dict
@@ -133,9 +138,10 @@ def _estimate_tolerance(stack: PolicyStack, version: str) -> float:
     return 1 / n + math.log(1e9) / (n * epsilon)
 
 
-def _card(stack: PolicyStack, version: str) -> dict[str, Any]:
-    """The public privacy card a release carries in the artifact store."""
-    key = _artifact_keys(stack, stack.releases_model, version)["privacy_card.json"]
+def _card(stack: PolicyStack, version: str, releases: str | None = None) -> dict[str, Any]:
+    """The public privacy card a release (of ``releases``, default the digits releases) carries
+    in the artifact store."""
+    key = _artifact_keys(stack, releases or stack.releases_model, version)["privacy_card.json"]
     body = _admin_s3(stack).get_object(Bucket=stack.config.bucket, Key=key)["Body"].read()
     return dict(json.loads(body))
 
@@ -460,6 +466,165 @@ def test_swapped_served_weights_are_refused_by_the_consumer(
     assert consumer.dpmerge("verify", "@policy-forged").returncode == 0
 
 
+FACTORY = """import math
+from torch import nn
+def mlp(input_shape, classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 32), nn.ReLU(),
+                         nn.Linear(32, classes))
+"""
+
+
+@contextlib.contextmanager
+def _own_folder(stack: PolicyStack) -> Iterator[Path]:
+    """A folder outside the repository holding a Parquet table (digits, one row a person, a
+    ``person`` unit column), its spec and a model factory: the workers' user may read it (one
+    ACL entry, as an administrator grants it: docs/stack.md#your-data-on-the-stack)."""
+    from sklearn.datasets import load_digits
+
+    folder = Path(tempfile.mkdtemp(prefix="dpmerge-own-"))
+    try:
+        frame = load_digits(as_frame=True).frame
+        frame.insert(0, "person", [f"p{i:05d}" for i in range(len(frame))])
+        frame.to_parquet(folder / "digits.parquet")
+        spec = {
+            "path": "digits.parquet",
+            "label": "target",
+            "classes": list(range(10)),
+            "features": [c for c in frame.columns if c.startswith("pixel_")],
+            "unit": "person",
+            "split_key": "stack-test-split-key",
+        }
+        (folder / "table.json").write_text(json.dumps(spec))
+        (folder / "ownmodels.py").write_text(FACTORY)
+        _grant_workers(stack, folder)
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+def _grant_workers(stack: PolicyStack, folder: Path) -> None:
+    """Let the workers' user (where the stack runs them as one) read ``folder``."""
+    user = supervised_user(stack.config)
+    if user is not None:
+        subprocess.run(["setfacl", "-R", "-m", f"u:{user}:rX", str(folder)], check=True)
+
+
+def _opacus_import(folder: Path, data: Any) -> dict[str, str]:
+    """A candidate of the factory trained with plain Opacus on the table's training rows and
+    saved by ``PrivacyEngine.save_checkpoint``, and its profile: an ``imports`` entry."""
+    from opacus import PrivacyEngine
+
+    from dpmerge.models import build_model, model_spec
+
+    torch.manual_seed(0)
+    model = build_model(model_spec("ownmodels:mlp", data, model_path=str(folder)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    rows = torch.utils.data.TensorDataset(data.train.features, data.train.labels)
+    engine = PrivacyEngine(accountant="prv")
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=torch.utils.data.DataLoader(rows, 64),
+        noise_multiplier=0.8, max_grad_norm=1.0,
+    )  # fmt: skip
+    for _ in range(3):
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    engine.save_checkpoint(path=folder / "opacus.pt", module=model, optimizer=optimizer)
+    profile = {
+        "profile": "opacus", "clip_norm": 1.0, "learning_rate": 0.5, "expected_batch_size": 64.0,
+        "optimizer": "sgd", "sampling": "poisson", "neighbouring": "add_or_remove_one",
+    }  # fmt: skip
+    (folder / "opacus-profile.json").write_text(json.dumps(profile))
+    return {
+        "name": "opacus-elsewhere",
+        "weights": str(folder / "opacus.pt"),
+        "profile": str(folder / "opacus-profile.json"),
+        "attested_by": "the stack test's Opacus run",
+    }
+
+
+def test_your_table_and_factory_train_on_the_workers_and_a_policy_serves_their_merge(
+    stack: PolicyStack, operator: Shell, consumer: Shell
+) -> None:
+    """Bring your own, on the stack: a Parquet table and a model factory in a folder outside
+    the repository are trained by the ``train-candidates`` deployment on the ``cpu`` worker
+    (two noise levels), with a third candidate trained here with plain Opacus and imported from
+    its checkpoint; a policy merges them, the release is served, verified by the consumer and
+    answers ``mlflow models serve`` at the accuracy its card states."""
+    with _own_folder(stack) as folder:
+        spec_file = str(folder / "table.json")
+        data = load_dataset("table", spec_file)
+        imported = _opacus_import(folder, data)
+        _grant_workers(stack, folder)  # the checkpoint and profile written since
+        with prefect_client(stack.config) as client:
+            deployment = client.read_deployment_by_name("train-candidates/train-candidates")
+            created = client.create_flow_run_from_deployment(
+                deployment.id,
+                parameters={
+                    "dataset": "table", "data_root": spec_file, "model": "ownmodels:mlp",
+                    "model_path": str(folder), "noise_multipliers": [1.0, 3.0], "epochs": 3,
+                    "batch_size": 64, "learning_rate": 0.5, "deployment": None,
+                    "frontier_report": False, "imports": [imported],
+                },
+            )  # fmt: skip
+        finished = wait_run(stack.config, created.id)
+        assert finished.state.is_completed(), finished.state.message
+        found = [
+            v
+            for v in _mlflow(stack).search_model_versions("tags.`dp.role` = 'candidate'")
+            if v.name != stack.candidates_model
+        ]
+        assert {v.tags["dp.status"] for v in found} == {"ready"}, found
+        assert "opacus-elsewhere" in {v.tags["dp.candidate"] for v in found}, found
+        assert len({v.name for v in found}) == 1 and len(found) == 3, found
+        target = max(float(v.tags["dp.epsilon"]) for v in found) * 1.2
+        done = operator.dpmerge(
+            "policy", "set", "--name", "own", "--dataset", "table", "--model", "ownmodels:mlp",
+            "--data-root", spec_file, "--target-epsilon", f"{target:.6f}", "--delta", "1e-5",
+            "--wait", str(RUN_TIMEOUT_S), "--json", timeout=RUN_TIMEOUT_S + 120,
+        )  # fmt: skip
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+        outcome = json.loads(done.stdout.strip().splitlines()[-1])
+        assert done.returncode == 0 and outcome["status"] == "promoted", outcome
+        assert outcome["epsilon"] <= target
+        releases = found[0].name.removesuffix("-candidates") + "-releases"
+        assert _mlflow(stack).get_registered_model(releases).aliases["policy-own"] == str(
+            outcome["version"]
+        )
+        verified = consumer.dpmerge("verify", "@policy-own", "--json")
+        assert verified.returncode == 0, verified.stderr
+        assert json.loads(verified.stdout)["version"] == outcome["version"]
+        card = _card(stack, outcome["version"], releases)
+        weights = outcome.get("weights") or ()
+        used = {n for n, w in zip(outcome["candidates"], weights, strict=True) if w > 0} | {
+            m for rung in outcome.get("rungs") or () for m in rung["members"]
+        }
+        print(f"\nyour data on the stack: {outcome['method']} of {sorted(used)}")
+        assert "opacus-elsewhere" in used  # the import is in the release: its card says so
+        description = _mlflow(stack).get_model_version(releases, outcome["version"]).description
+        assert f"**{imported['attested_by']}" in description or imported["attested_by"] in (
+            description
+        ), description[:3000]
+        server, url = _serve(consumer, f"models:/{releases}@policy-own")
+        try:
+            rows = data.test.features.numpy()
+            answer = requests.post(
+                f"{url}/invocations", json={"inputs": rows.tolist()}, timeout=120
+            )
+            assert answer.ok, answer.text[:2000]
+            predicted = np.asarray(answer.json()["predictions"]).argmax(axis=1)
+        finally:
+            _stop(server)
+        accuracy = float((predicted == data.test.labels.numpy()).mean())
+        print(
+            f"\nyour data on the stack: ε {outcome['epsilon']:.4f}, served accuracy {accuracy:.4f}"
+        )
+        n, epsilon = len(data.test), card["rows"]["test"]["epsilon"]
+        tolerance = 1 / n + math.log(1e9) / (n * epsilon)  # as _estimate_tolerance
+        assert abs(accuracy - card["accuracy"]["test_accuracy"]) <= tolerance
+
+
 def _stored_run(stack: PolicyStack, name: str, target: float) -> tuple[dict[str, Any], float]:
     """A policy version stored as the workflow (the operator's command needs MLflow to check
     it), its outcome and the seconds to it."""
@@ -481,13 +646,16 @@ def _mlflow_pid(stack: PolicyStack) -> int:
 
 def _warm_children() -> list[int]:
     """The processes the cpu workers' warm server (``flows/warm.py --serve``) forked for the
-    flow runs now running."""
-    servers = set()
+    flow runs now running (a fork keeps the server's command line: the server is the one whose
+    parent is no such process)."""
+    warm: dict[int, int] = {}  # pid -> parent pid
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
             argv = (proc / "cmdline").read_bytes().split(b"\0")
             if proc.name.isdigit() and b"flows.warm" in argv and b"--serve" in argv:
-                servers.add(int(proc.name))
+                parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                warm[int(proc.name)] = int(parent)
+    servers = {pid for pid, parent in warm.items() if parent not in warm}
     return sorted(set().union(*(descendants(s) for s in servers)) - servers)
 
 

@@ -13,6 +13,8 @@ import sys
 
 from dpmerge.cli.common import print_json, probability
 from dpmerge.data.sources import check_source
+from dpmerge.errors import ModelFactoryError
+from dpmerge.model_reference import misplaced_factory_options, parse_reference
 from dpmerge.vocabulary import DatasetName, ModelName, values
 
 
@@ -26,14 +28,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "import",
         help="import a DP model trained elsewhere as a candidate",
         description="Check weights (safetensors, a torch state dict or an Opacus checkpoint) "
-        "against a built-in model on a dataset, read the privacy profile (a DP-SGD record, the "
-        "checkpoint's Opacus accountant history, an RDP curve or an ε(δ) curve), and write a "
+        "against a built-in model or your factory (module:callable) on a dataset, read the "
+        "privacy profile (a DP-SGD record, the checkpoint's Opacus accountant history, an RDP "
+        "curve or an ε(δ) curve), and write a "
         "candidate directory attested by --attested-by and signed with the workflow key "
         "(docs/design.md#imported-candidates).",
     )
     imported.add_argument("weights", metavar="WEIGHTS")
     imported.add_argument("--profile", required=True, help="privacy profile JSON file")
-    imported.add_argument("--model", required=True, choices=values(ModelName))
+    imported.add_argument(
+        "--model",
+        required=True,
+        help=f"{', '.join(m for m in values(ModelName) if m != ModelName.TRANSFORMERS)}, or "
+        "module:callable (your factory, as in training)",
+    )
+    imported.add_argument("--model-path", help="directory of your factory's code (as in training)")
+    imported.add_argument(
+        "--fix-model", action="store_true", help="Opacus' ModuleValidator.fix, as in training"
+    )
     imported.add_argument("--dataset", required=True, choices=values(DatasetName))
     imported.add_argument("--data-root", help="folder holding the dataset files (table: spec)")
     imported.add_argument("--limit", type=int, help="rows kept per file (as in training)")
@@ -60,8 +72,23 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_model(args: argparse.Namespace) -> None:
+    """A built-in model but ``transformers`` (a fine-tuned model is not imported), or a
+    factory reference; the factory's options only with a factory."""
+    if args.model == ModelName.TRANSFORMERS:
+        raise ModelFactoryError(
+            "an import takes a built-in model or your factory, not a fine-tuned transformer"
+        )
+    misplaced = misplaced_factory_options(args.model, args.model_path, args.fix_model)
+    if misplaced:
+        raise ModelFactoryError(misplaced)
+    if args.model not in values(ModelName):
+        parse_reference(args.model)
+
+
 def _import(args: argparse.Namespace) -> int:
     check_source(args.dataset, args.data_root)
+    _check_model(args)
     from dpmerge.accounting.candidate import candidate_bound
     from dpmerge.accounting.delta import check_delta_against
     from dpmerge.data import load_dataset
@@ -75,7 +102,7 @@ def _import(args: argparse.Namespace) -> int:
     result = import_candidate(
         args.weights,
         args.profile,
-        spec=model_spec(args.model, data),
+        spec=model_spec(args.model, data, model_path=args.model_path, fix=args.fix_model),
         data=data,
         name=args.name,
         attested_by=args.attested_by,

@@ -168,7 +168,10 @@ def dry_run(version: PolicyVersion, workspace: Workspace) -> DryRun:
             base["notes"] = (*base["notes"], PRIVATE_TUNING_NOTE)
         first = records[0]
         data = load_evaluation_data(  # by the internal fingerprint, as a real run does
-            first.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
+            first.dataset,
+            getattr(first, "dataset_size", None),
+            root=policy.data_root,
+            cache_dir=workspace.cache_dir,
         )
         try:
             plan = calibrate_policy(policy, candidates, data)

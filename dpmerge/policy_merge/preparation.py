@@ -44,7 +44,9 @@ def start_export_warmup() -> threading.Thread:
     return thread
 
 
-def prime_caches(workspace: Workspace, dataset: str, model: str) -> CandidatePool:
+def prime_caches(
+    workspace: Workspace, dataset: str, model: str, data_root: str | None = None
+) -> CandidatePool:
     """Fill this host's caches for the next policy merge of ``dataset``/``model``: the candidate
     directories, the evaluation split, the candidates' PLDs (fine and coarse) and RDP curves.
     The training flow calls it once its candidates are registered, so the first policy event
@@ -64,6 +66,7 @@ def prime_caches(workspace: Workspace, dataset: str, model: str) -> CandidatePoo
         load_evaluation_data(
             records[0].dataset,
             getattr(records[0], "dataset_size", None),
+            root=data_root,
             cache_dir=workspace.cache_dir,
         )
         for record in records:
@@ -134,7 +137,10 @@ def prepare(workspace: Workspace, version: PolicyVersion, dest: str | Path) -> P
     delta = delta_check_for(records, policy.target_delta)  # δ ≥ 1/n: refused (DeltaError)
     first = records[0]
     data = load_evaluation_data(
-        first.dataset, getattr(first, "dataset_size", None), cache_dir=workspace.cache_dir
+        first.dataset,
+        getattr(first, "dataset_size", None),
+        root=policy.data_root,
+        cache_dir=workspace.cache_dir,
     )
     notes = tuple(n for n in (delta.warning, delta.note) if n)
     return Prepared(pool, None, tuple(candidates), data, notes)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpmerge.errors import InputError
 from dpmerge.formatting import did_you_mean
-from dpmerge.model_reference import parse_reference
+from dpmerge.model_reference import misplaced_factory_options, parse_reference
 from dpmerge.vocabulary import DatasetName, Engine, GradSampleMode, ModelName, values
 
 if TYPE_CHECKING:  # torch loads on first use: `dpmerge train --help` builds on this module
@@ -238,14 +238,9 @@ class TrainConfig:
         """A built-in :class:`ModelName`, or a factory reference (docs/design.md#your-model);
         the factory's options are refused with a built-in model."""
         if self.model in values(ModelName):
-            given = [
-                f for f, v in (("model_path", self.model_path), ("fix_model", self.fix_model)) if v
-            ]
-            if given:
-                raise TrainingConfigError(
-                    f"{', '.join(given)} applies only to a model factory (module:callable), "
-                    f"not to the built-in {self.model!r}"
-                )
+            misplaced = misplaced_factory_options(self.model, self.model_path, self.fix_model)
+            if misplaced:
+                raise TrainingConfigError(misplaced)
             return ModelName(self.model)
         if ":" not in self.model:
             raise TrainingConfigError(
