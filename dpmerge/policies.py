@@ -145,7 +145,8 @@ class Policy(BaseModel):
         gt=0,
         le=1000,
         allow_inf_nan=False,
-        description="release-ledger cap on the cumulative ε (docs/design.md#release-ledger)",
+        description="release-ledger cap on the cumulative ε and on one person's ε (training, "
+        "test and validation rows composed; docs/design.md#release-ledger)",
     )
 
     @field_validator("name")

@@ -603,6 +603,10 @@ def test_your_table_and_factory_train_on_the_workers_and_a_policy_serves_their_m
         print(f"\nyour data on the stack: {outcome['method']} of {sorted(used)}")
         assert "opacus-elsewhere" in used  # the import is in the release: its card says so
         description = _mlflow(stack).get_model_version(releases, outcome["version"]).description
+        shown = operator.dpmerge("ledger", "show", "--source", "own", "--json")
+        assert shown.returncode == 0, shown.stderr
+        (ledger,) = json.loads(shown.stdout)["ledgers"]  # your data's own ledger, counted
+        assert ledger["releases"] == 1 and ledger["epsilon"] >= outcome["epsilon"], ledger
         assert f"**{imported['attested_by']}" in description or imported["attested_by"] in (
             description
         ), description[:3000]

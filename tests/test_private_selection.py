@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from dpmerge.accounting.private_selection import (
     selection_probabilities,
 )
 from dpmerge.accounting.tuning import tuned_release, tuning_plan
-from dpmerge.errors import IntegrityError, RecordError
+from dpmerge.errors import IntegrityError, RecordError, RefusalError
 from dpmerge.keys import WorkflowKey
 from dpmerge.policies import PolicyError, policy_from_dict
 from dpmerge.policy_merge.draws import selection_key, stored_selection
@@ -237,3 +238,27 @@ def test_two_selections_that_choose_one_release_are_both_charged(tmp_path: Path)
         Selection.from_dict({**first.to_dict(), "key": "../../etc"})
     with pytest.raises(ValueError, match="at most 100"):
         CountedRelease.from_dict({**_entry("c", None).to_dict(), "selections": [{}] * 101})
+
+
+def test_the_cap_bounds_one_person_not_only_the_training_rows(tmp_path: Path) -> None:
+    """A cap above the training rows' ε refuses a release when one person's ε — training,
+    test and validation rows composed — goes above it (here the test rows: two estimates of
+    ε 1.0 each), and refuses any release while a counted one has no recorded estimate (the
+    test rows unbounded); a refused count writes nothing."""
+    store = StateStore(LocalBackend(tmp_path / "state"), WorkflowKey.generate())
+    key = serving.dataset_key("digits-hmac:" + "a" * 32)
+    serving.count(store, _entry("a", None), None)
+    training = serving.read_state(store, "digits-hmac:" + "a" * 32).cumulative(
+        DELTA, _entry("b", None)
+    )
+    assert training.epsilon < 1.5  # the test rows' 2.0 is what the cap meets
+    before = store.read(key).document
+    with pytest.raises(RefusalError, match=r"one person's ε with this release is 2\.0000"):
+        serving.count(store, _entry("b", None), 1.5)
+    assert store.read(key).document == before
+    assert serving.count(store, _entry("b", None), 2.0).epsilon == training.epsilon
+    serving.count(store, replace(_entry("c", None), evaluation=None), None)  # no estimate kept
+    before = store.read(key).document
+    with pytest.raises(RefusalError, match="cannot hold: the test rows' ε is not bounded"):
+        serving.count(store, _entry("d", None), 100.0)
+    assert store.read(key).document == before

@@ -20,6 +20,7 @@ from typing import Any
 
 from dpmerge.accounting.calibration import Calibration, calibrate
 from dpmerge.accounting.choice import PREFERENCE, choose_method
+from dpmerge.accounting.private_accuracy import Evaluation
 from dpmerge.accounting.private_selection import Selection
 from dpmerge.accounting.records import Candidate
 from dpmerge.errors import RefusalError
@@ -43,7 +44,10 @@ class PolicyPlan:
     """The chosen calibration and how the methods compared (their expected noise-proxy
     utilities, read off the records; a refused method says why); ``offered``: each method's
     calibration; under private tuning, what the selection spent on the validation rows
-    (``selection``) and every candidate it consulted (``consulted``, counted in the ledger)."""
+    (``selection``) and every candidate it consulted (``consulted``, counted in the ledger);
+    ``evaluation``: what the release's test-accuracy estimate will spend on the test rows (the
+    policy's ``evaluation_epsilon`` on the test split), so the ledger's cap sees it before the
+    estimate is drawn."""
 
     calibration: Calibration
     compared: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -51,6 +55,7 @@ class PolicyPlan:
     offered: dict[str, Calibration] = field(default_factory=dict)
     selection: Selection | None = None
     consulted: tuple[str, ...] = ()
+    evaluation: Evaluation | None = None
 
     @property
     def method(self) -> str:
@@ -96,4 +101,5 @@ def calibrate_policy(
     for method, utility in choice.utilities.items():
         compared[method]["expected_utility"] = utility
     reason = choice.reason if len(methods) > 1 else None
-    return PolicyPlan(choice.calibration, compared, reason, offered=results)
+    evaluation = Evaluation(policy.evaluation_epsilon, len(data.test))
+    return PolicyPlan(choice.calibration, compared, reason, offered=results, evaluation=evaluation)

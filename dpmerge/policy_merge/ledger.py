@@ -24,7 +24,6 @@ from dpmerge.accounting.private_accuracy import Evaluation, PrivateAccuracy
 from dpmerge.accounting.private_selection import Selection
 from dpmerge.accounting.records import candidate_from_dict
 from dpmerge.errors import IntegrityError, RecordError
-from dpmerge.formatting import epsilon_text
 from dpmerge.manifests import ReleaseSignatureError
 from dpmerge.policy_merge.calibration import PolicyPlan
 from dpmerge.policy_merge.release import MergeRequest
@@ -75,6 +74,7 @@ def ledger_entry(
         delta=plan.calibration.delta,
         policy=version.name,
         policy_version=version.version,
+        evaluation=plan.evaluation,  # replaced by the drawn estimate's (evaluated)
         selections=(plan.selection,) if plan.selection is not None else (),
     )
 
@@ -148,13 +148,7 @@ def _summary(state: DatasetState, entry: CountedRelease, cap: float | None) -> L
     bound = statement.training
     others = [r for r in state.ledger if r.release_id != entry.release_id]
     names = sorted({name for r in [*others, entry] for name in r.names})
-    refusal = None
-    if cap is not None and bound.epsilon > cap:
-        refusal = (
-            f"release ledger: this release would raise the cumulative ε to "
-            f"{epsilon_text(bound.epsilon)} (δ = {entry.delta:g}, {bound.accountant}) above the "
-            f"cap {cap:g}"
-        )
+    refusal = None if cap is None else state.cap_refusal(entry, cap)
     attempts = tuple(
         {
             "release": r.release_id,

@@ -371,19 +371,45 @@ class DatasetState:
         person = person_bound(training, test, one_split, validation)
         return LedgerStatement(training, test, person, validation)
 
+    def cap_refusal(self, entry: CountedRelease, cap: float) -> str | None:
+        """Why ``cap`` refuses the ledger with ``entry`` counted (``None``: it does not). The
+        cap bounds every person of the source (docs/design.md#release-ledger): the training
+        rows' cumulative ε and one person's ε (training, test and validation rows composed);
+        where the test rows are not bounded (a release without a recorded estimate) no cap can
+        hold."""
+        statement = self.statement(entry.delta, entry)
+        training, person = statement.training, statement.person
+        where = f"δ = {entry.delta:g}, {training.accountant}"
+        if training.epsilon > cap:
+            return (
+                f"release ledger: the cumulative ε with this release is "
+                f"{epsilon_text(training.epsilon)} ({where}), above the cap {cap:g}"
+            )
+        if person.epsilon is None:
+            unrecorded = statement.test.unrecorded
+            return (
+                f"release ledger: the cap {cap:g} cannot hold: the test rows' ε is not bounded "
+                f"({len(unrecorded)} release(s) without a recorded estimate, e.g. "
+                f"{unrecorded[0][:12]}…; `dpmerge ledger rebuild` restores what their records "
+                "keep)"
+            )
+        if person.epsilon > cap:
+            return (
+                f"release ledger: one person's ε with this release is "
+                f"{epsilon_text(person.epsilon)} ({where}; training, test and validation rows "
+                f"composed {person.composition.value}), above the cap {cap:g}"
+            )
+        return None
+
     def with_entry(self, entry: CountedRelease, cap: float | None) -> DatasetState:
         """This state with ``entry`` counted (unchanged when it is already), after checking
         its records agree with those counted before, and that the cumulative bound with it
         stays within ``cap`` (:class:`RefusalError`; checked for a release counted before too:
         a cap refuses serving any release while the ledger is above it)."""
         check_records(self, entry)
-        bound = self.cumulative(entry.delta, entry)
-        if cap is not None and bound.epsilon > cap:
-            raise RefusalError(
-                f"release ledger: the cumulative ε with this release is "
-                f"{epsilon_text(bound.epsilon)} (δ = {entry.delta:g}, {bound.accountant}), above "
-                f"the cap {cap:g}"
-            )
+        refusal = None if cap is None else self.cap_refusal(entry, cap)
+        if refusal is not None:
+            raise RefusalError(refusal)
         before = self.entry(entry.release_id)
         if before is None:
             return replace(self, releases=(*self.releases, replace(entry, counted_at=stamp())))
