@@ -25,9 +25,21 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the worker user needs
 
 @pytest.fixture
 def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private ledger, for tests that grant only below their own ``tmp_path``. A test that
+    grants passage to the checkout (``worker_user.ensure``) uses the host's ledger, as ``up``
+    does: a private one would not know of the stacks other tests run beside it, so it would
+    skip a directory one of them opened, and that stack's ``down`` would shut it mid-test."""
     path = tmp_path / "ledger" / "grants.json"
     monkeypatch.setattr(grants, "LEDGER", path)
     return path
+
+
+def _stacks_in_host_ledger() -> set[str]:
+    """The stacks the host's ledger lists a grant for."""
+    if not grants.LEDGER.exists():
+        return set()
+    with grants._ledger() as entries:
+        return {stack for entry in entries for stack in entry["stacks"]}
 
 
 @pytest.fixture
@@ -111,7 +123,7 @@ def test_an_interpreter_out_of_reach_is_one_line_not_a_traceback(
 
 
 def test_up_stopped_by_the_reach_check_leaves_no_grant(
-    tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Passage granted, the interpreter still refuses the worker (0700): one line, and the
     grants this ``up`` made are taken back at once."""
@@ -125,51 +137,50 @@ def test_up_stopped_by_the_reach_check_leaves_no_grant(
     with pytest.raises(StackError) as refused:
         worker_user.ensure(config, "0" * 64)
     assert len(str(refused.value).splitlines()) == 1
-    assert json.loads(ledger.read_text()) == []
+    assert str(config.state_dir) not in _stacks_in_host_ledger()
     assert _acl(private) == before
 
 
-def test_the_worker_reads_its_own_key_copy_and_no_admin_credential(
-    tmp_path: Path, ledger: Path
-) -> None:
+def test_the_worker_reads_its_own_key_copy_and_no_admin_credential(tmp_path: Path) -> None:
     config = StackConfig(state_dir=tmp_path / "state", worker_user=WORKER_USER)
     config.state_dir.mkdir(mode=0o700)
     credentials.ensure(config.state_dir)
     key = credentials.workflow_key(config.state_dir)
-    account = worker_user.ensure(config, key)
-    assert account.uid != 0
-    copy = worker_user.worker_key_file(config)
-    found = copy.stat()
-    assert (found.st_uid, found.st_mode & 0o777) == (account.uid, 0o400)
-    secret_files = sorted(credentials.secrets_dir(config.state_dir).iterdir())
-    assert credentials.CREDENTIALS_FILE in {path.name for path in secret_files}
-    # even with passage down to them (more than `up` grants), their modes refuse the worker
-    grants.grant(tmp_path / "probe", account.uid, account.gid, secret_files)
-    probe = (
-        "import json, sys\n"
-        "def read(path):\n"
-        "    try:\n"
-        "        return open(path).read().strip()\n"
-        "    except PermissionError:\n"
-        "        return 'PermissionError'\n"
-        "print(json.dumps([read(path) for path in sys.argv[1:]]))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe, str(copy), *map(str, secret_files)],
-        user=account.uid,
-        group=account.gid,
-        extra_groups=[],
-        cwd="/",
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert json.loads(done.stdout) == [key] + ["PermissionError"] * len(secret_files)
-    grants.revoke(tmp_path / "probe")
-
-    worker_user.remove(config)
+    try:
+        account = worker_user.ensure(config, key)
+        assert account.uid != 0
+        copy = worker_user.worker_key_file(config)
+        found = copy.stat()
+        assert (found.st_uid, found.st_mode & 0o777) == (account.uid, 0o400)
+        secret_files = sorted(credentials.secrets_dir(config.state_dir).iterdir())
+        assert credentials.CREDENTIALS_FILE in {path.name for path in secret_files}
+        # even with passage down to them (more than `up` grants), their modes refuse the worker
+        grants.grant(tmp_path / "probe", account.uid, account.gid, secret_files)
+        probe = (
+            "import json, sys\n"
+            "def read(path):\n"
+            "    try:\n"
+            "        return open(path).read().strip()\n"
+            "    except PermissionError:\n"
+            "        return 'PermissionError'\n"
+            "print(json.dumps([read(path) for path in sys.argv[1:]]))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", probe, str(copy), *map(str, secret_files)],
+            user=account.uid,
+            group=account.gid,
+            extra_groups=[],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert json.loads(done.stdout) == [key] + ["PermissionError"] * len(secret_files)
+    finally:
+        grants.revoke(tmp_path / "probe")
+        worker_user.remove(config)
     assert not worker_user.worker_dir(config).exists()
-    assert all(str(config.state_dir) not in e["stacks"] for e in json.loads(ledger.read_text()))
+    assert str(config.state_dir) not in _stacks_in_host_ledger()
 
 
 def test_a_worker_running_as_the_admin_is_the_finding_workers_not_separated(
