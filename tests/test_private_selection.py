@@ -244,7 +244,8 @@ def test_the_cap_bounds_one_person_not_only_the_training_rows(tmp_path: Path) ->
     """A cap above the training rows' ε refuses a release when one person's ε — training,
     test and validation rows composed — goes above it (here the test rows: two estimates of
     ε 1.0 each), and refuses any release while a counted one has no recorded estimate (the
-    test rows unbounded); a refused count writes nothing."""
+    test rows unbounded: asking for that release again does not bound them); a refused count
+    writes nothing."""
     store = StateStore(LocalBackend(tmp_path / "state"), WorkflowKey.generate())
     key = serving.dataset_key("digits-hmac:" + "a" * 32)
     serving.count(store, _entry("a", None), None)
@@ -258,6 +259,8 @@ def test_the_cap_bounds_one_person_not_only_the_training_rows(tmp_path: Path) ->
     assert store.read(key).document == before
     assert serving.count(store, _entry("b", None), 2.0).epsilon == training.epsilon
     serving.count(store, replace(_entry("c", None), evaluation=None), None)  # no estimate kept
+    serving.count(store, _entry("c", None), None)  # asked again: its estimate stays unknown
+    assert serving.read_state(store, "digits-hmac:" + "a" * 32).entry("r-c").evaluation is None
     before = store.read(key).document
     with pytest.raises(RefusalError, match="cannot hold: the test rows' ε is not bounded"):
         serving.count(store, _entry("d", None), 100.0)

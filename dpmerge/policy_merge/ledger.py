@@ -196,10 +196,11 @@ def count_release(workspace: Workspace, entry: CountedRelease, cap: float | None
 
 
 def rebuild_ledger(workspace: Workspace) -> list[str]:
-    """Add back every signed merged version the ledger lacks, and to a counted one the private
-    selections and estimate it lacks (the repair for a ledger that was rolled back or
-    replaced), read from the release's signed internal record (:mod:`dpmerge.state.releases`);
-    returns the release ids added or completed. Needs the workflow's key.
+    """Add back every signed merged version the ledger lacks (with its test-row estimate), and
+    to a counted one the private selections it lacks (the repair for a ledger that was rolled
+    back or replaced), read from the release's signed internal record
+    (:mod:`dpmerge.state.releases`); returns the release ids added or completed. Needs the
+    workflow's key.
     A signed release without an internal record is not guessed at: :class:`LedgerIntegrityError`
     names it."""
     registry = workspace.registry()

@@ -143,15 +143,16 @@ class CountedRelease:
 
     def joined(self, other: CountedRelease) -> CountedRelease:
         """This entry (the release counted before) with what ``other`` — the same release
-        asked for again — adds: candidates it consulted that this one did not, its selections
-        not counted yet (told apart by draw key) and an evaluation where this one has none."""
+        asked for again — adds: candidates it consulted that this one did not and its
+        selections not counted yet (told apart by draw key). The evaluation stays this entry's:
+        a release's estimate is drawn once, when it is first counted (``other`` carries only
+        the one a plan anticipates, and an entry counted without one stays unbounded)."""
         names = set(self.names)
         known = {s.key for s in self.selections if s.key}
         return replace(
             self,
             candidates=(*self.candidates, *(c for c in other.candidates if c["name"] not in names)),
             versions={**other.versions, **self.versions},
-            evaluation=self.evaluation or other.evaluation,
             selections=(
                 *self.selections,
                 *(
