@@ -50,7 +50,7 @@ from servers import (
 import devstack
 from devstack.processes import descendants
 from devstack.supervisor import Supervisor
-from devstack.worker_user import supervised_user
+from devstack.worker_user import supervised_user, worker_dir
 from dpmerge import policy_merge as pm
 from dpmerge.data import load_dataset
 from dpmerge.policies import Policy, policy_from_dict
@@ -648,15 +648,18 @@ def _mlflow_pid(stack: PolicyStack) -> int:
     return mlflow.pid
 
 
-def _warm_children() -> list[int]:
-    """The processes the cpu workers' warm server (``flows/warm.py --serve``) forked for the
-    flow runs now running (a fork keeps the server's command line: the server is the one whose
-    parent is no such process)."""
+def _warm_children(stack: PolicyStack) -> list[int]:
+    """The processes this stack's cpu worker's warm server (``flows/warm.py --serve``, its
+    socket under the worker's directory) forked for the flow runs now running. A fork keeps
+    the server's command line: the server is the one whose parent is no such process. Other
+    stacks' warm servers (tests beside this one) are left alone."""
+    mine = str(worker_dir(stack.config)).encode() + b"/"
     warm: dict[int, int] = {}  # pid -> parent pid
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if proc.name.isdigit() and b"flows.warm" in argv and b"--serve" in argv:
+            serving = argv[argv.index(b"--serve") + 1] if b"--serve" in argv[:-1] else b""
+            if proc.name.isdigit() and b"flows.warm" in argv and serving.startswith(mine):
                 parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
                 warm[int(proc.name)] = int(parent)
     servers = {pid for pid, parent in warm.items() if parent not in warm}
@@ -686,7 +689,7 @@ def test_a_run_killed_mid_flight_is_applied_again_by_the_dispatcher(stack: Polic
             assert not run.state.is_final(), run.state
             assert time.monotonic() < deadline, run.state
             time.sleep(0.1)
-        killed = _warm_children()
+        killed = _warm_children(stack)
         if run.infrastructure_pid:
             killed.append(int(str(run.infrastructure_pid).rsplit(":", 1)[-1]))
         assert killed, "no process of the run found"
