@@ -137,11 +137,13 @@ def s3_store(s3_mlflow: StackConfig) -> S3Store:
     return S3Store(s3_mlflow.s3_config())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
     """The whole stack (S3, PostgreSQL, MLflow, Prefect, cpu/gpu pools and workers) on free
     ports, with this process's environment the workflow role's (PREFECT_API_URL and its auth
-    string, MLFLOW_TRACKING_URI and its user, S3…)."""
+    string, MLFLOW_TRACKING_URI and its user, S3, the locked pools…) for the module only: a
+    session-long environment leaked into the next module on the same xdist worker, whose own
+    Prefect test server then lacked the stack's pools (``verify-state`` reported them gone)."""
     with (
         running_stack(tmp_path_factory.mktemp("stack"), prefect=True) as config,
         environment(config.client_env()),

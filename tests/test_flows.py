@@ -20,6 +20,7 @@ import yaml
 from mlflow import MlflowClient
 
 from devstack.provision import locked_template
+from devstack.roles import LOCKED_POOLS_ENV
 from dpmerge import policy_merge as pm
 from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.state import policies as stored_policies
@@ -40,7 +41,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         patch.setenv("MLFLOW_TRACKING_URI", uri)
         patch.setenv("DPMERGE_HOME", str(home))
         patch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-        for key in ("PREFECT_API_URL", "DPMERGE_S3_ENDPOINT_URL", "DPMERGE_S3_BUCKET"):
+        for key in (
+            "PREFECT_API_URL",
+            "PREFECT_API_AUTH_STRING",
+            "DPMERGE_S3_ENDPOINT_URL",
+            "DPMERGE_S3_BUCKET",
+            LOCKED_POOLS_ENV,  # no stack here: verify-state checks no stack's pools
+        ):
             patch.delenv(key, raising=False)
         torch.set_num_threads(1)
         try:
