@@ -18,7 +18,10 @@ from servers import (
 )
 
 from devstack import StackConfig
+from devstack.roles import LOCKED_POOLS_ENV
 from dpmerge.environment import QUIET, TELEMETRY_OFF
+from dpmerge.keys import KEY_FILE_ENV
+from dpmerge.registry.readers import READERS_ENV
 from dpmerge.storage import S3Store
 from dpmerge.vocabulary import StackRole
 
@@ -29,9 +32,35 @@ for _key, _value in {**TELEMETRY_OFF, **QUIET}.items():
 os.environ.setdefault("DPMERGE_SECRET_KEY", session_key())
 
 
-SESSION_SERVERS = ("s3_mlflow", "local_stack")
-"""The session fixtures that start servers: under pytest-xdist every worker that runs a test
-needing one starts its own, so the modules that share one run on one worker."""
+SESSION_SERVERS = ("s3_mlflow_servers", "local_stack_servers")
+"""The fixtures that start servers: under pytest-xdist every worker that runs a test needing
+one starts its own, so the modules that share one run on one worker."""
+
+
+SERVER_VARIABLES = ("AWS_", "DPMERGE_HOME", "DPMERGE_S3_", "MLFLOW_TRACKING_", "PREFECT_API_")
+SERVER_VARIABLES_EXACT = (LOCKED_POOLS_ENV, READERS_ENV, KEY_FILE_ENV)
+
+
+def _server_variables() -> dict[str, str]:
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key.startswith(SERVER_VARIABLES) or key in SERVER_VARIABLES_EXACT
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_leaves_the_servers_variables() -> Iterator[None]:
+    """A module (its tests and fixtures) leaves the variables that name servers, stores and
+    credentials as it found them. A session fixture's environment once outlived its module, and
+    the next module on that xdist worker talked to the wrong Prefect server — only when the
+    scheduler put them together. This makes such a leak an error of the module that leaks,
+    on every run."""
+    before = _server_variables()
+    yield
+    after = _server_variables()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the module left these variables changed: {', '.join(changed)}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -114,41 +143,51 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
 
 
 @pytest.fixture(scope="session")
-def s3_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
+def s3_mlflow_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
     """S3, PostgreSQL and an MLflow server (its auth app, artifacts proxied to S3) on free
-    loopback ports; this process holds the workflow role's credentials (MLflow user, S3 key)."""
-    with (
-        running_stack(tmp_path_factory.mktemp("s3-mlflow"), prefect=False) as config,
-        environment(credentials_env(config, StackRole.WORKFLOW)),
-    ):
+    loopback ports, started once per worker; see :func:`s3_mlflow` for a module's use."""
+    with running_stack(tmp_path_factory.mktemp("s3-mlflow"), prefect=False) as config:
         yield config
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
+def s3_mlflow(s3_mlflow_servers: StackConfig) -> Iterator[StackConfig]:
+    """The session's S3 and MLflow servers, with this process holding the workflow role's
+    credentials (MLflow user, S3 key) for the module only."""
+    with environment(credentials_env(s3_mlflow_servers, StackRole.WORKFLOW)):
+        yield s3_mlflow_servers
+
+
+@pytest.fixture(scope="module")
 def mlflow_server(s3_mlflow: StackConfig) -> str:
     """Tracking URI of the session's MLflow server."""
     return s3_mlflow.mlflow_url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def s3_store(s3_mlflow: StackConfig) -> S3Store:
     """A store on the session's S3 server as the stack's own identity (buckets already
     bootstrapped)."""
     return S3Store(s3_mlflow.s3_config())
 
 
-@pytest.fixture(scope="module")
-def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
+@pytest.fixture(scope="session")
+def local_stack_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
     """The whole stack (S3, PostgreSQL, MLflow, Prefect, cpu/gpu pools and workers) on free
-    ports, with this process's environment the workflow role's (PREFECT_API_URL and its auth
-    string, MLFLOW_TRACKING_URI and its user, S3, the locked pools…) for the module only: a
-    session-long environment leaked into the next module on the same xdist worker, whose own
-    Prefect test server then lacked the stack's pools (``verify-state`` reported them gone)."""
-    with (
-        running_stack(tmp_path_factory.mktemp("stack"), prefect=True) as config,
-        environment(config.client_env()),
-    ):
+    ports, started once per worker; see :func:`local_stack` for a module's use."""
+    with running_stack(tmp_path_factory.mktemp("stack"), prefect=True) as config:
         yield config
+
+
+@pytest.fixture(scope="module")
+def local_stack(local_stack_servers: StackConfig) -> Iterator[StackConfig]:
+    """The session's whole stack, with this process's environment the workflow role's
+    (PREFECT_API_URL and its auth string, MLFLOW_TRACKING_URI and its user, S3, the locked
+    pools…) for the module only: a session-long environment once leaked into the next module
+    on the same xdist worker, whose own Prefect test server then lacked the stack's pools
+    (``verify-state`` reported them gone)."""
+    with environment(local_stack_servers.client_env()):
+        yield local_stack_servers
 
 
 @pytest.fixture
