@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,7 +36,9 @@ import numpy as np
 import pytest
 import requests
 import torch
+from botocore.exceptions import ClientError
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 from servers import (
     BIN,
     RUN_TIMEOUT_S,
@@ -48,6 +51,8 @@ from servers import (
 )
 
 import devstack
+from devstack import credentials
+from devstack.credentials import MLFLOW_ADMIN
 from devstack.processes import descendants
 from devstack.supervisor import Supervisor
 from devstack.worker_user import supervised_user, worker_dir
@@ -57,6 +62,7 @@ from dpmerge.policies import Policy, policy_from_dict
 from dpmerge.policy_merge import Workspace
 from dpmerge.policy_merge.draws import ACCURACY_SUFFIX
 from dpmerge.registry import candidate_content_hash
+from dpmerge.state import inbox
 from dpmerge.state import policies as stored_policies
 from dpmerge.state.policies import PolicyVersion
 from dpmerge.state.store import stamp
@@ -464,6 +470,166 @@ def test_swapped_served_weights_are_refused_by_the_consumer(
     assert refused.returncode == 2 and "weights.safetensors" in one_line(refused)
     assert refused.stdout == ""
     assert consumer.dpmerge("verify", "@policy-forged").returncode == 0
+
+
+def _role_s3(stack: PolicyStack, role: StackRole) -> Any:
+    """An S3 client with ``role``'s own key (``dpmerge stack env --role``)."""
+    env = stack.config.client_env(role)
+    return boto3.client(
+        "s3",
+        endpoint_url=stack.config.s3_url,
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=stack.config.s3_config().region,
+    )
+
+
+def _admin_describe(stack: PolicyStack, model: str, version: str, description: str) -> None:
+    """Set a model version's description as MLflow's admin (``devstack/credentials.py``)."""
+    admin = (MLFLOW_ADMIN, credentials.require(stack.config.state_dir).mlflow_admin)
+    done = requests.patch(
+        f"{stack.config.mlflow_url}/api/2.0/mlflow/model-versions/update",
+        json={"name": model, "version": version, "description": description},
+        auth=admin,
+        timeout=60,
+    )
+    assert done.status_code == 200, done.text
+
+
+def test_the_insider_rows_replayed_with_each_roles_own_credentials(
+    stack: PolicyStack, operator: Shell, consumer: Shell, tmp_path: Path
+) -> None:
+    """Issue 28's rows J, H, F, G, A, E, C, D and K on the live stack, each write made with
+    the credential the row names (the workflow's MLflow login, never its key; the operator's S3
+    key and shell; the consumer's shell), each answered as docs/stack.md's table says, and the
+    served release verified again after each:
+
+    * J: the release of policy ``int`` rests on the candidate quarantined above: revoked;
+    * H: ``verify --download DIR`` leaves exactly the served files; a swap in S3 afterwards
+      does not reach DIR;
+    * F: the workflow's login may not edit the served version's description (the card); the
+      MLflow admin's edit is refused by the consumer's verify;
+    * G: the alias moved to another policy's signed release: refused by the serving statement
+      (the workflow's, signed and expiring, names the served version);
+    * A: a version on a candidate's files carrying every tag and the card of the served release,
+      the served one marked failed: the rerun refuses to reuse it and keeps the served release;
+    * E, C, D: the operator's write under ``quarantine/`` is denied; a malformed quarantine
+      request, a request key of another shape and a 200,000-deep array in its inbox are each
+      one recorded rejection naming the field, after which the policy runs as before;
+    * K: ``policy set --delta 0.5`` and ``--target-epsilon 1_0`` are refused before storing."""
+    alias, releases, client = "@policy-forged", stack.releases_model, _mlflow(stack)
+    served = _aliases(stack)["policy-forged"]
+    assert consumer.dpmerge("verify", alias).returncode == 0
+
+    # J: policy-int's release merged the candidate the operator quarantined above; the run
+    # after the quarantine revoked it (its closing check), so consumers find nothing to verify
+    assert "policy-int" not in _aliases(stack)
+    assert consumer.dpmerge("verify", "@policy-int").returncode == 2
+
+    # H
+    target = tmp_path / "served"
+    done = consumer.dpmerge("verify", alias, "--download", str(target))
+    assert done.returncode == 0 and f"mlflow models serve -m {target} " in done.stdout, done.stderr
+    key = _artifact_keys(stack, releases, served)["weights.safetensors"]
+    s3, bucket = _admin_s3(stack), stack.config.bucket
+    genuine = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    (weights,) = list(target.rglob("weights.safetensors"))
+    assert weights.read_bytes() == genuine
+    other = stack.candidates[1]
+    swapped = _artifact_keys(stack, other.model, other.version)["weights.safetensors"]
+    s3.put_object(
+        Bucket=bucket, Key=key, Body=s3.get_object(Bucket=bucket, Key=swapped)["Body"].read()
+    )
+    try:
+        assert weights.read_bytes() == genuine
+        assert consumer.dpmerge("verify", alias).returncode == 2
+    finally:
+        s3.put_object(Bucket=bucket, Key=key, Body=genuine)
+
+    # F: the workflow's login may not edit a version at all (not on its allow-list); MLflow's
+    # admin may, and the consumer's verify then refuses the card it reads
+    card = client.get_model_version(releases, served).description
+    forged_card = re.sub(r"ε = [0-9.]+", "ε = 0.01", card, count=1)
+    assert forged_card != card
+    with pytest.raises(MlflowException, match="not on the MLflow allow-list of the role 'workfl"):
+        client.update_model_version(releases, served, description=forged_card)
+    _admin_describe(stack, releases, served, forged_card)
+    try:
+        refused = consumer.dpmerge("verify", alias)
+        assert refused.returncode == 2 and "description" in one_line(refused)
+    finally:
+        _admin_describe(stack, releases, served, card)
+    assert consumer.dpmerge("verify", alias).returncode == 0
+
+    # G: the alias moved to policy planted's signed release (revoked since: it merged the
+    # quarantined candidate, as row J's did)
+    moved = max(
+        (v for v in client.search_model_versions(f"name='{releases}'")
+         if v.tags.get("dp.policy") == "planted"),
+        key=lambda v: int(v.version),
+    ).version  # fmt: skip
+    client.set_registered_model_alias(releases, "policy-forged", moved)
+    try:
+        refused = consumer.dpmerge("verify", alias)
+        line = one_line(refused)
+        assert refused.returncode == 2 and f"the alias serves v{moved} but the workflow's" in line
+        assert f"names v{served} (policy 'forged'" in line
+    finally:
+        client.set_registered_model_alias(releases, "policy-forged", served)
+
+    # A: the copy's source is the candidate's version (MLflow's copy: its logged model's files)
+    original = client.get_model_version(releases, served)
+    copy = client.create_model_version(
+        releases,
+        source=f"models:/{other.model}/{other.version}",
+        tags=dict(original.tags),
+        description=original.description,
+    )
+    copied = str(copy.version)
+    client.set_model_version_tag(releases, served, "dp.status", "failed")
+    code, outcome = _set(operator, "forged", "--rerun")
+    reasons = outcome.get("reasons", [])
+    assert code == 2 and outcome["status"] == "refused", outcome
+    assert (outcome["version"], outcome["reused"]) == (copied, True), outcome
+    assert "reads its files from" in reasons[0] and "signed manifest" in reasons[0], reasons
+    assert _aliases(stack)["policy-forged"] == served
+    refused = consumer.dpmerge("verify", f"models:/{releases}/{copied}")
+    assert refused.returncode == 2 and "reads its files from" in one_line(refused)
+    client.set_model_version_tag(releases, copied, "dp.status", "failed")
+    client.set_model_version_tag(releases, served, "dp.status", "ready")
+
+    # E, C, D: the operator's own S3 key writes requests only, and malformed ones (a bad
+    # quarantine key, a key of another shape, a 200,000-deep array) are each one recorded
+    # rejection naming the field; the policy then runs as before
+    own = _role_s3(stack, StackRole.OPERATOR)
+    state = stack.config.state_bucket
+    evil = f"quarantine/{other.model}/evil.json"
+    with pytest.raises(ClientError, match="AccessDenied"):
+        own.put_object(Bucket=state, Key=evil, Body=b"{}")
+    deep = b"[" * 200_000 + b"]" * 200_000
+    malformed = {
+        f"inbox/{evil}": (b'{"model": [[[]]]}', "key"),
+        "inbox/policies/%2E%2E/x/y.json": (b"{}", "key"),
+        "inbox/policies/forged/20261206T000000Z-00000000000000aa.json": (deep, "body"),
+    }
+    for key, (body, _) in malformed.items():
+        own.put_object(Bucket=state, Key=key, Body=body)
+    store = Workspace.from_env().state()
+    for key, (_, field) in malformed.items():
+        handled = inbox.wait(store, key, timeout_s=120)
+        assert handled["status"] == "rejected" and handled["rejected"]["field"] == field, handled
+
+    # K: refused by `policy set` before anything is stored
+    history = operator.dpmerge("policy", "history", "forged", "--json")
+    for bad in (("--delta", "0.5"), ("--target-epsilon", "1_0")):
+        done = operator.dpmerge("policy", "set", "--name", "forged", *bad)
+        assert done.returncode == 2 and one_line(done), done.stdout + done.stderr
+    assert operator.dpmerge("policy", "history", "forged", "--json").stdout == history.stdout
+
+    code, outcome = _set(operator, "forged", "--rerun")
+    assert code == 0 and outcome["status"] == "unchanged", outcome
+    assert outcome["version"] == served and _aliases(stack)["policy-forged"] == served
+    assert consumer.dpmerge("verify", alias).returncode == 0
 
 
 FACTORY = """import math
