@@ -499,7 +499,7 @@ def _admin_describe(stack: PolicyStack, model: str, version: str, description: s
 def test_the_insider_rows_replayed_with_each_roles_own_credentials(
     stack: PolicyStack, operator: Shell, consumer: Shell, tmp_path: Path
 ) -> None:
-    """Issue 28's rows J, H, F, G, A, E, C, D and K on the live stack, each write made with
+    """Issue 28's rows J, H, F, G, A, E, C, D, K and I on the live stack, each write made with
     the credential the row names (the workflow's MLflow login, never its key; the operator's S3
     key and shell; the consumer's shell), each answered as docs/stack.md's table says, and the
     served release verified again after each:
@@ -516,7 +516,9 @@ def test_the_insider_rows_replayed_with_each_roles_own_credentials(
     * E, C, D: the operator's write under ``quarantine/`` is denied; a malformed quarantine
       request, a request key of another shape and a 200,000-deep array in its inbox are each
       one recorded rejection naming the field, after which the policy runs as before;
-    * K: ``policy set --delta 0.5`` and ``--target-epsilon 1_0`` are refused before storing."""
+    * K: ``policy set --delta 0.5`` and ``--target-epsilon 1_0`` are refused before storing;
+    * I: the served weights swapped by the store's admin: the rerun is refused and revokes;
+      once they are restored the next rerun serves the release again."""
     alias, releases, client = "@policy-forged", stack.releases_model, _mlflow(stack)
     served = _aliases(stack)["policy-forged"]
     assert consumer.dpmerge("verify", alias).returncode == 0
@@ -530,21 +532,20 @@ def test_the_insider_rows_replayed_with_each_roles_own_credentials(
     target = tmp_path / "served"
     done = consumer.dpmerge("verify", alias, "--download", str(target))
     assert done.returncode == 0 and f"mlflow models serve -m {target} " in done.stdout, done.stderr
-    key = _artifact_keys(stack, releases, served)["weights.safetensors"]
+    served_weights = _artifact_keys(stack, releases, served)["weights.safetensors"]
     s3, bucket = _admin_s3(stack), stack.config.bucket
-    genuine = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    genuine = s3.get_object(Bucket=bucket, Key=served_weights)["Body"].read()
     (weights,) = list(target.rglob("weights.safetensors"))
     assert weights.read_bytes() == genuine
     other = stack.candidates[1]
     swapped = _artifact_keys(stack, other.model, other.version)["weights.safetensors"]
-    s3.put_object(
-        Bucket=bucket, Key=key, Body=s3.get_object(Bucket=bucket, Key=swapped)["Body"].read()
-    )
+    candidate_weights = s3.get_object(Bucket=bucket, Key=swapped)["Body"].read()
+    s3.put_object(Bucket=bucket, Key=served_weights, Body=candidate_weights)
     try:
         assert weights.read_bytes() == genuine
         assert consumer.dpmerge("verify", alias).returncode == 2
     finally:
-        s3.put_object(Bucket=bucket, Key=key, Body=genuine)
+        s3.put_object(Bucket=bucket, Key=served_weights, Body=genuine)
 
     # F: the workflow's login may not edit a version at all (not on its allow-list); MLflow's
     # admin may, and the consumer's verify then refuses the card it reads
@@ -629,6 +630,21 @@ def test_the_insider_rows_replayed_with_each_roles_own_credentials(
     code, outcome = _set(operator, "forged", "--rerun")
     assert code == 0 and outcome["status"] == "unchanged", outcome
     assert outcome["version"] == served and _aliases(stack)["policy-forged"] == served
+    assert consumer.dpmerge("verify", alias).returncode == 0
+
+    # I: the served weights swapped by the store's admin, then a rerun: never "unchanged"
+    s3.put_object(Bucket=bucket, Key=served_weights, Body=candidate_weights)
+    try:
+        code, outcome = _set(operator, "forged", "--rerun")
+    finally:
+        s3.put_object(Bucket=bucket, Key=served_weights, Body=genuine)
+    assert code == 2 and outcome["status"] == "refused", outcome
+    assert (outcome["revoked_version"], outcome["serving"]) == (served, "revoked"), outcome
+    assert "weights.safetensors" in outcome["reasons"][0], outcome
+    assert "policy-forged" not in _aliases(stack)
+    assert consumer.dpmerge("verify", alias).returncode == 2
+    code, outcome = _set(operator, "forged", "--rerun")  # restored: served again
+    assert code == 0 and outcome["status"] == "promoted", outcome
     assert consumer.dpmerge("verify", alias).returncode == 0
 
 
