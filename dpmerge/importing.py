@@ -16,6 +16,8 @@ the workflow key, signs the attestation (record, weights digest and attester, HM
 the person or system that vouches for the profile in the record's ``attested_by``. A batch
 lineage the profile does not give is ``unknown:<dataset>``: every such DP-SGD import of one
 dataset shares it and so forms one shared-batch release unit (docs/design.md#release-units).
+An initialisation the profile does not state is the import's own: LC never averages its weights
+with another candidate's (:func:`~dpmerge.accounting.weights.initialisation_conflict`).
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ _PROFILE_FIELDS = {
         | {"expected_batch_size", "optimizer", "sampling", "neighbouring"}
         | {"noise_lineage", "batch_lineage", "initialisation"}
     ),
-    ProfileKind.RDP: frozenset({"orders", "epsilons"}),
-    ProfileKind.EPSILON_DELTA: frozenset({"epsilons", "deltas"}),
+    ProfileKind.RDP: frozenset({"orders", "epsilons", "initialisation"}),
+    ProfileKind.EPSILON_DELTA: frozenset({"epsilons", "deltas", "initialisation"}),
 }
 _PROFILE_FIELDS[ProfileKind.OPACUS] = _PROFILE_FIELDS[ProfileKind.RECORD] - {
     "noise_multiplier",
@@ -209,10 +211,11 @@ def profile_candidate(
     path = Path(profile_path)
     kind, fields = _profile_document(path)
     common = {"name": name, "dataset": data.fingerprint, "attested_by": attested_by}
+    stated = {"initialisation": fields["initialisation"]} if "initialisation" in fields else {}
     if kind == ProfileKind.RDP:
-        return kind, rdp_label(fields, **common)
+        return kind, rdp_label(fields, **common, **stated)
     if kind == ProfileKind.EPSILON_DELTA:
-        return kind, epsilon_delta_label(fields, **common)
+        return kind, epsilon_delta_label(fields, **common, **stated)
     if kind == ProfileKind.OPACUS:
         if weights.checkpoint is None:
             raise RecordError(f"{path}: an 'opacus' profile needs an Opacus checkpoint's weights")

@@ -22,6 +22,7 @@ from scipy import optimize
 from dpmerge.accounting.account import account
 from dpmerge.accounting.ledger import cumulative_bound, release_for
 from dpmerge.accounting.records import MechanismRecord, PrivacyLabel
+from dpmerge.accounting.weights import initialisation_conflict
 from dpmerge.cli import main
 from dpmerge.data import load_dataset
 from dpmerge.errors import RecordError, RefusalError
@@ -188,6 +189,23 @@ def test_each_weights_format_and_profile_kind(tmp_path, data, spec, suffix, prof
         assert (loaded.record.epsilon, loaded.record.delta) == (1.5, 1e-7)
     if kind == ProfileKind.RDP:
         assert loaded.record.rdp_epsilons == tuple(RDP_PROFILE["epsilons"])
+
+
+@pytest.mark.parametrize("profile", [RECORD_PROFILE, RDP_PROFILE, EPS_DELTA_PROFILE])
+def test_a_profile_states_where_training_started_or_the_import_starts_from_its_own(
+    tmp_path, data, spec, profile
+) -> None:
+    path = tmp_path / "w.pt"
+    torch.save(_state_dict(spec), path)
+    silent = read_candidate_dir(_import(tmp_path, path, profile, data, spec, name="a").path)
+    assert silent.record.initialisation is None
+    stated = {**profile, "initialisation": "seed-0"}
+    said = read_candidate_dir(_import(tmp_path, path, stated, data, spec, name="b").path)
+    assert said.record.initialisation == "seed-0"
+    assert initialisation_conflict([silent.record, said.record]) is not None
+    with pytest.raises(RecordError, match="initialisation"):
+        _import(tmp_path, path, {**profile, "initialisation": 0}, data, spec, name="c")
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize(

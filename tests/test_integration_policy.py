@@ -716,6 +716,7 @@ def _opacus_import(folder: Path, data: Any) -> dict[str, str]:
     profile = {
         "profile": "opacus", "clip_norm": 1.0, "learning_rate": 0.5, "expected_batch_size": 64.0,
         "optimizer": "sgd", "sampling": "poisson", "neighbouring": "add_or_remove_one",
+        "initialisation": "seed-0",  # build_model's seed 0, where the deployment's runs start
     }  # fmt: skip
     (folder / "opacus-profile.json").write_text(json.dumps(profile))
     return {

@@ -49,7 +49,7 @@ def _label(where: str, **fields: Any) -> PrivacyLabel:
 
 
 def rdp_label(
-    curve: Mapping[str, Any], *, name: str, dataset: str, attested_by: str
+    curve: Mapping[str, Any], *, name: str, dataset: str, attested_by: str, **stated: Any
 ) -> PrivacyLabel:
     """The RDP label of ``{"orders": [...], "epsilons": [...]}``; a contradiction is refused."""
     where = f"RDP profile of {name!r}"
@@ -73,11 +73,12 @@ def rdp_label(
         rdp_orders=orders,
         rdp_epsilons=epsilons,
         attested_by=attested_by,
+        **stated,
     )
 
 
 def epsilon_delta_label(
-    curve: Mapping[str, Any], *, name: str, dataset: str, attested_by: str
+    curve: Mapping[str, Any], *, name: str, dataset: str, attested_by: str, **stated: Any
 ) -> PrivacyLabel:
     """The (ε, δ) label of ``{"epsilons": [...], "deltas": [...]}`` at its smallest δ."""
     where = f"ε(δ) profile of {name!r}"
@@ -98,5 +99,11 @@ def epsilon_delta_label(
             )
     delta, epsilon = ranked[0]
     return _label(
-        where, name=name, dataset=dataset, epsilon=epsilon, delta=delta, attested_by=attested_by
+        where,
+        name=name,
+        dataset=dataset,
+        epsilon=epsilon,
+        delta=delta,
+        attested_by=attested_by,
+        **stated,
     )

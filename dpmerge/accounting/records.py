@@ -175,6 +175,9 @@ class PrivacyLabel(_Frozen):
     rdp_orders: tuple[StrictFloat, ...] | None = Field(default=None, max_length=4096)
     rdp_epsilons: tuple[StrictFloat, ...] | None = Field(default=None, max_length=4096)
     neighbouring: Neighbouring = Neighbouring.ADD_OR_REMOVE_ONE
+    initialisation: StrictStr | None = Field(default=None, min_length=1, max_length=256)
+    """Where training started, as an imported profile states it: LC averages a label's weights
+    only with candidates that name the same start (docs/design.md#imported-candidates)."""
     attested_by: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     """Set on imported candidates only: who attested this label
     (docs/design.md#imported-candidates)."""

@@ -8,7 +8,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
-from dpmerge.accounting.records import MechanismRecord
+from dpmerge.accounting.records import MechanismRecord, PrivacyLabel
 from dpmerge.errors import RecordError
 
 SUM_TOLERANCE = 1e-9
@@ -93,15 +93,20 @@ def initialisation_conflict(members: Sequence[object]) -> str | None:
     different initialisations sit in different basins, and their average can be far worse than
     either (measured: 55 % for three independently initialised CNNs, 84 % each;
     docs/results.md). The rule is data-independent (it reads the records only), so calibration
-    may use it to choose. Records without an initialisation are not compared."""
-    seen = {
-        m.initialisation: m.name
-        for m in members
-        if isinstance(m, MechanismRecord) and m.initialisation is not None
-    }
-    if len(seen) <= 1:
+    may use it to choose. An imported candidate whose profile does not state its initialisation
+    starts from its own (docs/design.md#imported-candidates); other records without one are not
+    compared."""
+    starts: dict[str, str] = {}
+    for m in members:
+        if not isinstance(m, MechanismRecord | PrivacyLabel):
+            continue
+        if m.initialisation is not None:
+            starts[m.initialisation] = f"{m.name!r} ({m.initialisation})"
+        elif m.attested_by is not None:
+            starts[f"unstated:{m.name}"] = f"{m.name!r} (imported, initialisation not stated)"
+    if len(starts) <= 1:
         return None
-    names = ", ".join(f"{name!r} ({init})" for init, name in sorted(seen.items()))
+    names = ", ".join(starts[start] for start in sorted(starts))
     return (
         f"candidates start from different initialisations ({names}): their weights are not "
         "averaged (docs/design.md#sharp-edges)"

@@ -15,7 +15,7 @@ from dpmerge.accounting.calibration import calibrate
 from dpmerge.accounting.candidate import candidate_bound
 from dpmerge.accounting.generic_search import subset_weights
 from dpmerge.accounting.records import PrivacyLabel
-from dpmerge.accounting.weights import merged_noise_proxy
+from dpmerge.accounting.weights import initialisation_conflict, merged_noise_proxy
 from dpmerge.errors import InfeasibleTargetError, RecordError
 
 DELTA = 1e-5
@@ -228,6 +228,39 @@ def test_candidates_from_different_initialisations_are_never_averaged():
     assert any("different initialisations" in s for s in generic.search["skipped"])
     report = account(candidates, "lc", [0.4, 0.3, 0.3], DELTA)
     assert any("different initialisations" in n for n in report.notes)
+
+
+def test_an_import_that_does_not_state_its_initialisation_starts_from_its_own():
+    """An imported candidate whose profile names no initialisation is never averaged with
+    another candidate (docs/design.md#imported-candidates); naming the shared start lets LC
+    average it, a DP-SGD record and a label alike."""
+    own = [
+        make_record(f"a{s}", s, steps=300, sample_rate=0.01, batch=600.0, initialisation="seed-0")
+        for s in (0.9, 1.3)
+    ]
+    imported = make_record(
+        "imp1.1", 1.1, steps=300, sample_rate=0.01, batch=600.0, initialisation=None
+    )
+    imported = imported.model_copy(update={"attested_by": "Acme"})
+    top = 10 * max(epsilons([*own, imported]))
+    unstated = calibrate([*own, imported], "lc", top, DELTA)
+    assert unstated.weights[2] == 0.0 and all(w > 0 for w in unstated.weights[:2])
+    said = "'imp1.1' (imported, initialisation not stated)"
+    assert any(said in s for s in unstated.search["skipped"])
+    stated = imported.model_copy(update={"initialisation": "seed-0"})
+    assert all(w > 0 for w in calibrate([*own, stated], "lc", top, DELTA).weights)
+    stated_start = {"initialisation": "seed-0"}
+    twin = imported.model_copy(update={"name": "imp-twin"})  # two silent imports: two starts
+    assert initialisation_conflict([imported, twin]) is not None
+    assert initialisation_conflict([stated, twin.model_copy(update=stated_start)]) is None
+    label = PrivacyLabel(
+        name="pair", dataset=own[0].dataset, epsilon=0.5, delta=1e-7, attested_by="Acme"
+    )
+    conflict = initialisation_conflict([own[0], label])
+    assert conflict is not None and "'pair' (imported, initialisation not stated)" in conflict
+    assert initialisation_conflict([own[0], label.model_copy(update=stated_start)]) is None
+    legacy = make_record("old", 1.0, initialisation=None)  # not imported: not compared
+    assert legacy.initialisation is None and initialisation_conflict([own[0], legacy]) is None
 
 
 def test_checkpoints_of_one_run_are_averaged_at_the_cost_of_the_longest():
