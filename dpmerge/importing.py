@@ -210,12 +210,16 @@ def profile_candidate(
     """The candidate the profile describes, named ``name``, on ``data``'s training rows."""
     path = Path(profile_path)
     kind, fields = _profile_document(path)
-    common = {"name": name, "dataset": data.fingerprint, "attested_by": attested_by}
-    stated = {"initialisation": fields["initialisation"]} if "initialisation" in fields else {}
+    common = {
+        "name": name,
+        "dataset": data.fingerprint,
+        "attested_by": attested_by,
+        "initialisation": fields.get("initialisation"),
+    }
     if kind == ProfileKind.RDP:
-        return kind, rdp_label(fields, **common, **stated)
+        return kind, rdp_label(fields, **common)
     if kind == ProfileKind.EPSILON_DELTA:
-        return kind, epsilon_delta_label(fields, **common, **stated)
+        return kind, epsilon_delta_label(fields, **common)
     if kind == ProfileKind.OPACUS:
         if weights.checkpoint is None:
             raise RecordError(f"{path}: an 'opacus' profile needs an Opacus checkpoint's weights")

@@ -112,14 +112,19 @@ def _aliases(stack: PolicyStack) -> dict[str, str]:
     return {k: str(v) for k, v in model.aliases.items()}
 
 
-def _admin_s3(stack: PolicyStack) -> Any:
-    """The stack's own S3 identity: an attacker holding the artifact store's keys."""
+def _s3(stack: PolicyStack, role: StackRole | None = None) -> Any:
+    """An S3 client with the stack's own identity (an attacker holding the artifact store's
+    keys), or with ``role``'s own key (``dpmerge stack env --role``)."""
     config = stack.config.s3_config()
+    key_id, secret = config.access_key_id, config.secret_access_key
+    if role is not None:
+        env = stack.config.client_env(role)
+        key_id, secret = env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
     return boto3.client(
         "s3",
         endpoint_url=stack.config.s3_url,
-        aws_access_key_id=config.access_key_id,
-        aws_secret_access_key=config.secret_access_key,
+        aws_access_key_id=key_id,
+        aws_secret_access_key=secret,
         region_name=config.region,
     )
 
@@ -128,7 +133,7 @@ def _artifact_keys(stack: PolicyStack, model: str, version: str) -> dict[str, st
     """File name -> S3 key of a model version's ``extra_files`` (its weights, record, card)."""
     source = _mlflow(stack).get_model_version(model, version).source
     model_id = source.split("/models/")[1].split("/")[0]
-    listed = _admin_s3(stack).list_objects_v2(Bucket=stack.config.bucket, Prefix="mlartifacts/")
+    listed = _s3(stack).list_objects_v2(Bucket=stack.config.bucket, Prefix="mlartifacts/")
     return {
         o["Key"].rsplit("/", 1)[1]: o["Key"]
         for o in listed["Contents"]
@@ -148,7 +153,7 @@ def _card(stack: PolicyStack, version: str, releases: str | None = None) -> dict
     """The public privacy card a release (of ``releases``, default the digits releases) carries
     in the artifact store."""
     key = _artifact_keys(stack, releases or stack.releases_model, version)["privacy_card.json"]
-    body = _admin_s3(stack).get_object(Bucket=stack.config.bucket, Key=key)["Body"].read()
+    body = _s3(stack).get_object(Bucket=stack.config.bucket, Key=key)["Body"].read()
     return dict(json.loads(body))
 
 
@@ -197,7 +202,7 @@ def test_an_operator_sets_a_policy_and_the_release_is_served_counted_and_public(
     assert "drawn_index" not in public, "the RS draw is published"
     internal = {"dp.weights", "dp.parents", "dp.parent_model", "dp.candidates"} & set(mv.tags)
     assert not internal, f"internal facts as tags: {internal}"
-    audit = _admin_s3(stack).list_objects_v2(Bucket=stack.config.audit_bucket)["Contents"]
+    audit = _s3(stack).list_objects_v2(Bucket=stack.config.audit_bucket)["Contents"]
     draw, estimate = sorted((o["Key"] for o in audit), key=len)  # the RS draw, the DP estimate's
     assert estimate == draw.removesuffix(".json") + ACCURACY_SUFFIX + ".json", audit
     shown = operator.dpmerge("policy", "show", "int", "--json")
@@ -415,7 +420,7 @@ def test_a_forged_candidate_is_refused_until_the_operator_quarantines_it(
     the run is refused naming the repair; nothing is served; there is no ``registry sign`` to
     launder it; the operator's quarantine lets the policy run without it."""
     forged = stack.candidates[0]
-    s3, client = _admin_s3(stack), _mlflow(stack)
+    s3, client = _s3(stack), _mlflow(stack)
     keys = _artifact_keys(stack, forged.model, forged.version)
     for file, key in keys.items():
         (tmp_path / file).write_bytes(
@@ -458,7 +463,7 @@ def test_swapped_served_weights_are_refused_by_the_consumer(
     served = _artifact_keys(stack, stack.releases_model, version)["weights.safetensors"]
     candidate = stack.candidates[1]
     other = _artifact_keys(stack, candidate.model, candidate.version)["weights.safetensors"]
-    s3, bucket = _admin_s3(stack), stack.config.bucket
+    s3, bucket = _s3(stack), stack.config.bucket
     genuine = s3.get_object(Bucket=bucket, Key=served)["Body"].read()
     s3.put_object(
         Bucket=bucket, Key=served, Body=s3.get_object(Bucket=bucket, Key=other)["Body"].read()
@@ -470,18 +475,6 @@ def test_swapped_served_weights_are_refused_by_the_consumer(
     assert refused.returncode == 2 and "weights.safetensors" in one_line(refused)
     assert refused.stdout == ""
     assert consumer.dpmerge("verify", "@policy-forged").returncode == 0
-
-
-def _role_s3(stack: PolicyStack, role: StackRole) -> Any:
-    """An S3 client with ``role``'s own key (``dpmerge stack env --role``)."""
-    env = stack.config.client_env(role)
-    return boto3.client(
-        "s3",
-        endpoint_url=stack.config.s3_url,
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        region_name=stack.config.s3_config().region,
-    )
 
 
 def _admin_describe(stack: PolicyStack, model: str, version: str, description: str) -> None:
@@ -533,7 +526,7 @@ def test_the_insider_rows_replayed_with_each_roles_own_credentials(
     done = consumer.dpmerge("verify", alias, "--download", str(target))
     assert done.returncode == 0 and f"mlflow models serve -m {target} " in done.stdout, done.stderr
     served_weights = _artifact_keys(stack, releases, served)["weights.safetensors"]
-    s3, bucket = _admin_s3(stack), stack.config.bucket
+    s3, bucket = _s3(stack), stack.config.bucket
     genuine = s3.get_object(Bucket=bucket, Key=served_weights)["Body"].read()
     (weights,) = list(target.rglob("weights.safetensors"))
     assert weights.read_bytes() == genuine
@@ -603,7 +596,7 @@ def test_the_insider_rows_replayed_with_each_roles_own_credentials(
     # E, C, D: the operator's own S3 key writes requests only, and malformed ones (a bad
     # quarantine key, a key of another shape, a 200,000-deep array) are each one recorded
     # rejection naming the field; the policy then runs as before
-    own = _role_s3(stack, StackRole.OPERATOR)
+    own = _s3(stack, StackRole.OPERATOR)
     state = stack.config.state_bucket
     evil = f"quarantine/{other.model}/evil.json"
     with pytest.raises(ClientError, match="AccessDenied"):

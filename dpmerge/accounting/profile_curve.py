@@ -49,7 +49,12 @@ def _label(where: str, **fields: Any) -> PrivacyLabel:
 
 
 def rdp_label(
-    curve: Mapping[str, Any], *, name: str, dataset: str, attested_by: str, **stated: Any
+    curve: Mapping[str, Any],
+    *,
+    name: str,
+    dataset: str,
+    attested_by: str,
+    initialisation: str | None,
 ) -> PrivacyLabel:
     """The RDP label of ``{"orders": [...], "epsilons": [...]}``; a contradiction is refused."""
     where = f"RDP profile of {name!r}"
@@ -73,12 +78,17 @@ def rdp_label(
         rdp_orders=orders,
         rdp_epsilons=epsilons,
         attested_by=attested_by,
-        **stated,
+        initialisation=initialisation,
     )
 
 
 def epsilon_delta_label(
-    curve: Mapping[str, Any], *, name: str, dataset: str, attested_by: str, **stated: Any
+    curve: Mapping[str, Any],
+    *,
+    name: str,
+    dataset: str,
+    attested_by: str,
+    initialisation: str | None,
 ) -> PrivacyLabel:
     """The (ε, δ) label of ``{"epsilons": [...], "deltas": [...]}`` at its smallest δ."""
     where = f"ε(δ) profile of {name!r}"
@@ -105,5 +115,5 @@ def epsilon_delta_label(
         epsilon=epsilon,
         delta=delta,
         attested_by=attested_by,
-        **stated,
+        initialisation=initialisation,
     )
