@@ -155,15 +155,33 @@ def listeners(ports: list[int] | tuple[int, ...]) -> dict[int, set[int]]:
     return holders
 
 
+def ports_problem(pid: int, ports: list[int] | tuple[int, ...]) -> str | None:
+    """Which of ``ports`` is not listened on, or is listened on by a process other than
+    ``pid`` and its descendants (``None``: ``pid``'s own, every one)."""
+    own = descendants(pid)
+    for port, held in sorted(listeners(ports).items()):
+        if not held:
+            return f"nothing listens on port {port}"
+        others = sorted(held - own)
+        if others:
+            return f"port {port} is also held by {', '.join(map(_described, others))}"
+    return None
+
+
+def _described(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    return f"pid {pid} ({' '.join(a.decode(errors='replace') for a in argv if a)[:80]})"
+
+
 def owns_ports(pid: int | None, ports: list[int] | tuple[int, ...]) -> bool:
     """Whether every one of ``ports`` is listened on, and only by ``pid`` or its descendants:
     the service supervisord started answers there, not an orphan of an earlier one."""
     if pid is None or not alive(pid):
         return False
-    if not ports:
-        return True
-    own = descendants(pid)
-    return all(held and held <= own for held in listeners(ports).values())
+    return not ports or ports_problem(pid, ports) is None
 
 
 def end(pids: list[int], grace_s: float = TERM_GRACE_S) -> list[int]:

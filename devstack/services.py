@@ -32,7 +32,7 @@ from devstack import credentials as secrets_store
 from devstack import postgres
 from devstack.config import LOOPBACK, StackConfig, StackError, repo_root
 from devstack.credentials import Credentials
-from devstack.processes import owns_ports, started_at
+from devstack.processes import alive, owns_ports, ports_problem, started_at
 from devstack.roles import prefect_headers, role_env
 from devstack.worker_user import heartbeat_file, supervised_user, worker_dir, worker_key_file
 from dpmerge.environment import probe
@@ -73,6 +73,16 @@ class Service:
 
     def healthy(self, pid: int | None) -> bool:
         return pid is not None and owns_ports(pid, self.ports) and self.health(pid)
+
+    def unhealthy_because(self, pid: int | None) -> str:
+        """Why :meth:`healthy` is false for ``pid``, as far as the service can say."""
+        if pid is None or not alive(pid):
+            return "its process is not running"
+        held = ports_problem(pid, self.ports)
+        if held is not None:
+            return held
+        said = self.problem(pid) if self.problem is not None else None
+        return said or "it does not pass its health check"
 
 
 def executable(name: str) -> str:
@@ -144,12 +154,14 @@ def heartbeat_problem(
     return None
 
 
-def store_ready(config: StackConfig) -> bool:
-    """S3 answers, and SeaweedFS's master knows every volume its volume server loaded from disk.
-    ``/healthz`` alone is not enough: until the volume server's first heartbeat reaches the
-    master, reads fail with InternalError ("volume not found"; seen for 5 s after a restart)."""
-    if not probe(f"{config.s3_url}/healthz", timeout_s=HEALTH_TIMEOUT_S).ok:
-        return False
+def store_problem(config: StackConfig) -> str | None:
+    """Why S3 is not ready (``None``: ready): it answers, and SeaweedFS's master knows every
+    volume its volume server loaded from disk. ``/healthz`` alone is not enough: until the
+    volume server's first heartbeat reaches the master, reads fail with InternalError ("volume
+    not found"; seen for 5 s after a restart)."""
+    health = probe(f"{config.s3_url}/healthz", timeout_s=HEALTH_TIMEOUT_S)
+    if not health.ok:
+        return f"its S3 gateway does not answer /healthz ({health.error or health.status})"
     ports = config.store_flags
     loaded = probe(f"http://{LOOPBACK}:{ports['volume.port']}/status", timeout_s=HEALTH_TIMEOUT_S)
     topology = probe(
@@ -163,9 +175,17 @@ def store_ready(config: StackConfig) -> bool:
             for node in rack["DataNodes"] or []
         ]
         volumes = loaded.body["Volumes"] or []
-        return bool(nodes) and sum(n["Volumes"] for n in nodes) >= len(volumes)
+        known = sum(n["Volumes"] for n in nodes)
     except (TypeError, KeyError):
-        return False
+        return (
+            f"its master's topology ({topology.error or topology.status}) or volume server's "
+            f"status ({loaded.error or loaded.status}) is not readable"
+        )
+    if not nodes:
+        return "its master knows no volume server yet (no heartbeat)"
+    if known < len(volumes):
+        return f"its master knows {known} of the {len(volumes)} volumes loaded from disk"
+    return None
 
 
 def s3_config_file(config: StackConfig) -> Path:
@@ -225,11 +245,12 @@ def services(config: StackConfig) -> list[Service]:
             ),
             # the identities are those of -s3.config only: none from the environment
             env={"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""},
-            health=lambda _pid: store_ready(config),
+            health=lambda _pid: store_problem(config) is None,
+            problem=lambda _pid: store_problem(config),
             stage=0,
             ports=(config.s3_port, *config.store_flags.values()),
             url=config.s3_url,
-            start_timeout_s=60.0,
+            start_timeout_s=120.0,  # ready in 1–5 s even at 16 runnable processes per core
         ),
         *_database(config, creds),
         Service(

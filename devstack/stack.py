@@ -76,9 +76,11 @@ def _await_healthy(supervisor: Supervisor, service: Service) -> None:
                 f"{log_tail(log)}; log {log}"
             )
         time.sleep(POLL_S)
+    info = supervisor.info(service.name)
     raise ServiceStartError(
-        f"{service.name} not healthy after {service.start_timeout_s:.0f} s (on a loaded machine, "
-        f"run `dpmerge stack up` again); last log line: {log_tail(log)}; log {log}"
+        f"{service.name} not healthy after {service.start_timeout_s:.0f} s ({info.state}: "
+        f"{service.unhealthy_because(info.pid)}; on a loaded machine, run `dpmerge stack up` "
+        f"again); last log line: {log_tail(log)}; log {log}"
     )
 
 
@@ -199,9 +201,7 @@ def status(config: StackConfig) -> list[ServiceStatus]:
             running = info.state in ("RUNNING", "STARTING")
             own = processes.descendants(info.pid) if info.pid else set()
             healthy = running and service.healthy(info.pid)
-            reason = None
-            if running and not healthy and info.pid and service.problem is not None:
-                reason = service.problem(info.pid)
+            reason = service.unhealthy_because(info.pid) if running and not healthy else None
             result.append(
                 ServiceStatus(
                     name=service.name,

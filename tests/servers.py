@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import pytest
 
 import devstack
 from devstack import credentials
+from devstack.config import ServiceStartError
 from dpmerge.keys import KEY_ENV
 from dpmerge.vocabulary import StackRole
 
@@ -99,12 +101,24 @@ def running_stack(
 ) -> Iterator[devstack.StackConfig]:
     """Start a stack on free ports and stop it (workers first) on exit, even after a failure.
     supervisord starts without this process's ``$DPMERGE_SECRET_KEY``, so the workers and the
-    dispatcher read the key from its file."""
+    dispatcher read the key from its file.
+
+    A service that started but did not turn healthy in time (:class:`ServiceStartError`)
+    gets what the error tells an operator to do, once: ``up`` again — here on new ports in a new
+    state directory, since this machine runs several test stacks at once — with a warning that
+    carries the first error and its reason, so the retry shows in the run's summary."""
     config = devstack.StackConfig.on_free_ports(state_dir, prefect=prefect, **fields)
     seed_secrets(config.state_dir)
     try:
         with without(KEY_ENV):
-            devstack.up(config)
+            try:
+                devstack.up(config)
+            except ServiceStartError as error:
+                warnings.warn(f"the test stack started again on new ports: {error}", stacklevel=1)
+                retry = state_dir.with_name(f"{state_dir.name}-again")
+                config = devstack.StackConfig.on_free_ports(retry, prefect=prefect, **fields)
+                seed_secrets(config.state_dir)
+                devstack.up(config)
         yield config
     finally:
         devstack.down(config)

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from servers import (
 
 import devstack
 from devstack import credentials, processes, store
+from devstack import services as stack_services
 from devstack.supervisor import Supervisor
 from dpmerge.cli import main as library_main
 from dpmerge.environment import probe
@@ -410,3 +412,58 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
             devstack.up(config)
     assert not any(s.running for s in devstack.status(config))
     assert not Supervisor(config).running()
+
+
+def test_an_unhealthy_service_says_why(tmp_path: Path) -> None:
+    """What ``up``'s timeout and ``stack status`` say of a service that is not healthy: no
+    process, a port nobody listens on, a port another process holds as well, and the store's
+    own check (nothing answers its S3 gateway here)."""
+    config = devstack.StackConfig.on_free_ports(tmp_path / "stack", prefect=False)
+    seed_secrets(config.state_dir)
+    (s3,) = [s for s in stack_services.services(config) if s.name == "s3"]
+    assert s3.unhealthy_because(None) == "its process is not running"
+    assert s3.unhealthy_because(os.getpid()) == f"nothing listens on port {min(s3.ports)}"
+    assert stack_services.store_problem(config).startswith(
+        "its S3 gateway does not answer /healthz ("
+    )
+
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", config.s3_port))
+            held.listen()
+            assert processes.ports_problem(os.getpid(), [config.s3_port]) is None
+            assert processes.ports_problem(other.pid, [config.s3_port]).startswith(
+                f"port {config.s3_port} is also held by pid {os.getpid()} ("
+            )
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_test_stack_that_did_not_turn_healthy_is_started_once_more_loudly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test fixtures' one retry (tests/servers.py): new ports and state, a warning that
+    carries the first error; a second failure is the test's error."""
+    tried: list[devstack.StackConfig] = []
+
+    def up(config: devstack.StackConfig) -> None:
+        tried.append(config)
+        if len(tried) != 2:
+            raise devstack.config.ServiceStartError("s3 not healthy after 120 s (…)")
+
+    monkeypatch.setattr(devstack, "up", up)
+    monkeypatch.setattr(devstack, "down", lambda config: [])
+    with (
+        pytest.warns(UserWarning, match=r"started again on new ports: s3 not healthy"),
+        running_stack(tmp_path / "stack", prefect=False) as config,
+    ):
+        assert config is tried[1] and config.state_dir == tmp_path / "stack-again"
+        assert config.ports != tried[0].ports
+    with (
+        pytest.raises(devstack.config.ServiceStartError),
+        pytest.warns(UserWarning),
+        running_stack(tmp_path / "other", prefect=False),
+    ):
+        pass
