@@ -64,6 +64,32 @@ def test_lc_merge_with_weights_prints_the_release(tmp_path, candidates, capsys) 
         "--out", tmp_path / "lc2",
     )  # fmt: skip
     assert code == 0 and "released LC merge of 2 candidates" in stdout and "λ: a=1, b=0" in stdout
+    assert "warning" not in stdout  # both start from seed-0
+
+
+def test_explicit_weights_across_initialisations_merge_and_say_so(tmp_path, capsys) -> None:
+    """``--weights`` is the user's choice, so it merges; the warning the card carries is
+    printed too (docs/design.md#sharp-edges)."""
+    inputs = [
+        save_model_dir(
+            tmp_path / name,
+            class_means_weights(1.0),
+            SPEC,
+            record=make_record(
+                name, 1.0, steps=50, sample_rate=0.05, batch=64.0, dataset=DIGITS.fingerprint,
+                initialisation=start,
+            ),
+        )
+        for name, start in [("a", "seed-0"), ("b", "seed-1")]
+    ]  # fmt: skip
+    code, stdout, _ = run(
+        capsys, "merge", "--inputs", *inputs, "--method", "lc", "--weights", "0.5,0.5",
+        "--out", tmp_path / "lc",
+    )  # fmt: skip
+    assert code == 0 and "released LC merge of 2 candidates" in stdout
+    assert (
+        "  warning: candidates start from different initialisations ('a' (seed-0), 'b' (seed-1))"
+    ) in stdout
 
 
 def test_calibrated_lc_merge_evaluates_on_the_test_split(tmp_path, candidates, capsys) -> None:

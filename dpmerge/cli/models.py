@@ -184,6 +184,8 @@ def _merge(args: argparse.Namespace) -> int:
             f"  calibrated to target ε = {calibration.target_epsilon:g} "
             f"(utility: {calibration.utility_kind})"
         )
+    for note in report.notes:  # what the card says beside ε: a warning is not left in a file
+        print(f"  {note}")
     if result.method != Method.LC:
         where = f"recorded in {args.audit_file}" if args.audit_file else "not recorded"
         drawn = "candidate" if result.method == Method.RS else "merge"
