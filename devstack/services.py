@@ -13,8 +13,9 @@ Healthy means answering *as itself*: every port of the service is listened on on
 process supervisord started or its descendants (:func:`devstack.processes.owns_ports`), and the
 service answers its health check; a worker's last heartbeat came after its process started; the
 dispatcher's heartbeat came after its process started and is at most
-:data:`DISPATCH_HEARTBEAT_PERIOD_S` old (alive means dispatching, not merely running), and
-``stack status`` says why when it is not (:attr:`Service.problem`).
+:data:`DISPATCH_HEARTBEAT_PERIOD_S` old (alive means dispatching, not merely running).
+``up``'s timeout and ``stack status`` say why a service is not healthy
+(:meth:`Service.unhealthy_because`: its process, its ports, then :attr:`Service.problem`).
 """
 
 from __future__ import annotations
