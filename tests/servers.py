@@ -115,7 +115,6 @@ def running_stack(
                 devstack.up(config)
             except ServiceStartError as error:
                 warnings.warn(f"the test stack started again on new ports: {error}", stacklevel=1)
-                devstack.down(config)  # the worker's directory and grants too, not only processes
                 retry = state_dir.with_name(f"{state_dir.name}-again")
                 config = devstack.StackConfig.on_free_ports(retry, prefect=prefect, **fields)
                 seed_secrets(config.state_dir)
