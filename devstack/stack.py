@@ -144,9 +144,10 @@ def up(config: StackConfig) -> list[ServiceStatus]:
             _after_stage(config, stage)
     except BaseException:
         _stop(supervisor, list(reversed(started)))
-        if started_supervisor:
+        if started_supervisor:  # nothing of this stack ran before: leave nothing, as `down`
             supervisor.shutdown()
             processes.end(processes.marked(config.state_dir))
+            worker_user.remove(config)
         raise
     return status(config)
 

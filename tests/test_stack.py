@@ -30,7 +30,7 @@ from servers import (
 )
 
 import devstack
-from devstack import credentials, processes, store
+from devstack import credentials, processes, store, worker_user
 from devstack import services as stack_services
 from devstack.supervisor import Supervisor
 from dpmerge.cli import main as library_main
@@ -401,7 +401,9 @@ def test_stack_is_not_a_library_command(capsys: Any) -> None:
 
 @pytest.mark.integration
 def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
-    config = devstack.StackConfig.on_free_ports(tmp_path / "stack", prefect=False)
+    """A failed ``up`` leaves nothing behind: no service, no supervisord, no worker directory
+    (its copy of the workflow key)."""
+    config = devstack.StackConfig.on_free_ports(tmp_path / "stack", prefect=True)
     seed_secrets(config.state_dir)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", config.store_ports[0]))
@@ -412,6 +414,7 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
             devstack.up(config)
     assert not any(s.running for s in devstack.status(config))
     assert not Supervisor(config).running()
+    assert not worker_user.worker_dir(config).exists()
 
 
 def test_an_unhealthy_service_says_why(tmp_path: Path) -> None:
