@@ -100,7 +100,7 @@ def test_record_is_what_ran(digits: DatasetSplits, mode: str) -> None:
 
 
 def test_logreg_defaults_to_the_linear_engine(digits: DatasetSplits) -> None:
-    assert config().mode == LINEAR_EXACT and config(model="cnn").mode == "vmap"
+    assert config().mode == LINEAR_EXACT and config(model="cnn").mode == "layers"
     assert config(model="cnn").model is ModelName.CNN and config(clip_norm=2).clip_norm == 2.0
     assert train_candidate(config(max_steps=2), digits).metrics["grad_sample_mode"] == LINEAR_EXACT
 
@@ -406,6 +406,59 @@ def test_vmap_and_layers_take_an_empty_poisson_batch(gradients: type) -> None:
     assert all(p.grad_sample.shape == (0, *p.shape) for p in model.parameters())
     optimizer.step()
     assert weights_equal(model.state_dict(), before)
+
+
+def _vector_group_norm() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(64, 12),
+        torch.nn.GroupNorm(3, 12),
+        torch.nn.Linear(12, 3),
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: build_model(ModelSpec("cnn", (1, 8, 8), 3), seed=5), _vector_group_norm],
+    ids=["cnn", "group-norm-on-vectors"],
+)
+def test_layers_per_example_gradients_equal_vmaps(make) -> None:
+    """Each example's gradient from ``layers`` (the batch as a convolution's groups and as a
+    group norm's channels) equals ``vmap``'s, parameter by parameter."""
+    generator = torch.Generator().manual_seed(2)
+    x, y = torch.randn(33, 1, 8, 8, generator=generator), torch.arange(33) % 3
+    model, loss = make(), torch.nn.CrossEntropyLoss()
+    PerExampleGradients(model, loss).compute(x, y)
+    expected = {name: p.grad_sample for name, p in model.named_parameters()}
+    LayerGradients(model, loss).compute(x, y)
+    for name, p in model.named_parameters():
+        assert p.grad_sample.shape == (33, *p.shape)
+        torch.testing.assert_close(p.grad_sample, expected[name], atol=1e-6, rtol=1e-5)
+
+
+def test_layers_group_norm_gradients_with_saved_or_recomputed_moments_equal_a_loop() -> None:
+    """A group norm's per-example affine gradients are the same whether its moments come from
+    the forward pass (autograd's saved ones) or are computed again, and equal a loop of
+    single-example backward passes."""
+    from dpmerge.training.engines.layers import _per_example
+
+    generator = torch.Generator().manual_seed(4)
+    norm = torch.nn.GroupNorm(2, 6)
+    torch.nn.init.normal_(norm.weight, generator=generator)
+    a = torch.randn(5, 6, 3, 4, generator=generator) * 3 + 1
+    g = torch.randn(5, 6, 3, 4, generator=generator)
+    out = norm(a.requires_grad_())
+    saved = (out.grad_fn._saved_result1, out.grad_fn._saved_result2)
+    _per_example(norm, a.detach(), g, saved)
+    from_forward = norm.weight.grad_sample, norm.bias.grad_sample
+    _per_example(norm, a.detach(), g)
+    recomputed = norm.weight.grad_sample, norm.bias.grad_sample
+    for b in range(5):
+        norm.zero_grad()
+        norm(a[b : b + 1].detach()).backward(g[b : b + 1])
+        for got in (from_forward, recomputed):
+            torch.testing.assert_close(got[0][b], norm.weight.grad, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got[1][b], norm.bias.grad, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -31,17 +31,16 @@ OPACUS_MODES = tuple(mode for mode in GradSampleMode if mode != LINEAR_EXACT)
 GRAD_SAMPLE_MODES = tuple(GradSampleMode)
 DEFAULT_GRAD_SAMPLE_MODE = {
     ModelName.LOGREG: LINEAR_EXACT,
-    ModelName.CNN: GradSampleMode.VMAP,
+    ModelName.CNN: GradSampleMode.LAYERS,
     ModelName.RESNET18_GN: GradSampleMode.HOOKS,
     ModelName.TRANSFORMERS: GradSampleMode.HOOKS,
 }
 """Fastest exact mode per model, measured with every mode in one run (``bench_training.py``;
-docs/training.md, "Throughput"; docs/results.md §6). ``cnn``: ``vmap`` (one batched backward
-pass, no parameter ``.grad`` beside the per-example gradients; 0.78 of non-private against
-0.54 for ``hooks`` and 0.51 for ``ghost``, whose conv and GroupNorm layers have no ghost norm
-sampler; ``layers`` was not faster, docs/results.md §6.2). ``resnet18_gn``: ``hooks``
-(docs/training.md, "Throughput"). ``transformers``: ``hooks``, which supports LoRA's linear
-layers (docs/design.md#fine-tuning; not benchmarked)."""
+docs/training.md, "Throughput"; docs/results.md §6). ``cnn``: ``layers`` (one batched backward
+pass to the layers' outputs, then each layer's per-example gradients as one batched operation;
+0.78 of non-private against 0.63 for ``vmap`` on a quiet machine, docs/results.md §6.2).
+``resnet18_gn``: ``hooks`` (docs/training.md, "Throughput"). ``transformers``: ``hooks``, which
+supports LoRA's linear layers (docs/design.md#fine-tuning; not benchmarked)."""
 DEFAULT_LEARNING_RATE = {
     ModelName.LOGREG: 2.0,
     ModelName.CNN: 1.0,

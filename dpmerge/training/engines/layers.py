@@ -8,9 +8,10 @@ outputs, so no parameter ``.grad`` is computed) gives each example's gradient at
 output. Each parameter's per-example gradient is then the layer's own closed form:
 
 * ``Linear``: ``g_b aᵀ_b`` (bias ``g_b``);
-* ``Conv2d``: ``g_b`` against the unfolded input patches (bias ``g_b`` summed over positions);
-* ``GroupNorm``: ``g_b`` times the normalised input, summed over positions (bias ``g_b``
-  summed).
+* ``Conv2d``: the weight gradient of one convolution with the batch as its groups, whose group
+  ``b`` maps example ``b``'s input to its output (bias ``g_b`` summed over positions);
+* ``GroupNorm``: the affine gradients of one group norm with the batch as its channels
+  (one example of B·C channels in B·G groups), whose channel ``(b, c)`` is example ``b``'s.
 
 Layers without parameters (pooling, activations) run batched in both passes, unlike ``vmap``,
 where ``torch.func`` batches max-pool's and GroupNorm's backward element by element
@@ -21,7 +22,6 @@ tensors set here, exactly as those of its other modes.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpmerge.training.config import TrainingConfigError
@@ -64,6 +64,7 @@ class LayerGradients:
             return torch.tensor(float("nan"))
         inputs: dict[nn.Module, torch.Tensor] = {}
         outputs: dict[nn.Module, torch.Tensor] = {}
+        moments: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def keep(layer: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
             if layer in outputs:
@@ -71,6 +72,9 @@ class LayerGradients:
                     "grad_sample_mode 'layers' supports models that call each layer once"
                 )
             inputs[layer], outputs[layer] = args[0].detach(), out
+            saved = out.grad_fn  # a group norm's moments, read before the backward frees them
+            if type(saved).__name__ == "NativeGroupNormBackward0":
+                moments[layer] = (saved._saved_result1, saved._saved_result2)
 
         handles = [layer.register_forward_hook(keep) for layer in self.layers]
         try:
@@ -81,26 +85,58 @@ class LayerGradients:
         # Σ_b loss_b: each example's gradient at a layer's output is its own loss's gradient.
         backprops = torch.autograd.grad(mean * len(y), [outputs[layer] for layer in self.layers])
         for layer, g in zip(self.layers, backprops, strict=True):
-            _per_example(layer, inputs[layer], g.detach())
+            _per_example(layer, inputs[layer], g.detach(), moments.get(layer))
         return mean.detach()
 
 
-def _per_example(layer: nn.Module, a: torch.Tensor, g: torch.Tensor) -> None:
+def _per_example(
+    layer: nn.Module,
+    a: torch.Tensor,
+    g: torch.Tensor,
+    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Set ``grad_sample`` of ``layer``'s parameters from its input ``a`` and the per-example
-    gradients ``g`` at its output."""
+    gradients ``g`` at its output; for a ``GroupNorm``, ``moments`` are the mean and reciprocal
+    standard deviation of each example's groups as its forward pass computed them (autograd's
+    documented ``_saved_`` attributes of ``NativeGroupNormBackward0``), computed again if
+    ``None``."""
     if isinstance(layer, nn.Linear):
         weight = torch.einsum("b...o,b...i->boi", g, a)
         bias = g.flatten(1, -2).sum(1) if g.dim() > 2 else g
     elif isinstance(layer, nn.Conv2d):
-        patches = F.unfold(a, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
-        g = g.flatten(2)
-        weight = torch.einsum("bol,bkl->bok", g, patches).view(len(a), *layer.weight.shape)
-        bias = g.sum(2)
+        # The batch as groups: example b's input channels feed only its own output channels, so
+        # this grouped convolution's weight gradient holds each example's weight gradient.
+        n, shape = len(a), layer.weight.shape
+        weight = torch.nn.grad.conv2d_weight(
+            a.reshape(1, n * a.shape[1], *a.shape[2:]),
+            (n * shape[0], *shape[1:]),
+            g.reshape(1, n * g.shape[1], *g.shape[2:]),
+            layer.stride,
+            layer.padding,
+            layer.dilation,
+            groups=n,
+        ).view(n, *shape)
+        bias = g.sum((2, 3))
     else:
-        normalised = F.group_norm(a, layer.num_groups, eps=layer.eps).flatten(2)
-        g = g.flatten(2)
-        weight = torch.einsum("bcl,bcl->bc", normalised, g)
-        bias = g.sum(2)
+        # The batch as channels: one example of B·C channels in B·G groups is normalised over
+        # exactly the batch's groups, and its per-channel affine gradients are each example's.
+        n, channels, groups = len(a), a.shape[1], len(a) * layer.num_groups
+        flat = a.reshape(1, n * channels, -1)
+        size = (1, n * channels, flat.shape[2], groups)
+        if moments is None:
+            _, mean, rstd = torch.native_group_norm(flat, None, None, *size, layer.eps)
+        else:
+            mean, rstd = (m.reshape(1, groups) for m in moments)
+        _, weight, bias = torch.ops.aten.native_group_norm_backward(
+            g.reshape(flat.shape),
+            flat,
+            mean,
+            rstd,
+            layer.weight.detach().repeat(n),
+            *size,
+            [False, True, True],
+        )
+        weight, bias = weight.view(n, channels), bias.view(n, channels)
     layer.weight.grad_sample = weight
     if layer.bias is not None:
         layer.bias.grad_sample = bias
