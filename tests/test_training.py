@@ -436,6 +436,24 @@ def test_layers_per_example_gradients_equal_vmaps(make) -> None:
         torch.testing.assert_close(p.grad_sample, expected[name], atol=1e-6, rtol=1e-5)
 
 
+def test_layers_writes_a_linear_layers_gradients_into_the_same_memory_and_stays_exact() -> None:
+    """Each step's per-example weight gradients of a ``Linear`` layer on vectors go into one
+    buffer (fresh memory each step cost page faults, docs/results.md §6.2), grown for a larger
+    Poisson batch; every step's gradients still equal ``vmap``'s."""
+    model, loss = _vector_group_norm(), torch.nn.CrossEntropyLoss()
+    layers, reference = LayerGradients(model, loss), PerExampleGradients(model, loss)
+    generator, where = torch.Generator().manual_seed(6), []
+    for n in (8, 9, 5, 12):
+        x, y = torch.randn(n, 1, 8, 8, generator=generator), torch.arange(n) % 3
+        reference.compute(x, y)
+        expected = {name: p.grad_sample for name, p in model.named_parameters()}
+        layers.compute(x, y)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad_sample, expected[name], atol=1e-6, rtol=1e-5)
+        where.append(model[1].weight.grad_sample.data_ptr())
+    assert where[0] == where[1] == where[2] != where[3]  # 9 rows fit beside 8; 12 do not
+
+
 def test_layers_group_norm_gradients_with_saved_or_recomputed_moments_equal_a_loop() -> None:
     """A group norm's per-example affine gradients are the same whether its moments come from
     the forward pass (autograd's saved ones) or are computed again, and equal a loop of

@@ -36,6 +36,7 @@ class LayerGradients:
 
     def __init__(self, module: nn.Module, loss: nn.Module) -> None:
         self.module, self.loss = module, loss
+        self._reused: dict[nn.Module, torch.Tensor] = {}
         self.layers = [
             layer
             for layer in module.modules()
@@ -85,8 +86,28 @@ class LayerGradients:
         # Σ_b loss_b: each example's gradient at a layer's output is its own loss's gradient.
         backprops = torch.autograd.grad(mean * len(y), [outputs[layer] for layer in self.layers])
         for layer, g in zip(self.layers, backprops, strict=True):
-            _per_example(layer, inputs[layer], g.detach(), moments.get(layer))
+            a, g = inputs[layer], g.detach()
+            _per_example(layer, a, g, moments.get(layer), self._outer_products(layer, a, g))
         return mean.detach()
+
+    def _outer_products(
+        self, layer: nn.Module, a: torch.Tensor, g: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Where a ``Linear`` layer's per-example weight gradients go: the same memory every
+        step for a layer on vectors (its B × out × in floats are the largest a step writes, and
+        fresh memory each step costs page faults, docs/results.md §6.2), none for others. Each
+        step's tensors are read (clipped and summed by Opacus) before the next step writes."""
+        if not isinstance(layer, nn.Linear) or g.dim() != 2:
+            return None
+        buffer = self._reused.get(layer)
+        if (
+            buffer is None
+            or len(buffer) < len(g)
+            or (buffer.device, buffer.dtype) != (g.device, g.dtype)
+        ):
+            shape = (len(g) + len(g) // 8, g.shape[1], a.shape[1])  # room for the Poisson batch
+            buffer = self._reused[layer] = g.new_empty(shape)
+        return buffer[: len(g)]
 
 
 def _per_example(
@@ -94,13 +115,17 @@ def _per_example(
     a: torch.Tensor,
     g: torch.Tensor,
     moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> None:
     """Set ``grad_sample`` of ``layer``'s parameters from its input ``a`` and the per-example
     gradients ``g`` at its output; for a ``GroupNorm``, ``moments`` are the mean and reciprocal
     standard deviation of each example's groups as its forward pass computed them (autograd's
     documented ``_saved_`` attributes of ``NativeGroupNormBackward0``), computed again if
-    ``None``."""
-    if isinstance(layer, nn.Linear):
+    ``None``; ``out``, if given, receives a ``Linear`` layer's per-example weight gradients."""
+    if isinstance(layer, nn.Linear) and out is not None:
+        weight = torch.mul(g[:, :, None], a[:, None, :], out=out)
+        bias = g
+    elif isinstance(layer, nn.Linear):
         weight = torch.einsum("b...o,b...i->boi", g, a)
         bias = g.flatten(1, -2).sum(1) if g.dim() > 2 else g
     elif isinstance(layer, nn.Conv2d):
