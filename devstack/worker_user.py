@@ -38,6 +38,8 @@ from dpmerge.findings import Finding
 from dpmerge.vocabulary import FindingKind
 
 REACH_TIMEOUT_S = 120.0
+ACCOUNT_LOCK = "worker-user.lock"
+"""The host lock (:func:`devstack.grants.host_lock`) under which ``up`` creates the user."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,22 @@ def _account(config: StackConfig) -> WorkerAccount:
     except KeyError:
         if name != WORKER_USER:
             raise StackError(f"worker user {name!r} does not exist; create it first") from None
+        entry = _create(name)
+    if entry.pw_uid == 0:
+        raise StackError(f"worker user {name!r} is root: the workers must not run as root")
+    return WorkerAccount(name, entry.pw_uid, entry.pw_gid)
+
+
+def _create(name: str) -> pwd.struct_passwd:
+    """The user ``name``, created by one ``up`` at a time on this host. Concurrent ``useradd``
+    runs (three stacks starting at once on a fresh machine) each reported success and left the
+    user with a uid other than the one some of them had read: those stacks' worker directories
+    belonged to no process they ran, and every worker start failed on Permission denied."""
+    with grants.host_lock(ACCOUNT_LOCK):
+        try:
+            return pwd.getpwnam(name)  # made by another ``up`` while this one waited
+        except KeyError:
+            pass
         made = subprocess.run(
             ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
             capture_output=True,
@@ -84,10 +102,7 @@ def _account(config: StackConfig) -> WorkerAccount:
         )
         if made.returncode != 0:
             raise StackError(f"useradd {name} failed: {made.stderr.strip()}") from None
-        entry = pwd.getpwnam(name)
-    if entry.pw_uid == 0:
-        raise StackError(f"worker user {name!r} is root: the workers must not run as root")
-    return WorkerAccount(name, entry.pw_uid, entry.pw_gid)
+        return pwd.getpwnam(name)
 
 
 def _own_dir(path: Path, account: WorkerAccount) -> None:

@@ -11,6 +11,8 @@ import pwd
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,48 @@ def test_a_grant_two_stacks_need_stays_until_the_last_is_down(
     grants.revoke(tmp_path / "two")
     assert _read_as(account.uid, code) != 0
     assert _acl(private) == before
+
+
+def test_stacks_starting_at_once_create_the_worker_user_once(
+    tmp_path: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue (CI on a fresh machine): three stacks started at once, each ran ``useradd``, each
+    was told it succeeded, and the user ended with a uid other than the one one stack had read;
+    that stack's worker directory belonged to nobody it ran, and every worker start failed on
+    Permission denied. Now one ``up`` creates the user and the others read what it made."""
+    made: dict[str, pwd.struct_passwd] = {}
+    running: list[int] = []
+    calls: list[tuple[list[str], int]] = []
+
+    def getpwnam(name: str) -> pwd.struct_passwd:
+        if name not in made:
+            raise KeyError(name)
+        return made[name]
+
+    def useradd(argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        running.append(1)
+        calls.append((argv, len(running)))
+        time.sleep(0.3)  # long enough for every thread to reach its own useradd
+        made[argv[-1]] = pwd.struct_passwd((argv[-1], "x", 4242, 4242, "", "/", "/bin/false"))
+        running.pop()
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(worker_user.pwd, "getpwnam", getpwnam)
+    monkeypatch.setattr(worker_user.subprocess, "run", useradd)
+    config = StackConfig(state_dir=tmp_path)
+    accounts: list[worker_user.WorkerAccount] = []
+    threads = [
+        threading.Thread(target=lambda: accounts.append(worker_user._account(config)))
+        for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [argv[0] for argv, _ in calls] == ["useradd"]
+    assert [at_once for _, at_once in calls] == [1]
+    assert accounts == [worker_user.WorkerAccount(WORKER_USER, 4242, 4242)] * 3
+    assert (ledger.parent / worker_user.ACCOUNT_LOCK).exists()  # beside the ledger, root's
 
 
 def test_an_interpreter_out_of_reach_is_one_line_not_a_traceback(
