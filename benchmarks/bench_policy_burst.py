@@ -7,8 +7,9 @@ Run: ``.venv/bin/python benchmarks/bench_policy_burst.py [--versions 200] [--pol
 It starts a stack on free ports (PostgreSQL; its dispatcher and cpu/gpu workers), deploys
 ``merge-on-policy``, trains and registers five logistic-regression candidates here, then stores
 the versions from ``--writers`` threads through the operator role's store (the policy-set code
-path: ``dpmerge.state.policies.set_policy``; targets drawn from ``--targets``), and waits until
-every version is accounted for. It prints: versions stored and how long that took, versions
+path on a stack: a request in the operator's inbox, recorded as the next version by the
+dispatcher, ``dpmerge.state.inbox``; targets drawn from ``--targets``), and waits until every
+version is accounted for. It prints: versions stored and how long that took, versions
 lost (neither dispatched nor recorded superseded), runs created and their final states, failed
 runs, the drain time (first version stored → last outcome recorded), whether each policy's
 alias (its serving pointer and the MLflow alias) ends on its last version's release, the
@@ -89,7 +90,7 @@ def burst(args: argparse.Namespace, config: Any, dataset: str, releases: str) ->
 
     def write(name: str) -> list[int]:
         return [
-            store_version(operator, name, policy_fields(dataset, t, DELTA)).version
+            store_version(operator, name, policy_fields(dataset, t, DELTA))
             for n, t in plan
             if n == name
         ]

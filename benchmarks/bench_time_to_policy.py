@@ -1,5 +1,5 @@
-"""Time-to-policy: from a stored policy version to its policy's alias serving the version's
-release, at the machine's own load and with a heavy test subset running beside it; beside
+"""Time-to-policy: from an operator's policy change to its policy's alias serving the new
+version's release, at the machine's own load and with a heavy test subset running beside it; beside
 retraining the same model at a target.
 
 Run: ``.venv/bin/python benchmarks/bench_time_to_policy.py [--changes 20]
@@ -8,8 +8,9 @@ Run: ``.venv/bin/python benchmarks/bench_time_to_policy.py [--changes 20]
 It starts its own stack on free loopback ports (PostgreSQL; the dispatcher polling every
 0.5 s, workers every 0.5 s), deploys ``merge-on-policy`` and ``train-candidate-gpu``, trains
 and registers five logistic-regression candidates here and primes the merge caches as the
-train-candidates flow does. Then, per phase, it stores one version of the policy ``ttp`` at a
-time as the operator role does (``dpmerge policy set``'s code path; ε* runs through
+train-candidates flow does. Then, per phase, it changes the policy ``ttp`` one version at a
+time as the operator role does (``dpmerge policy set``'s code path on a stack: a request in the
+operator's inbox, which the dispatcher records as the next version; ε* runs through
 ``--targets``, each pass 1.1 % lower than the one before, so every version is a new target and
 its run merges and registers a new release) and polls every 0.25 s (each poll reads the
 store: a time is at most that much late) until the serving pointer records that version and
@@ -17,7 +18,7 @@ the MLflow alias names the version it serves. The
 first change after the workers started also starts the warm flow-run process and is reported
 apart. ``idle``: nothing else of ours runs. ``suite``: ``--suite`` (pytest files, each starting
 its own servers) runs in a loop beside it, started ``--ramp`` seconds before the first change.
-It prints each change (stored → run created, → alias), p50/p95 per phase with the load
+It prints each change (requested → run created, → alias), p50/p95 per phase with the load
 averages, and retraining the model at ``--retrain-target`` in-process and as a
 ``train-candidate-gpu`` run on the stack, for the ratios. Figures: docs/results.md#scale-out;
 the goal on the 2-core development machine is p95 ≤ 10 s idle and ≤ 20 s under the suite.
@@ -115,7 +116,7 @@ class Changes:
         start = time.perf_counter()
         version = store_version(
             self.operator, POLICY, policy_fields(self.dataset, target, self.delta)
-        ).version
+        )
         dispatched = served = None
         while time.perf_counter() - start < CHANGE_TIMEOUT_S:
             now = time.perf_counter() - start
@@ -169,9 +170,9 @@ def measure(args: argparse.Namespace, config: Any, dataset: str, releases: str) 
         }
         figures["phases"][phase] = summary
         print(
-            f"phase {phase}: stored → alias p50 {summary['p50_s']:.1f} s, p95 "
+            f"phase {phase}: requested → alias p50 {summary['p50_s']:.1f} s, p95 "
             f"{summary['p95_s']:.1f} s, max {summary['max_s']:.1f} s over {len(served)} changes "
-            f"({summary['never']} never); stored → run created p50 "
+            f"({summary['never']} never); requested → run created p50 "
             f"{summary['dispatch_p50_s']:.1f} s; {before} before, {after} after"
         )
     here, on_stack = retrain(args, config, dataset)

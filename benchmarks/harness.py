@@ -142,12 +142,19 @@ def workflow_store() -> Any:
     return pm.Workspace.from_env().state()
 
 
-def store_version(store: Any, name: str, fields: dict[str, Any]) -> Any:
-    """Store a new version of policy ``name`` as ``dpmerge policy set`` does (a new version
-    even when the fields equal the stored ones: each call is a change to apply)."""
-    from dpmerge.state import policies
+def store_version(store: Any, name: str, fields: dict[str, Any]) -> int:
+    """Store a new version of policy ``name`` as ``dpmerge policy set`` does on a stack (a new
+    version even when the fields equal the stored ones: each call is a change to apply): a
+    request in the operator's inbox, recorded by the workflow's dispatcher, which the call
+    waits for (the operator may write nothing else: dpmerge/state/inbox.py). The version's
+    number."""
+    from dpmerge.state import inbox
 
-    return policies.set_policy(store, name, fields, source="benchmark", rerun=True).version
+    key = inbox.submit_policy(store, name, fields, source="benchmark", rerun=True)
+    handled = inbox.wait(store, key)
+    if handled.get("status") != "applied":
+        raise RuntimeError(f"request {key} was not applied: {handled}")
+    return int(handled["version"])
 
 
 def policy_fields(dataset: str, target: float, delta: float) -> dict[str, Any]:

@@ -14,7 +14,7 @@ average over the measurement (a busy 2-core machine moves absolute times, so com
   (``bench_training.py``, 1 thread, the two alternating in each repetition);
 * LC merge throughput ÷ streamed tensor copy, and peak RSS growth ÷ one model's size
   (``bench_merge.py``, 2, 5 and 20 candidates of a 564 MB model);
-* time-to-policy (policy version stored → alias moved on the local stack) ÷ retraining the
+* time-to-policy (policy change requested → alias moved on the local stack) ÷ retraining the
   same model at the target (``bench_time_to_policy.py``).
 """
 
@@ -218,11 +218,11 @@ def time_to_policy() -> list[Row]:
     policy = idle["p50_s"]
     return [
         Row(
-            f"time-to-policy, version stored → alias moved (s, median of {idle['changes']})",
+            f"time-to-policy, change requested → alias moved (s, median of {idle['changes']})",
             policy,
             f"retraining at the target: {retrain:.1f} s {where}",
             policy / retrain,
-            "stored → alias p95 ≤ 10 s idle",
+            "requested → alias p95 ≤ 10 s idle",
             load,
         )
         for where, retrain in (
