@@ -111,12 +111,14 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
     seed_secrets(state)
     ports = [str(p) for p in (planned.s3_port, planned.mlflow_port, planned.prefect_port)]
     flags = ["--state-dir", str(state)]
-    code, _ = _cli(
-        capsys,
-        *("stack", "up", *flags, "--s3-port", ports[0], "--mlflow-port", ports[1]),
-        *("--prefect-port", ports[2], "--postgres-port", str(planned.postgres_port), "--json"),
+    code = main(
+        [
+            *("stack", "up", *flags, "--s3-port", ports[0], "--mlflow-port", ports[1]),
+            *("--prefect-port", ports[2], "--postgres-port", str(planned.postgres_port), "--json"),
+        ]
     )
-    assert code == 0
+    assert code == 0, "".join(capsys.readouterr())  # up says why in one line
+    capsys.readouterr()
     seen: set[tuple[int, float | None]] = set()
     try:
         services = _by_name(capsys, flags)
