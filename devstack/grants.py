@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from devstack.config import StackError
 
@@ -92,33 +92,25 @@ def _user_entry(entries: list[str], uid: int) -> str | None:
     return None
 
 
-def _private_dir() -> Path:
-    """The ledger's directory, this user's only (0700; created here), or one line."""
+@contextmanager
+def host_lock(name: str) -> Iterator[IO[str]]:
+    """An exclusive lock shared by every stack on this host: the file ``name`` in the ledger's
+    directory (this user's only, 0700; created here), opened and held until the block ends."""
     LEDGER.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     found = LEDGER.parent.lstat()
     if found.st_uid != os.geteuid() or found.st_mode & 0o077:
         raise StackError(f"{LEDGER.parent} is not a private directory of uid {os.geteuid()}")
-    return LEDGER.parent
-
-
-@contextmanager
-def host_lock(name: str) -> Iterator[None]:
-    """An exclusive lock shared by every stack on this host: the file ``name`` beside the
-    ledger, held until the block ends."""
-    descriptor = os.open(_private_dir() / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(descriptor, "r+") as handle:
+    path = LEDGER.parent / name
+    with os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+        yield handle
 
 
 @contextmanager
 def _ledger() -> Iterator[list[dict[str, Any]]]:
     """The ledger's grants, locked; written back when the block ends, also after a failure (a
     grant is listed once ``setfacl`` made it)."""
-    _private_dir()
-    descriptor = os.open(LEDGER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(descriptor, "r+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with host_lock(LEDGER.name) as handle:
         text = handle.read()
         try:
             entries = json.loads(text) if text else []

@@ -117,8 +117,8 @@ def test_stack_up_kill_every_service_recover_down_leaves_nothing(
             *("--prefect-port", ports[2], "--postgres-port", str(planned.postgres_port), "--json"),
         ]
     )
-    assert code == 0, "".join(capsys.readouterr())  # up says why in one line
-    capsys.readouterr()
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err  # up says why in one line
     seen: set[tuple[int, float | None]] = set()
     try:
         services = _by_name(capsys, flags)
