@@ -369,9 +369,11 @@ def _requests(draw: st.DrawFn) -> tuple[str, bytes]:
 
 def _breaks(field: str, value: Any, valid: Any) -> bool:
     """Whether ``value`` in ``field`` makes a stored version invalid (another string is a
-    valid author; an empty change map is valid)."""
+    valid author, either boolean a valid ``rerun``; an empty change map is valid)."""
     if field in ("created", "author", "source"):
         return not isinstance(value, str)
+    if field == "rerun":
+        return not isinstance(value, bool)
     if field == "fields":  # no valid new policy (it lacks its target, or is no object)
         return not (isinstance(value, dict) and "target_epsilon" in value)
     return value != valid or type(value) is not type(valid)
