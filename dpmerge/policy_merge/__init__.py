@@ -33,55 +33,69 @@ Modules: :mod:`~dpmerge.policy_merge.apply` (the state machine),
 :mod:`~dpmerge.policy_merge.ledger`, :mod:`~dpmerge.policy_merge.promotion`,
 :mod:`~dpmerge.policy_merge.outcome`, :mod:`~dpmerge.policy_merge.dry_run`,
 :mod:`~dpmerge.policy_merge.verify` (drift between MLflow and the release-state store).
+
+The names below are imported on first use (PEP 562), as :mod:`dpmerge.registry`'s are: a command
+that needs one light module (a policy's outcome, to print it) does not import torch, pandas and
+MLflow with the rest (``dpmerge policy history`` in 0.6 s instead of 5 s).
 """
 
-from dpmerge.policy_merge.apply import LIBRARY_STEPS, PolicyResult, PolicySteps, apply_policy
-from dpmerge.policy_merge.calibration import PolicyPlan, calibrate_policy
-from dpmerge.policy_merge.candidates import CandidatePool, find_candidates, load_candidates
-from dpmerge.policy_merge.dry_run import DryRun, Gate, Verdict, dry_run
-from dpmerge.policy_merge.evaluation_data import (
-    DATA_ROOT_ENV,
-    SPLIT_SEED,
-    VALIDATION_FRACTION,
-    EvaluationData,
-    load_evaluation_data,
-)
-from dpmerge.policy_merge.ledger import (
-    LedgerIntegrityError,
-    LedgerSummary,
-    count_release,
-    ledger_entry,
-    ledger_summary,
-    rebuild_ledger,
-)
-from dpmerge.policy_merge.outcome import PolicyOutcome, Status
-from dpmerge.policy_merge.preparation import (
-    Prepared,
-    ReleasePlan,
-    plan_release,
-    prepare,
-    prime_caches,
-    start_export_warmup,
-)
-from dpmerge.policy_merge.promotion import (
-    Enforced,
-    Projection,
-    Registered,
-    ServeResult,
-    enforce,
-    find_release,
-    project,
-    read_card,
-    register_release,
-    serve_release,
-)
-from dpmerge.policy_merge.release import MergeRequest, Release, merge_release, merge_request
-from dpmerge.workspace import (
-    Workspace,
-    embedded_tracking_uri,
-    remove_tree,
-    resolve_home,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "LIBRARY_STEPS": "dpmerge.policy_merge.apply",
+    "PolicyResult": "dpmerge.policy_merge.apply",
+    "PolicySteps": "dpmerge.policy_merge.apply",
+    "apply_policy": "dpmerge.policy_merge.apply",
+    "PolicyPlan": "dpmerge.policy_merge.calibration",
+    "calibrate_policy": "dpmerge.policy_merge.calibration",
+    "CandidatePool": "dpmerge.policy_merge.candidates",
+    "find_candidates": "dpmerge.policy_merge.candidates",
+    "load_candidates": "dpmerge.policy_merge.candidates",
+    "DryRun": "dpmerge.policy_merge.dry_run",
+    "Gate": "dpmerge.policy_merge.dry_run",
+    "Verdict": "dpmerge.policy_merge.dry_run",
+    "dry_run": "dpmerge.policy_merge.dry_run",
+    "DATA_ROOT_ENV": "dpmerge.policy_merge.evaluation_data",
+    "SPLIT_SEED": "dpmerge.policy_merge.evaluation_data",
+    "VALIDATION_FRACTION": "dpmerge.policy_merge.evaluation_data",
+    "EvaluationData": "dpmerge.policy_merge.evaluation_data",
+    "load_evaluation_data": "dpmerge.policy_merge.evaluation_data",
+    "LedgerIntegrityError": "dpmerge.policy_merge.ledger",
+    "LedgerSummary": "dpmerge.policy_merge.ledger",
+    "count_release": "dpmerge.policy_merge.ledger",
+    "ledger_entry": "dpmerge.policy_merge.ledger",
+    "ledger_summary": "dpmerge.policy_merge.ledger",
+    "rebuild_ledger": "dpmerge.policy_merge.ledger",
+    "PolicyOutcome": "dpmerge.policy_merge.outcome",
+    "Status": "dpmerge.policy_merge.outcome",
+    "Prepared": "dpmerge.policy_merge.preparation",
+    "ReleasePlan": "dpmerge.policy_merge.preparation",
+    "plan_release": "dpmerge.policy_merge.preparation",
+    "prepare": "dpmerge.policy_merge.preparation",
+    "prime_caches": "dpmerge.policy_merge.preparation",
+    "start_export_warmup": "dpmerge.policy_merge.preparation",
+    "Enforced": "dpmerge.policy_merge.promotion",
+    "Projection": "dpmerge.policy_merge.promotion",
+    "Registered": "dpmerge.policy_merge.promotion",
+    "ServeResult": "dpmerge.policy_merge.promotion",
+    "enforce": "dpmerge.policy_merge.promotion",
+    "find_release": "dpmerge.policy_merge.promotion",
+    "project": "dpmerge.policy_merge.promotion",
+    "read_card": "dpmerge.policy_merge.promotion",
+    "register_release": "dpmerge.policy_merge.promotion",
+    "serve_release": "dpmerge.policy_merge.promotion",
+    "MergeRequest": "dpmerge.policy_merge.release",
+    "Release": "dpmerge.policy_merge.release",
+    "merge_release": "dpmerge.policy_merge.release",
+    "merge_request": "dpmerge.policy_merge.release",
+    "Workspace": "dpmerge.workspace",
+    "embedded_tracking_uri": "dpmerge.workspace",
+    "remove_tree": "dpmerge.workspace",
+    "resolve_home": "dpmerge.workspace",
+}
 
 __all__ = [
     "DATA_ROOT_ENV",
@@ -135,3 +149,61 @@ __all__ = [
     "serve_release",
     "start_export_warmup",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from dpmerge.policy_merge.apply import LIBRARY_STEPS, PolicyResult, PolicySteps, apply_policy
+    from dpmerge.policy_merge.calibration import PolicyPlan, calibrate_policy
+    from dpmerge.policy_merge.candidates import CandidatePool, find_candidates, load_candidates
+    from dpmerge.policy_merge.dry_run import DryRun, Gate, Verdict, dry_run
+    from dpmerge.policy_merge.evaluation_data import (
+        DATA_ROOT_ENV,
+        SPLIT_SEED,
+        VALIDATION_FRACTION,
+        EvaluationData,
+        load_evaluation_data,
+    )
+    from dpmerge.policy_merge.ledger import (
+        LedgerIntegrityError,
+        LedgerSummary,
+        count_release,
+        ledger_entry,
+        ledger_summary,
+        rebuild_ledger,
+    )
+    from dpmerge.policy_merge.outcome import PolicyOutcome, Status
+    from dpmerge.policy_merge.preparation import (
+        Prepared,
+        ReleasePlan,
+        plan_release,
+        prepare,
+        prime_caches,
+        start_export_warmup,
+    )
+    from dpmerge.policy_merge.promotion import (
+        Enforced,
+        Projection,
+        Registered,
+        ServeResult,
+        enforce,
+        find_release,
+        project,
+        read_card,
+        register_release,
+        serve_release,
+    )
+    from dpmerge.policy_merge.release import MergeRequest, Release, merge_release, merge_request
+    from dpmerge.workspace import (
+        Workspace,
+        embedded_tracking_uri,
+        remove_tree,
+        resolve_home,
+    )

@@ -137,7 +137,7 @@ class Place:
     """The registry and state store a command works on (named in every answer)."""
 
     def __init__(self, args: argparse.Namespace, *, write: bool) -> None:
-        from dpmerge.policy_merge import Workspace
+        from dpmerge.workspace import Workspace
         from flows import runtime
 
         if args.home is None and runtime.adopt_running_stack() is not None:
