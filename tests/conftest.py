@@ -32,7 +32,7 @@ for _key, _value in {**TELEMETRY_OFF, **QUIET}.items():
 os.environ.setdefault("DPMERGE_SECRET_KEY", session_key())
 
 
-SESSION_SERVERS = ("s3_mlflow_servers", "local_stack_servers")
+SESSION_SERVERS = ("s3_mlflow_servers",)
 """The fixtures that start servers: under pytest-xdist every worker that runs a test needing
 one starts its own, so the modules that share one run on one worker."""
 
@@ -171,23 +171,21 @@ def s3_store(s3_mlflow: StackConfig) -> S3Store:
     return S3Store(s3_mlflow.s3_config())
 
 
-@pytest.fixture(scope="session")
-def local_stack_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
-    """The whole stack (S3, PostgreSQL, MLflow, Prefect, cpu/gpu pools and workers) on free
-    ports, started once per worker; see :func:`local_stack` for a module's use."""
-    with running_stack(tmp_path_factory.mktemp("stack"), prefect=True) as config:
-        yield config
-
-
 @pytest.fixture(scope="module")
-def local_stack(local_stack_servers: StackConfig) -> Iterator[StackConfig]:
-    """The session's whole stack, with this process's environment the workflow role's
+def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
+    """The whole stack (S3, PostgreSQL, MLflow, Prefect, cpu/gpu pools and workers) on free
+    ports, for one module, with this process's environment the workflow role's
     (PREFECT_API_URL and its auth string, MLFLOW_TRACKING_URI and its user, S3, the locked
-    pools…) for the module only: a session-long environment once leaked into the next module
+    pools…) for that module only: a session-long environment once leaked into the next module
     on the same xdist worker, whose own Prefect test server then lacked the stack's pools
-    (``verify-state`` reported them gone)."""
-    with environment(local_stack_servers.client_env()):
-        yield local_stack_servers
+    (``verify-state`` reported them gone). Module-scoped because one module uses it: started
+    once per session, it idled for the rest of its worker's session after that module (eight
+    minutes at 0.2 of a core, its workers polling Prefect)."""
+    with (
+        running_stack(tmp_path_factory.mktemp("stack"), prefect=True) as config,
+        environment(config.client_env()),
+    ):
+        yield config
 
 
 @pytest.fixture

@@ -95,6 +95,14 @@ def flow_source(name: str, text: str) -> Path:
     return directory
 
 
+WORKER_QUERY_S = 2.0
+"""How often the test stacks' workers ask Prefect for runs (the stack's default: 0.5 s). Each ask
+costs the Prefect server about 23 ms of CPU, so two workers at 0.5 s keep 0.09 of a core busy
+on a stack doing nothing: on the 2-core CI machine, beside a second stack and the suite, that
+CPU is worth more than a run picked up 0.75 s sooner on average (nothing here times it;
+benchmarks/bench_time_to_policy.py does, on the default)."""
+
+
 @contextmanager
 def running_stack(
     state_dir: Path, *, prefect: bool, **fields: Any
@@ -107,6 +115,7 @@ def running_stack(
     gets what the error tells an operator to do, once: ``up`` again — here on new ports in a new
     state directory, since this machine runs several test stacks at once — with a warning that
     carries the first error and its reason, so the retry shows in the run's summary."""
+    fields.setdefault("worker_query_seconds", WORKER_QUERY_S)
     config = devstack.StackConfig.on_free_ports(state_dir, prefect=prefect, **fields)
     seed_secrets(config.state_dir)
     try:
