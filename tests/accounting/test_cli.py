@@ -311,7 +311,7 @@ def test_study_mean_estimation_json(capsys, tmp_path):
         "--sigmas",
         "0.5,1,2,4",
         "--targets",
-        "1,2,4,8",
+        "1,8",  # each target's two-dimensional bound takes ~10 CPU-s; two show the rows' order
         "--delta",
         "1e-5",
         "--dimensions",
@@ -324,7 +324,7 @@ def test_study_mean_estimation_json(capsys, tmp_path):
     )
     doc = json.loads(out)
     assert code == 0
-    assert [r["target_epsilon"] for r in doc["rows"]] == [1, 2, 4, 8]
+    assert [r["target_epsilon"] for r in doc["rows"]] == [1, 8]
     assert {
         "target_epsilon",
         "lc_mse_pld",
