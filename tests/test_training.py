@@ -409,12 +409,22 @@ def test_vmap_and_layers_take_an_empty_poisson_batch(gradients: type) -> None:
 
 
 def _vector_group_norm() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Flatten(),
-        torch.nn.Linear(64, 12),
-        torch.nn.GroupNorm(3, 12),
-        torch.nn.Linear(12, 3),
-    )
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(64, 12),
+            torch.nn.GroupNorm(3, 12),
+            torch.nn.Linear(12, 3),
+        )
+
+
+def _assert_same_gradients(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Two float32 computations of one gradient sum the same products in different orders, so
+    they differ by rounding that grows with the largest entry (2e-5 at entries near 10 over 300
+    random initialisations); a wrong gradient differs by the order of the entries themselves."""
+    scale = max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(got, expected, atol=1e-5 * scale, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -433,7 +443,7 @@ def test_layers_per_example_gradients_equal_vmaps(make) -> None:
     LayerGradients(model, loss).compute(x, y)
     for name, p in model.named_parameters():
         assert p.grad_sample.shape == (33, *p.shape)
-        torch.testing.assert_close(p.grad_sample, expected[name], atol=1e-6, rtol=1e-5)
+        _assert_same_gradients(p.grad_sample, expected[name])
 
 
 def test_layers_writes_a_linear_layers_gradients_into_the_same_memory_and_stays_exact() -> None:
@@ -449,7 +459,7 @@ def test_layers_writes_a_linear_layers_gradients_into_the_same_memory_and_stays_
         expected = {name: p.grad_sample for name, p in model.named_parameters()}
         layers.compute(x, y)
         for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad_sample, expected[name], atol=1e-6, rtol=1e-5)
+            _assert_same_gradients(p.grad_sample, expected[name])
         where.append(model[1].weight.grad_sample.data_ptr())
     assert where[0] == where[1] == where[2] != where[3]  # 9 rows fit beside 8; 12 do not
 
