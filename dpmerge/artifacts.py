@@ -23,17 +23,18 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
 from dpmerge.accounting.records import Candidate, candidate_from_dict
 from dpmerge.errors import RecordError
 from dpmerge.fine_tuning import FineTune
+
+if TYPE_CHECKING:  # torch loads on first use: `dpmerge verify` reads the layout's names only
+    import torch
 
 WEIGHTS_FILE = "weights.safetensors"
 MODEL_FILE = "model.json"
@@ -127,18 +128,23 @@ class TensorInfo:
     dtype: torch.dtype
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+@cache
+def _dtypes() -> dict[str, torch.dtype]:
+    """The safetensors dtypes a model directory may hold, as torch's."""
+    import torch
+
+    return {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
 
 
 def file_label(file: Path) -> str:
@@ -156,11 +162,11 @@ def read_header(file: str | Path) -> dict[str, TensorInfo]:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 piece = handle.get_slice(key)
-                dtype = _DTYPES.get(piece.get_dtype())
+                dtype = _dtypes().get(piece.get_dtype())
                 if dtype is None:
                     raise RecordError(
                         f"{file_label(file)}: tensor {key!r} has unsupported dtype "
-                        f"{piece.get_dtype()} (supported: {', '.join(_DTYPES)})"
+                        f"{piece.get_dtype()} (supported: {', '.join(_dtypes())})"
                     )
                 tensors[key] = TensorInfo(tuple(piece.get_shape()), dtype)
     except (OSError, SafetensorError) as error:
@@ -189,6 +195,8 @@ class ModelDir:
     @cached_property
     def weights(self) -> dict[str, torch.Tensor]:
         """The tensors (read once, on first use unless loaded with the directory)."""
+        from safetensors.torch import load_file
+
         return load_file(str(self.weights_file))
 
 
@@ -243,6 +251,8 @@ def save_model_dir(
 ) -> Path:
     """Write a model directory atomically. Exactly one of ``record`` and ``merge`` is given;
     ``weights_metadata`` goes into the safetensors header."""
+    from safetensors.torch import save_file
+
     path = Path(path)
     if (record is None) == (merge is None):
         raise ValueError("a model directory holds either a candidate record or a merge")

@@ -12,12 +12,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
 from mlflow.exceptions import MlflowException
 from pydantic import BaseModel
-from torch import nn
 
 from dpmerge import manifests
 from dpmerge.artifacts import RECORD_FILE, WEIGHTS_FILE, ModelDir, ModelSpec, load_model_dir
@@ -66,6 +65,9 @@ from dpmerge.registry.versions import (
     StoredVersion,
 )
 
+if TYPE_CHECKING:  # torch loads on first use: `dpmerge verify` checks files, never a module
+    from torch import nn
+
 EXPERIMENTS = {
     ROLE_CANDIDATE: (CANDIDATES_EXPERIMENT, "candidates"),
     ROLE_MERGED: (RELEASES_EXPERIMENT, "releases"),
@@ -84,7 +86,7 @@ PRIVACY_METRICS = {
 }
 """Run metric -> the tag it copies: privacy next to accuracy in MLflow's run table."""
 
-ModuleBuilder = Callable[[ModelSpec], nn.Module]
+ModuleBuilder = Callable[[ModelSpec], "nn.Module"]
 History = Mapping[str, Sequence[float]]
 
 

@@ -24,13 +24,11 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow
-import mlflow.pytorch
 import numpy as np
 import requests
-import torch
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModel, LoggedModelStatus
 from mlflow.entities import RunInfo as MlflowRunInfo
@@ -40,7 +38,6 @@ from mlflow.models import Model
 from mlflow.models.signature import ModelSignature
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.types.schema import Schema, TensorSpec
-from torch import nn
 
 from dpmerge.artifacts import (
     METRICS_FILE,
@@ -49,7 +46,6 @@ from dpmerge.artifacts import (
     WEIGHTS_FILE,
     ModelDir,
 )
-from dpmerge.data.datasets import DATASET_NAMES, preprocessing
 from dpmerge.environment import probe
 from dpmerge.formatting import cut
 from dpmerge.keys import WorkflowKey
@@ -63,6 +59,9 @@ from dpmerge.registry.grants import EXPERIMENT, REGISTERED_MODEL, grant_read
 from dpmerge.registry.readers import configured_readers
 from dpmerge.registry.tags import FAILURE_TAG, ROLE_CANDIDATE, STATUS_FAILED, tag_float
 from dpmerge.registry.versions import StoredVersion
+
+if TYPE_CHECKING:  # torch loads on first use: verifying a release traces no module
+    from torch import nn
 
 MODEL_ARTIFACT = "model"
 PERMISSION_SETTLE_S = (0.5, 1.0, 2.0, 4.0)
@@ -102,6 +101,9 @@ def warm_up_export() -> None:
     on a toy module, under the same lock as every save: a warm-up in one thread and a
     registration in another must not trace at once. Only a warm-up: a failure is ignored, the
     real save reports its own."""
+    import torch
+    from torch import nn
+
     with _PT2_EXPORT_LOCK, suppress(Exception):
         module = nn.Sequential(nn.Flatten(), nn.Linear(4, 2)).eval()
         torch.export.export(module, (torch.zeros((2, 1, 2, 2)),))
@@ -350,6 +352,11 @@ class MlflowConnection:
         (docs/design.md#rs-secrecy). The model's signature states its input (a float32 tensor
         (n, *input shape)) and output (logits), its metadata how raw images of ``dataset`` (a
         published identifier) become that input, so a consumer can serve it as it is."""
+        import mlflow.pytorch  # torch loads here: verifying a release needs neither
+        import torch
+
+        from dpmerge.data.datasets import DATASET_NAMES, preprocessing
+
         rng = np.random.default_rng(secrets.randbits(64))
         signature = ModelSignature(
             inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *loaded.spec.input_shape))]),
