@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlite_template
 from servers import (
     credentials_env,
     environment,
@@ -68,6 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
     and keep absl's log handler off pytest's capture file."""
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
     _absl_writes_to_the_real_stderr()
+    sqlite_template.install()
 
 
 def _absl_writes_to_the_real_stderr() -> None:
