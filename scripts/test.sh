@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
-# one thread per process: four workers and the stacks' runs share two cores, and a second
+# one thread per process: five workers and the stacks' runs share two cores, and a second
 # BLAS/OpenMP thread only spins (the accounting tests used 6% more CPU for no time); freed
 # arrays stay with the process instead of going back to the kernel and faulting in again
 # (the same tests' system time fell from 29 s to 10 s). The suite's processes inherit both.
@@ -12,8 +12,8 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 export MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=2147483648
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# four workers on two cores: the stack tests mostly wait on their servers; tests/conftest.py
+# five workers on two cores: the stack tests mostly wait on their servers; tests/conftest.py
 # keeps each module, and the modules sharing one session server, on one worker, and orders the
 # groups (stack tests first); the slowest tests are listed at the end
-.venv/bin/python -m pytest -n "${DPMERGE_TEST_WORKERS:-4}" --dist loadgroup --no-loadscope-reorder \
+.venv/bin/python -m pytest -n "${DPMERGE_TEST_WORKERS:-5}" --dist loadgroup --no-loadscope-reorder \
   --durations=25 "$@"
