@@ -10,6 +10,9 @@ export MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
 # (the same tests' system time fell from 29 s to 10 s). The suite's processes inherit both.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 export MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=2147483648
+# the suite starts hundreds of Python processes and five workers rewrite the same test modules:
+# let the first one cache the bytecode (an environment may have turned that off)
+unset PYTHONDONTWRITEBYTECODE
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # five workers on two cores: the stack tests mostly wait on their servers; tests/conftest.py
