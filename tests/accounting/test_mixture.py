@@ -1,4 +1,5 @@
-"""The structured surrogate's one-step PLD and RDP against the library and exact sums."""
+"""The one-step PLDs (the structured surrogate's mixture, the subsampled Gaussian) and RDP
+against the library and exact sums."""
 
 from __future__ import annotations
 
@@ -56,6 +57,32 @@ def test_vectorised_mixture_pld_at_the_fine_discretisation():
     assert profiles.epsilon_for_delta(ours.self_compose(2350), 1e-5) == pytest.approx(
         profiles.epsilon_for_delta(library.self_compose(2350), 1e-5), abs=1e-8
     )
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "discretisation"),
+    [
+        (0.5, 1e-4, 1e-3),
+        (0.8, Q, 1e-4),
+        (1.3, 0.05, 1e-3),
+        (2.5, 0.3, 1e-3),
+        (7.0, 0.9, 1e-3),
+        (30.0, 0.999, 1e-4),
+        (1.0, 1.0, 1e-3),
+    ],
+)
+def test_subsampled_gaussian_step_is_the_librarys(sigma, q, discretisation):
+    """The vectorised one-step PLD every candidate's ε starts from is the library's
+    ``from_gaussian_mechanism``, bit for bit, in both directions."""
+    ours = pld_mod._one_step.__wrapped__(sigma, q, discretisation)
+    library = pld_lib.from_gaussian_mechanism(
+        sigma, sampling_prob=q, value_discretization_interval=discretisation
+    )
+    assert ours._symmetric == library._symmetric
+    for a, b in ((ours._pmf_remove, library._pmf_remove), (ours._pmf_add, library._pmf_add)):
+        a, b = a.to_dense_pmf(), b.to_dense_pmf()
+        assert (a._lower_loss, a._infinity_mass) == (b._lower_loss, b._infinity_mass)
+        np.testing.assert_array_equal(a._probs, b._probs)
 
 
 def test_single_component_mixture_is_the_subsampled_gaussian():
