@@ -82,22 +82,27 @@ def subsampled_gaussian_rdp(noise_multiplier: float, sample_rate: float, steps: 
 
 
 def _rdp_curve(noise_multiplier: float, sample_rate: float, steps: int) -> np.ndarray:
+    """The library's curve of ``SelfComposedDpEvent(PoissonSampledDpEvent(q, σ), steps)``:
+    it composes that event as ``steps ×`` the one-step curve, computed here once per (σ, q)
+    for every step count (a run's checkpoints, a calibration's trials)."""
+    return steps * _one_step_rdp(noise_multiplier, sample_rate)
+
+
+@lru_cache(maxsize=256)
+def _one_step_rdp(noise_multiplier: float, sample_rate: float) -> np.ndarray:
     accountant = rdp_lib.RdpAccountant(orders=ORDERS)
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
         accountant.compose(
-            dp_event.SelfComposedDpEvent(
-                dp_event.PoissonSampledDpEvent(
-                    sample_rate, dp_event.GaussianDpEvent(noise_multiplier)
-                ),
-                steps,
-            )
+            dp_event.PoissonSampledDpEvent(sample_rate, dp_event.GaussianDpEvent(noise_multiplier))
         )
     finally:
         absl.setLevel(level)
-    return accountant.rdp
+    curve = accountant.rdp
+    curve.flags.writeable = False  # shared by every step count
+    return curve
 
 
 def gaussian_rdp(noise_multiplier: float) -> np.ndarray:

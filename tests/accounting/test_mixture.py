@@ -7,7 +7,9 @@ import math
 
 import numpy as np
 import pytest
+from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 from scipy.special import gammaln, logsumexp
 
 from dpmerge.accounting import pld as pld_mod
@@ -83,6 +85,17 @@ def test_subsampled_gaussian_step_is_the_librarys(sigma, q, discretisation):
         a, b = a.to_dense_pmf(), b.to_dense_pmf()
         assert (a._lower_loss, a._infinity_mass) == (b._lower_loss, b._infinity_mass)
         np.testing.assert_array_equal(a._probs, b._probs)
+
+
+@pytest.mark.parametrize(("sigma", "q"), [(0.5, 0.05), (1.0, Q), (4.0, 0.5), (1.3, 1.0)])
+def test_subsampled_gaussian_rdp_is_the_librarys_composition(sigma, q):
+    """``steps ×`` the cached one-step curve is what the library's RDP accountant returns for
+    the self-composed event, bit for bit (orders it cannot evaluate stay +∞)."""
+    for steps in (1, 7, 2350):
+        accountant = RdpAccountant(orders=rdp_mod.ORDERS)
+        event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
+        accountant.compose(dp_event.SelfComposedDpEvent(event, steps))
+        np.testing.assert_array_equal(rdp_mod._rdp_curve(sigma, q, steps), accountant.rdp)
 
 
 def test_single_component_mixture_is_the_subsampled_gaussian():
