@@ -50,6 +50,11 @@ class ServiceStartError(StackError, OutageError):
     bad input."""
 
 
+class PortInUseError(StackError):
+    """A port the stack is configured to listen on is taken by another process: nothing of
+    that service was started (the operator stops the other process or chooses other ports)."""
+
+
 def repo_root() -> Path:
     """The source checkout holding this package, else the working directory."""
     candidate = Path(__file__).resolve().parents[1]

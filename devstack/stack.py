@@ -26,7 +26,14 @@ from typing import Any
 from devstack import credentials as secrets_store
 from devstack import postgres, processes, provision, roles, worker_user
 from devstack import store as registry_store
-from devstack.config import LOOPBACK, ServiceStartError, StackConfig, StackError, port_free
+from devstack.config import (
+    LOOPBACK,
+    PortInUseError,
+    ServiceStartError,
+    StackConfig,
+    StackError,
+    port_free,
+)
 from devstack.services import (
     Service,
     mlflow_auth_file,
@@ -133,7 +140,7 @@ def up(config: StackConfig) -> list[ServiceStatus]:
                     continue  # running or (re)starting: wait for its health below
                 busy = [port for port in service.ports if not port_free(port)]
                 if busy:
-                    raise StackError(
+                    raise PortInUseError(
                         f"{service.name}: port {LOOPBACK}:{busy[0]} is in use by another "
                         "process; stop it or choose other ports (dpmerge stack up --help)"
                     )

@@ -70,6 +70,25 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
     _absl_writes_to_the_real_stderr()
     sqlite_template.install()
+    _ports_of_this_worker()
+
+
+def _ports_of_this_worker() -> None:
+    """Under pytest-xdist each worker picks its stacks' ports (``devstack.free_ports``) in its
+    own slice of devstack's ranges. The stacks of several workers start at the same moment,
+    and a port one picks is free until its service binds it: one ``up`` found its S3 port
+    taken in that gap (who took it was not recorded; nothing else here binds in those ranges).
+    ``tests/servers.py`` also starts such a stack once more on new ports."""
+    import devstack.config
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    index, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    for name in ("PICKED_PORTS", "ADMIN_PORTS"):
+        low, high = getattr(devstack.config, name)
+        width = (high - low) // count
+        setattr(devstack.config, name, (low + index * width, low + (index + 1) * width))
 
 
 def _absl_writes_to_the_real_stderr() -> None:

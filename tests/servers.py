@@ -39,7 +39,7 @@ import pytest
 
 import devstack
 from devstack import credentials
-from devstack.config import ServiceStartError
+from devstack.config import PortInUseError, ServiceStartError
 from dpmerge.keys import KEY_ENV
 from dpmerge.vocabulary import StackRole
 
@@ -111,10 +111,12 @@ def running_stack(
     supervisord starts without this process's ``$DPMERGE_SECRET_KEY``, so the workers and the
     dispatcher read the key from its file.
 
-    A service that started but did not turn healthy in time (:class:`ServiceStartError`)
-    gets what the error tells an operator to do, once: ``up`` again — here on new ports in a new
-    state directory, since this machine runs several test stacks at once — with a warning that
-    carries the first error and its reason, so the retry shows in the run's summary."""
+    A service that started but did not turn healthy in time (:class:`ServiceStartError`), or a
+    port taken between picking it and starting its service (:class:`PortInUseError`: the
+    stacks of several xdist workers pick their ports at the same moment, and another process
+    may bind one first), gets what the error tells an operator to do, once: ``up`` again — here
+    on new ports in a new state directory — with a warning that carries the first error and its
+    reason, so the retry shows in the run's summary."""
     fields.setdefault("worker_query_seconds", WORKER_QUERY_S)
     config = devstack.StackConfig.on_free_ports(state_dir, prefect=prefect, **fields)
     seed_secrets(config.state_dir)
@@ -122,7 +124,7 @@ def running_stack(
         with without(KEY_ENV):
             try:
                 devstack.up(config)
-            except ServiceStartError as error:
+            except (ServiceStartError, PortInUseError) as error:
                 warnings.warn(f"the test stack started again on new ports: {error}", stacklevel=1)
                 retry = state_dir.with_name(f"{state_dir.name}-again")
                 config = devstack.StackConfig.on_free_ports(retry, prefect=prefect, **fields)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -411,7 +412,8 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", config.store_ports[0]))
         busy.listen()
         with pytest.raises(
-            devstack.StackError, match=rf"s3: port 127\.0\.0\.1:{config.store_ports[0]} is in use"
+            devstack.config.PortInUseError,
+            match=rf"s3: port 127\.0\.0\.1:{config.store_ports[0]} is in use",
         ):
             devstack.up(config)
     assert not any(s.running for s in devstack.status(config))
@@ -446,29 +448,42 @@ def test_an_unhealthy_service_says_why(tmp_path: Path) -> None:
         other.wait()
 
 
-def test_a_test_stack_that_did_not_turn_healthy_is_started_once_more_loudly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (devstack.config.ServiceStartError("s3 not healthy after 120 s (…)"), "s3 not healthy"),
+        (devstack.config.PortInUseError("s3: port 127.0.0.1:25991 is in use by…"), "s3: port"),
+    ],
+)
+def test_a_test_stack_that_did_not_start_is_started_once_more_loudly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception, said: str
 ) -> None:
-    """The test fixtures' one retry (tests/servers.py): new ports and state, a warning that
-    carries the first error; a second failure is the test's error."""
+    """The test fixtures' one retry (tests/servers.py), for a service not healthy in time and
+    for a port taken after it was picked: new ports and state, a warning that carries the first
+    error; a second failure is the test's error, and any other error is not retried."""
     tried: list[devstack.StackConfig] = []
 
     def up(config: devstack.StackConfig) -> None:
         tried.append(config)
         if len(tried) != 2:
-            raise devstack.config.ServiceStartError("s3 not healthy after 120 s (…)")
+            raise error
 
     monkeypatch.setattr(devstack, "up", up)
     monkeypatch.setattr(devstack, "down", lambda config: [])
     with (
-        pytest.warns(UserWarning, match=r"started again on new ports: s3 not healthy"),
+        pytest.warns(UserWarning, match=rf"started again on new ports: {re.escape(said)}"),
         running_stack(tmp_path / "stack", prefect=False) as config,
     ):
         assert config is tried[1] and config.state_dir == tmp_path / "stack-again"
         assert config.ports != tried[0].ports
     with (
-        pytest.raises(devstack.config.ServiceStartError),
+        pytest.raises(type(error)),
         pytest.warns(UserWarning),
         running_stack(tmp_path / "other", prefect=False),
     ):
         pass
+    tried.clear()
+    monkeypatch.setattr(devstack, "up", lambda config: tried.append(config) or 1 / 0)
+    with pytest.raises(ZeroDivisionError), running_stack(tmp_path / "third", prefect=False):
+        pass
+    assert len(tried) == 1
