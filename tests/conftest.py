@@ -18,6 +18,7 @@ from servers import (
     session_key,
 )
 
+import devstack.config
 from devstack import StackConfig
 from devstack.roles import LOCKED_POOLS_ENV
 from dpmerge.environment import QUIET, TELEMETRY_OFF
@@ -79,8 +80,6 @@ def _ports_of_this_worker() -> None:
     and a port one picks is free until its service binds it: one ``up`` found its S3 port
     taken in that gap (who took it was not recorded; nothing else here binds in those ranges).
     ``tests/servers.py`` also starts such a stack once more on new ports."""
-    import devstack.config
-
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None:
         return

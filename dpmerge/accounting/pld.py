@@ -134,11 +134,9 @@ def _subsampled_gaussian_deltas(mechanism: GaussianPrivacyLoss, epsilons: np.nda
         raise ArithmeticError("subsampled Gaussian: a grid point outside the inverse's domain")
     with np.errstate(divide="ignore", invalid="ignore"):
         loss = np.where(b == 0, np.log(a + c), d + np.log1p(-np.exp(log_minus_c - d)))
-    if not remove:
-        loss = -loss
-    x = -0.5 * 1.0 - loss * variance / 1.0
-    if not remove:
-        x = 1.0 + x
+    # the library's inverse without subsampling at sensitivity 1: −1/2 − ℓ·σ² (REMOVE), and
+    # 1 + that at −ℓ (ADD)
+    x = -0.5 - loss * variance if remove else 1.0 + (-0.5 - (-loss) * variance)
     x = np.where(at_edge, math.inf if remove else -math.inf, x)
     deltas[inverse] = mechanism.mu_upper_cdf(x) - np.exp(targets + mechanism.mu_lower_log_cdf(x))
     return np.clip(deltas, 0, 1)
